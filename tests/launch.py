@@ -1,0 +1,452 @@
+"""Multi-process launch harness for keel's tests.
+
+Launches real processes (``torchrun`` on the gloo backend, or a plain ``python``)
+so that every launch
+
+* ends within a timeout, even if a rank dies or hangs,
+* never leaves a stray process behind, and
+* fails readably: the combined output tail of the launcher and all its ranks.
+
+This module is deliberately independent of the ``trainer`` package.
+
+How "no stray process" is guaranteed
+------------------------------------
+``torchrun`` starts every worker in a *new session* of its own
+(``start_new_session=True`` in ``torch.distributed.elastic``), so killing the
+launcher's process group does not reach the workers, and a worker whose agent was
+SIGKILLed is re-parented to PID 1 -- which, in some containers, never reaps it
+(a zombie forever).  Therefore:
+
+* every launch gets a unique marker variable (``KEEL_LAUNCH_ID``) in its
+  environment; every descendant inherits it, so all processes of a launch are
+  found by scanning ``/proc/<pid>/environ``, whatever their session or parent;
+* this (the pytest) process makes itself a *child subreaper* (Linux
+  ``prctl(PR_SET_CHILD_SUBREAPER)``) on the first launch, so orphans of a launch
+  are re-parented to us and are reaped here instead of lingering as zombies;
+* on timeout: SIGTERM to the launcher's group and to every marked process, wait
+  up to 5 s, then SIGKILL whatever is left, then reap.  After *every* launch
+  (success included), still-running marked processes are killed the same way
+  and noted at the end of the output.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["LaunchResult", "free_port", "torchrun", "two_nodes", "python", "REPO_ROOT"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOOPBACK = "127.0.0.1"
+TAIL_LINES = 80
+KILL_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
+FAIL_FAST_GRACE = 3.0  # two_nodes: seconds the other agent gets to exit by itself after one failed
+_MARKER_VAR = "KEEL_LAUNCH_ID"
+
+# Variables that a launcher sets for its workers; inheriting them from the
+# process running the tests (e.g. pytest itself started under torchrun) would
+# confuse a plain `python` run.  torchrun sets its own for the workers.
+_DIST_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+)
+
+
+# --------------------------------------------------------------------------- result
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    stdout: str  # combined output of the launcher and its workers (stderr merged)
+    elapsed: float
+    cmd: list[str] = field(default_factory=list)
+
+    def tail(self, n: int = TAIL_LINES) -> str:
+        return _tail(self.stdout, n)
+
+    def check(self) -> "LaunchResult":
+        """Return self if returncode == 0, else raise AssertionError with the output tail."""
+        if self.returncode != 0:
+            raise AssertionError(
+                f"launch failed with returncode {self.returncode} after {self.elapsed:.1f}s\n"
+                f"command: {' '.join(self.cmd)}\n"
+                f"--- last {TAIL_LINES} lines of output ---\n{self.tail()}"
+            )
+        return self
+
+
+def _tail(text: str, n: int = TAIL_LINES) -> str:
+    return "\n".join(text.splitlines()[-n:])
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _torchrun_options() -> frozenset[str]:
+    """Option strings understood by this torch version's torchrun."""
+    try:
+        from torch.distributed.run import get_args_parser
+
+        return frozenset(get_args_parser()._option_string_actions)
+    except Exception:  # fall back to parsing --help
+        out = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--help"],
+            capture_output=True, text=True, timeout=120,
+        ).stdout
+        return frozenset(w.strip(",[]") for w in out.split() if w.startswith("--"))
+
+
+def _has_local_addr() -> bool:
+    return "--local-addr" in _torchrun_options() or "--local_addr" in _torchrun_options()
+
+
+@functools.lru_cache(maxsize=None)
+def _c10d_supports_is_host() -> bool:
+    """Whether the c10d rendezvous backend reads the ``is_host`` rdzv-conf key."""
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("torch.distributed.elastic.rendezvous.c10d_rendezvous_backend")
+        return spec is not None and spec.origin is not None and "is_host" in Path(spec.origin).read_text()
+    except Exception:
+        return False
+
+
+def _loopback_ifname() -> str | None:
+    return "lo" if os.path.exists("/sys/class/net/lo") else None
+
+
+def _make_env(env: dict[str, str] | None, marker: str) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    e["OMP_NUM_THREADS"] = "1"
+    e["PYTHONUNBUFFERED"] = "1"
+    ifname = _loopback_ifname()
+    if ifname:
+        e["GLOO_SOCKET_IFNAME"] = ifname
+    old = e.get("PYTHONPATH")
+    e["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + old if old else "")
+    if env:
+        e.update({k: str(v) for k, v in env.items()})
+    e[_MARKER_VAR] = marker
+    return e
+
+
+# --------------------------------------------------------------------------- process bookkeeping
+
+_subreaper_done = False
+
+
+def _become_subreaper() -> None:
+    """Make this process the reaper of orphans of its launches (Linux, best effort)."""
+    global _subreaper_done
+    if _subreaper_done:
+        return
+    _subreaper_done = True
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_CHILD_SUBREAPER = 36
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except Exception:
+        pass
+
+
+def _marked_pids(marker: str) -> set[int]:
+    """Live (non-zombie) processes whose environment holds this launch's marker."""
+    needle = f"{_MARKER_VAR}={marker}".encode()
+    me = os.getpid()
+    found: set[int] = set()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        if needle in data.split(b"\0"):
+            found.add(int(name))
+    return found
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # launched with start_new_session: pgid == pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _reap(pids: set[int], deadline: float) -> None:
+    """Reap those of ``pids`` that became our children (we are a subreaper)."""
+    pending = set(pids)
+    while pending:
+        for pid in list(pending):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # not our child (reaped by its own parent) or gone
+                pending.discard(pid)
+                continue
+            if done:
+                pending.discard(pid)
+        if not pending or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+
+
+class _Launch:
+    """One or more launcher processes that share an environment marker."""
+
+    def __init__(self, cmds: list[list[str]], env: dict[str, str], cwd, marker: str):
+        _become_subreaper()
+        self.marker = marker
+        self.cmds = cmds
+        self.tracked: set[int] = set()
+        self.outs = []
+        self.procs: list[subprocess.Popen] = []
+        self.notes: list[list[str]] = [[] for _ in cmds]
+        self.start = time.monotonic()
+        try:
+            for cmd in cmds:
+                out = tempfile.TemporaryFile()
+                try:
+                    import fcntl
+
+                    fcntl.fcntl(out.fileno(), fcntl.F_SETFL, fcntl.fcntl(out.fileno(), fcntl.F_GETFL) | os.O_APPEND)
+                except Exception:
+                    pass
+                self.outs.append(out)
+                self.procs.append(
+                    subprocess.Popen(
+                        cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                        env=env, cwd=cwd, start_new_session=True,
+                    )
+                )
+        except BaseException:
+            self.kill()
+            raise
+
+    def _track(self) -> None:
+        self.tracked |= _marked_pids(self.marker)
+
+    def wait(self, timeout: float, fail_fast: bool) -> bool:
+        """Wait for all launchers; False on timeout.  With fail_fast, the first
+        non-zero exit kills the remaining launchers."""
+        deadline = self.start + timeout
+        next_scan = 0.0
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes):
+                return True
+            if fail_fast and any(c not in (None, 0) for c in codes):
+                bad = next(i for i, c in enumerate(codes) if c not in (None, 0))
+                # Let the others notice the failure and exit by themselves (keeps their
+                # own error report and exit code) before killing them.
+                grace_end = min(time.monotonic() + FAIL_FAST_GRACE, deadline)
+                while time.monotonic() < grace_end and any(p.poll() is None for p in self.procs):
+                    time.sleep(0.05)
+                codes = [p.poll() for p in self.procs]
+                for i, c in enumerate(codes):
+                    if c is None:
+                        self.notes[i].append(
+                            f"[launch] killed this launcher because launcher {bad} exited with {codes[bad]}"
+                        )
+                self.kill()
+                return True
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            if now >= next_scan:
+                self._track()
+                next_scan = now + 0.25
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGTERM everything of this launch, wait up to KILL_GRACE, SIGKILL the rest, reap."""
+        self._track()
+        live = [p for p in self.procs if p.poll() is None]
+        for p in live:
+            _signal_group(p.pid, signal.SIGTERM)
+        # Only processes that carry the marker *now* are signalled: a pid seen earlier
+        # may have been reused by an unrelated process since.
+        # The launchers themselves are left to their group signal: a second SIGTERM
+        # would interrupt torchrun's own graceful shutdown of its workers.
+        launchers = {p.pid for p in self.procs}
+        for pid in _marked_pids(self.marker) - launchers:
+            _signal_pid(pid, signal.SIGTERM)
+        deadline = time.monotonic() + KILL_GRACE
+        while time.monotonic() < deadline:
+            if all(p.poll() is not None for p in self.procs) and not _marked_pids(self.marker):
+                break
+            time.sleep(0.05)
+        self._track()
+        for p in self.procs:
+            if p.poll() is None:
+                _signal_group(p.pid, signal.SIGKILL)
+        for pid in _marked_pids(self.marker):
+            _signal_pid(pid, signal.SIGKILL)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - unkillable process
+                pass
+        _reap(self.tracked, time.monotonic() + 5)
+
+    def finish(self) -> list[LaunchResult]:
+        """Kill leftovers (noting them), collect outputs."""
+        elapsed = time.monotonic() - self.start
+        stray = _marked_pids(self.marker)
+        if stray:
+            self.notes[0].append(f"[launch] killed {len(stray)} stray process(es) left by the launch: {sorted(stray)}")
+            self.kill()
+        else:
+            _reap(self.tracked, time.monotonic() + 5)
+        results = []
+        for p, out, cmd, notes in zip(self.procs, self.outs, self.cmds, self.notes):
+            out.seek(0)
+            text = out.read().decode("utf-8", errors="replace")
+            out.close()
+            if notes:
+                text += ("" if text.endswith("\n") or not text else "\n") + "\n".join(notes) + "\n"
+            rc = p.returncode if p.returncode is not None else -signal.SIGKILL
+            results.append(LaunchResult(rc, text, elapsed, list(cmd)))
+        return results
+
+
+def _run(cmds: list[list[str]], *, what: str, timeout: float, env, cwd, fail_fast: bool) -> list[LaunchResult]:
+    marker = uuid.uuid4().hex
+    launch = _Launch(cmds, _make_env(env, marker), os.fspath(cwd) if cwd is not None else None, marker)
+    try:
+        finished = launch.wait(timeout, fail_fast)
+    except BaseException:  # KeyboardInterrupt etc.: never leave the launch behind
+        launch.kill()
+        launch.finish()
+        raise
+    if not finished:
+        launch.kill()
+    results = launch.finish()
+    if not finished:
+        parts = [f"{what} timed out after {timeout:g}s (all its processes were killed)"]
+        for i, r in enumerate(results):
+            label = f" of launcher {i}" if len(results) > 1 else ""
+            parts.append(f"command{label}: {' '.join(r.cmd)}")
+            parts.append(f"--- last {TAIL_LINES} lines of output{label} ---\n{r.tail()}")
+        raise AssertionError("\n".join(parts))
+    return results
+
+
+def _target(script, args, module: bool) -> list[str]:
+    return (["-m"] if module else []) + [os.fspath(script)] + [str(a) for a in args]
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def torchrun(
+    script: str | os.PathLike,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    max_restarts: int = 0,
+    cwd: str | os.PathLike | None = None,
+    module: bool = False,
+) -> LaunchResult:
+    """Run ``script`` under torchrun on one node with ``nproc`` workers (c10d rendezvous on 127.0.0.1)."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1",
+        "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"{LOOPBACK}:{free_port()}",
+        "--rdzv-id", f"keel-{uuid.uuid4().hex[:12]}",
+        "--max-restarts", str(max_restarts),
+        "--monitor-interval", "0.5",
+    ]
+    if _has_local_addr():
+        cmd += ["--local-addr", LOOPBACK]  # MASTER_ADDR of the workers = 127.0.0.1, not the FQDN
+    cmd += _target(script, args, module)
+    return _run([cmd], what="torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=False)[0]
+
+
+def two_nodes(
+    script: str | os.PathLike,
+    *args: str,
+    nproc_per_node: int = 1,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    module: bool = False,
+) -> list[LaunchResult]:
+    """Simulate 2 nodes on this machine: two torchrun agents joined by one c10d rendezvous.
+
+    Returns one LaunchResult per agent (agent 0 hosts the rendezvous store).  If one
+    agent fails, the other is killed; on timeout both are killed and AssertionError is raised.
+    """
+    endpoint = f"{LOOPBACK}:{free_port()}"
+    rdzv_id = f"keel-{uuid.uuid4().hex[:12]}"
+    cmds = []
+    for node in range(2):
+        conf = "join_timeout=60"
+        if _c10d_supports_is_host():
+            conf += ",is_host=" + ("true" if node == 0 else "false")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "2",
+            "--nproc-per-node", str(nproc_per_node),
+            "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint,
+            "--rdzv-id", rdzv_id,
+            "--rdzv-conf", conf,
+            "--max-restarts", "0",
+            "--monitor-interval", "0.5",
+        ]
+        if _has_local_addr():
+            cmd += ["--local-addr", LOOPBACK]
+        cmds.append(cmd + _target(script, args, module))
+    return _run(cmds, what="two_nodes torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=True)
+
+
+def python(
+    script: str | os.PathLike,
+    *args: str,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    module: bool = False,
+) -> LaunchResult:
+    """Plain single-process ``python script args...`` with the same env / timeout / kill rules."""
+    cmd = [sys.executable] + _target(script, args, module)
+    return _run([cmd], what="python", timeout=timeout, env=env, cwd=cwd, fail_fast=False)[0]

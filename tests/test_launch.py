@@ -1,0 +1,103 @@
+"""Tests of the multi-process launch harness (tests/launch.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from launch import LaunchResult, free_port, python, torchrun, two_nodes
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _read_pids(path: Path) -> list[int]:
+    return [int(x) for x in path.read_text().split()]
+
+
+def test_free_port_and_check():
+    port = free_port()
+    assert 0 < port < 65536
+    LaunchResult(0, "fine", 0.1).check()
+    with pytest.raises(AssertionError, match=r"(?s)returncode 2.*line 99\Z") as info:
+        LaunchResult(2, "\n".join(f"line {i}" for i in range(100)), 0.1).check()
+    assert "line 19" not in str(info.value) and "line 20" in str(info.value)  # last 80 lines only
+
+
+def test_torchrun_allreduce():
+    r = torchrun(SCRIPTS / "allreduce.py", nproc=2, timeout=90).check()
+    assert re.search(r"^rank 0 sum 3 group 0 world 2$", r.stdout, re.M), r.tail()
+    assert re.search(r"^rank 1 sum 3 group 0 world 2$", r.stdout, re.M), r.tail()
+
+
+def test_two_nodes_allreduce():
+    results = two_nodes(SCRIPTS / "allreduce.py", nproc_per_node=1, timeout=120)
+    assert len(results) == 2
+    for r in results:
+        r.check()
+    out = "\n".join(r.stdout for r in results)
+    lines = dict(re.findall(r"^rank (\d) sum 3 group (\d) world 2$", out, re.M))
+    assert set(lines) == {"0", "1"}, out
+    assert lines["0"] != lines["1"], f"GROUP_RANK should differ between the nodes: {lines}"
+
+
+def test_dead_rank_fails_fast():
+    timeout = 60
+    r = torchrun(SCRIPTS / "die.py", nproc=2, timeout=timeout)
+    assert r.returncode != 0, r.tail()
+    assert r.elapsed < timeout
+    assert re.search(r"exitcode\s*:\s*3\b", r.stdout), r.tail()  # torchrun names the dead rank's exit code
+    assert "UNEXPECTED" not in r.stdout
+    with pytest.raises(AssertionError, match="returncode"):
+        r.check()
+
+
+def test_hang_times_out_and_leaves_nothing(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match="timed out after 5s") as info:
+        torchrun(SCRIPTS / "hang.py", str(tmp_path), nproc=2, timeout=5)
+    assert time.monotonic() - t0 < 15
+    assert "rank 0 hanging" in str(info.value) or "rank 1 hanging" in str(info.value)
+    pid_files = sorted(tmp_path.glob("rank*.pid"))
+    assert len(pid_files) == 2, "workers did not start within the timeout"
+    for f in pid_files:
+        worker, agent = _read_pids(f)
+        assert _gone(worker), f"worker {worker} still alive (or an unreaped zombie)"
+        assert _gone(agent), f"torchrun agent {agent} still alive"
+
+
+def test_stubborn_processes_are_killed_and_reaped(tmp_path):
+    """A launcher ignoring SIGTERM, with a grandchild in its own session: SIGKILL after the grace, no zombie."""
+    with pytest.raises(AssertionError, match="python timed out after 2s"):
+        python(SCRIPTS / "stubborn.py", str(tmp_path), timeout=2)
+    parent, grandchild = _read_pids(tmp_path / "stubborn.pid")
+    assert _gone(parent)
+    assert _gone(grandchild), "orphaned grandchild still alive (or an unreaped zombie)"
+
+
+def test_max_restarts():
+    r = torchrun(SCRIPTS / "restart.py", nproc=2, max_restarts=1, timeout=90).check()
+    assert "attempt 0 failing on purpose" in r.stdout
+    assert re.search(r"^rank 0 attempt 1 sum 3$", r.stdout, re.M), r.tail()
+    assert re.search(r"^rank 1 attempt 1 sum 3$", r.stdout, re.M), r.tail()
+
+
+def test_two_nodes_dead_rank_fails_both():
+    timeout = 90
+    results = two_nodes(SCRIPTS / "die.py", nproc_per_node=1, timeout=timeout)
+    assert all(r.returncode != 0 for r in results), "\n=====\n".join(r.tail() for r in results)
+    assert all(r.elapsed < timeout for r in results)
+    assert any(re.search(r"exitcode\s*:\s*3\b", r.stdout) for r in results)

@@ -1,0 +1,248 @@
+"""Tests for trainer/loggers.py: version folders, CSV and TensorBoard output, the ``logger`` option."""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer import loggers as loggers_mod
+from trainer.loggers import CSVLogger, Logger, TensorBoardLogger, default_loggers, flatten_params
+
+
+# ---------------------------------------------------------------------------------------------- versions
+def test_versions_count_up_as_folders_appear(tmp_path: Path) -> None:
+    seen = []
+    for _ in range(3):
+        logger = Logger(tmp_path, name="exp")
+        logger.resolve_version()
+        seen.append(logger.version)
+        os.makedirs(logger.log_dir)  # resolve_version itself creates nothing
+    assert seen == [0, 1, 2]
+    assert sorted(os.listdir(tmp_path / "exp")) == ["version_0", "version_1", "version_2"]
+
+
+def test_version_after_highest_existing_ignores_other_entries(tmp_path: Path) -> None:
+    (tmp_path / "keel_logs" / "version_5").mkdir(parents=True)
+    (tmp_path / "keel_logs" / "version_2").mkdir()
+    (tmp_path / "keel_logs" / "version_9_old").mkdir()  # not version_<int>
+    (tmp_path / "keel_logs" / "version_40").write_text("a file, not a folder")
+    (tmp_path / "keel_logs" / "notes").mkdir()
+    logger = Logger(tmp_path)
+    logger.resolve_version()
+    assert logger.version == 6
+    assert logger.log_dir == os.path.join(str(tmp_path), "keel_logs", "version_6")
+
+
+def test_resolve_creates_nothing_and_is_idempotent(tmp_path: Path) -> None:
+    logger = Logger(tmp_path / "logs", name="exp")
+    logger.resolve_version()
+    assert logger.version == 0
+    assert not (tmp_path / "logs").exists()
+    os.makedirs(logger.log_dir)
+    logger.resolve_version()  # fit then test: same folder even though version_0 now exists
+    assert logger.version == 0
+
+
+def test_explicit_versions_and_layout(tmp_path: Path) -> None:
+    (tmp_path / "exp" / "version_7").mkdir(parents=True)
+    as_int = Logger(tmp_path, name="exp", version=3)
+    as_int.resolve_version()
+    assert as_int.version == 3
+    assert as_int.log_dir == os.path.join(str(tmp_path), "exp", "version_3")
+    as_str = Logger(tmp_path, name="exp", version="baseline")
+    as_str.resolve_version()
+    assert as_str.log_dir == os.path.join(str(tmp_path), "exp", "baseline")
+    for empty in (None, ""):
+        flat = Logger(tmp_path, name=empty, version=1)
+        assert flat.log_dir == os.path.join(str(tmp_path), "version_1")
+    unnamed = Logger(tmp_path / "flat", name=None)
+    (tmp_path / "flat" / "version_0").mkdir(parents=True)
+    unnamed.resolve_version()
+    assert unnamed.log_dir == os.path.join(str(tmp_path), "flat", "version_1")
+
+
+def test_log_dir_before_resolution_raises(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="resolve_version"):
+        _ = Logger(tmp_path).log_dir
+
+
+def test_resolve_uses_rank_zero_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a non-zero rank the folder is not scanned; the broadcast value (rank 0's) is taken."""
+    (tmp_path / "keel_logs" / "version_0").mkdir(parents=True)
+    sent = []
+    monkeypatch.setattr(loggers_mod.dist, "get_rank", lambda: 1)
+
+    def fake_broadcast(obj: object, src: int = 0) -> object:
+        sent.append(obj)
+        return 4  # rank 0's pick
+
+    monkeypatch.setattr(loggers_mod.dist, "broadcast_object", fake_broadcast)
+    logger = Logger(tmp_path)
+    logger.resolve_version()
+    assert sent == [None] and logger.version == 4
+    logger.resolve_version()
+    assert sent == [None]  # resolved: no second collective
+
+
+# ---------------------------------------------------------------------------------------------- CSV
+def _read_csv(path: str) -> tuple[list[str], list[dict[str, str]]]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def test_csv_header_is_union_and_rows_align(tmp_path: Path) -> None:
+    logger = CSVLogger(tmp_path, name="exp")
+    logger.resolve_version()
+    logger.log_metrics({"loss": 1.5}, step=1)
+    logger.log_metrics({"loss": 1.25, "lr": 0.1}, step=2)
+    logger.log_metrics({"val/acc": 0.75}, step=3)
+    logger.log_metrics({"loss": 1.0, "lr": 0.05}, step=4)
+    logger.finalize("success")
+    header, rows = _read_csv(os.path.join(logger.log_dir, "metrics.csv"))
+    assert header == ["step", "loss", "lr", "val/acc"]
+    assert rows == [
+        {"step": "1", "loss": "1.5", "lr": "", "val/acc": ""},
+        {"step": "2", "loss": "1.25", "lr": "0.1", "val/acc": ""},
+        {"step": "3", "loss": "", "lr": "", "val/acc": "0.75"},
+        {"step": "4", "loss": "1.0", "lr": "0.05", "val/acc": ""},
+    ]
+    assert not os.path.exists(os.path.join(logger.log_dir, "metrics.csv.tmp"))
+
+
+def test_csv_reopens_after_finalize_and_extends_existing_file(tmp_path: Path) -> None:
+    logger = CSVLogger(tmp_path, version=0)
+    logger.log_metrics({"a": 1.0}, step=1)
+    logger.finalize("success")
+    logger.finalize("success")  # twice is fine
+    logger.log_metrics({"a": 2.0}, step=2)  # reopens
+    logger.finalize("success")
+    # A new logger on the same folder (resume with a fixed version) appends and widens.
+    again = CSVLogger(tmp_path, version=0)
+    again.log_metrics({"a": 3.0, "b": 4.0}, step=3)
+    again.finalize("success")
+    header, rows = _read_csv(os.path.join(logger.log_dir, "metrics.csv"))
+    assert header == ["step", "a", "b"]
+    assert [(r["step"], r["a"], r["b"]) for r in rows] == [("1", "1.0", ""), ("2", "2.0", ""), ("3", "3.0", "4.0")]
+
+
+def test_csv_hparams_yaml(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    logger = CSVLogger(tmp_path)
+    logger.resolve_version()
+    logger.log_hyperparams({"lr": 0.001, "model": {"depth": 4, "act": "gelu"}, "path": Path("/data"), "none": None})
+    logger.log_hyperparams(OmegaConf.create({"seed": 7, "ref": "${seed}"}))  # merged, interpolation resolved
+    loaded = OmegaConf.to_container(OmegaConf.load(os.path.join(logger.log_dir, "hparams.yaml")))
+    assert loaded == {
+        "lr": 0.001, "model": {"depth": 4, "act": "gelu"}, "path": "/data", "none": None, "seed": 7, "ref": 7,
+    }
+
+
+def test_log_without_resolve_in_single_process_resolves(tmp_path: Path) -> None:
+    logger = CSVLogger(tmp_path)
+    logger.log_metrics({"x": 1.0}, step=0)
+    assert logger.version == 0
+    assert os.path.exists(os.path.join(str(tmp_path), "keel_logs", "version_0", "metrics.csv"))
+
+
+# ---------------------------------------------------------------------------------------------- TensorBoard
+def test_flatten_params() -> None:
+    flat = flatten_params({"opt": {"lr": 0.1, "betas": [0.9, 0.99]}, "name": "x", "flag": True, "none": None})
+    assert flat == {"opt/lr": 0.1, "opt/betas": "[0.9, 0.99]", "name": "x", "flag": True, "none": "None"}
+
+
+def test_tensorboard_scalars_and_hparams_round_trip(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    logger.resolve_version()
+    assert not (tmp_path / "tb").exists()  # writer is lazy
+    values = {1: 0.5, 2: 0.25, 3: 0.125 + 1e-3}
+    for step, value in values.items():
+        logger.log_metrics({"train/loss": value, "epoch": 0.0}, step=step)
+    logger.log_hyperparams({"lr": 3e-4, "model": {"depth": 2}, "callbacks": ["A", "B"], "amp": False})
+    logger.finalize("success")
+    logger.finalize("success")
+    logger.log_metrics({"train/loss": 0.0625}, step=4)  # reopens after finalize
+    logger.finalize("success")
+
+    acc = EventAccumulator(logger.log_dir)
+    acc.Reload()
+    events = acc.Scalars("train/loss")
+    assert [e.step for e in events] == [1, 2, 3, 4]
+    assert [e.value for e in events] == pytest.approx([*values.values(), 0.0625], rel=1e-6)
+    hparams_tags = acc.PluginTagToContent("hparams")
+    assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= set(hparams_tags)
+
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    data = plugin_data_pb2.HParamsPluginData.FromString(hparams_tags["_hparams_/session_start_info"])
+    hp = data.session_start_info.hparams
+    assert hp["lr"].number_value == pytest.approx(3e-4)
+    assert hp["model/depth"].number_value == 2
+    assert hp["callbacks"].string_value == "['A', 'B']"
+    assert "hparams" in "".join(acc.Tags().get("tensors", []))  # the text summary
+
+
+# ---------------------------------------------------------------------------------------------- option
+def test_default_loggers_option_kinds(tmp_path: Path) -> None:
+    (default,) = default_loggers(True, str(tmp_path))
+    assert isinstance(default, TensorBoardLogger)
+    assert (default.save_dir, default.name, default.version) == (str(tmp_path), "keel_logs", None)
+    assert default_loggers(False, str(tmp_path)) == []
+    assert default_loggers(None, str(tmp_path)) == []
+    csv_logger = CSVLogger(tmp_path)
+    assert default_loggers(csv_logger, None) == [csv_logger]
+    pair = [CSVLogger(tmp_path), TensorBoardLogger(tmp_path)]
+    assert default_loggers(pair, None) == pair
+    assert default_loggers(tuple(pair), None) == pair
+
+
+def test_default_loggers_uses_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (default,) = default_loggers(True, None)
+    assert default.save_dir == str(tmp_path)
+
+
+def test_default_loggers_falls_back_to_csv_without_tensorboard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loggers_mod, "_tensorboard_available", lambda: False)
+    monkeypatch.setattr(loggers_mod, "_warned_no_tensorboard", False)
+    with pytest.warns(UserWarning, match="tensorboard is not installed"):
+        (first,) = default_loggers(True, str(tmp_path))
+    assert type(first) is CSVLogger
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (second,) = default_loggers(True, str(tmp_path))  # warned once only
+    assert type(second) is CSVLogger
+
+
+@pytest.mark.parametrize("bad", ["tensorboard", 1, [CSVLogger("x"), "csv"], object()])
+def test_default_loggers_rejects_other_values(bad: object) -> None:
+    with pytest.raises(ValueError) as info:
+        default_loggers(bad, None)
+    message = str(info.value)
+    assert "logger=" in message and repr(bad) in message
+    assert "True, False, a trainer.loggers.Logger or a list of them" in message
+
+
+def test_import_is_lazy() -> None:
+    """Importing the modules does not pull in tensorboard (DESIGN.md section 11). (tqdm is not checked:
+    torch itself imports it.)"""
+    import subprocess
+
+    code = (
+        "import sys, trainer.loggers, trainer.progress; "
+        "bad = [m for m in ('tensorboard', 'torch.utils.tensorboard') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=60)

@@ -1,0 +1,230 @@
+"""Tests for trainer/progress.py with a fake trainer (a SimpleNamespace holding what the bar reads)."""
+
+from __future__ import annotations
+
+import io
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from trainer import progress as progress_mod
+from trainer.progress import ProgressBar
+
+
+class TTYStream(io.StringIO):
+    """A StringIO that claims to be a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_trainer(**overrides: Any) -> SimpleNamespace:
+    values: dict[str, Any] = dict(
+        is_global_zero=True, world_size=1, global_step=0, current_epoch=0, num_training_batches=8,
+        max_steps=-1, max_epochs=2, accumulate_grad_batches=2, progress_bar_metrics={}, sanity_checking=False,
+    )
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def run_epoch(bar: ProgressBar, trainer: SimpleNamespace, *, batch_size: int = 4, clock: FakeClock | None = None,
+              metrics_at_step: Any = None, end_epoch: bool = True) -> None:
+    """Drives one epoch through the hooks the way the Trainer calls them (accumulation included)."""
+    bar.on_train_epoch_start(trainer, None)  # type: ignore[arg-type]
+    for batch_idx in range(trainer.num_training_batches):
+        if clock is not None:
+            clock.t += 0.5
+        batch = (torch.zeros(batch_size, 3), torch.zeros(batch_size, dtype=torch.long))
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            trainer.global_step += 1
+            if metrics_at_step is not None:
+                trainer.progress_bar_metrics.update(metrics_at_step(trainer.global_step))
+        bar.on_train_batch_end(trainer, None, {"loss": torch.tensor(1.0)}, batch, batch_idx)  # type: ignore[arg-type]
+    if end_epoch:
+        bar.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
+        trainer.current_epoch += 1
+
+
+@pytest.fixture
+def no_tensor_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any read of a tensor's value (a host-device sync on GPU) fails the test."""
+
+    def forbidden(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the progress bar read a tensor's value")
+
+    for name in ("item", "__float__", "__int__", "__bool__", "tolist", "__format__", "__repr__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"refresh_rate": 0}, {"refresh_rate": -1}, {"refresh_rate": 1.5}, {"log_every_n_steps_when_not_tty": 0}]
+)
+def test_invalid_arguments_name_the_option(kwargs: dict[str, Any]) -> None:
+    (name,) = kwargs
+    with pytest.raises(ValueError, match=name):
+        ProgressBar(**kwargs)
+
+
+def test_is_progress_bar_marker() -> None:
+    assert ProgressBar.is_progress_bar is True
+
+
+def test_not_tty_logs_every_n_steps(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, no_tensor_reads: None
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(progress_mod, "_now", clock)
+    stream = io.StringIO()
+    bar = ProgressBar(log_every_n_steps_when_not_tty=2, stream=stream)
+    trainer = make_trainer(world_size=2)
+    caplog.set_level(logging.INFO, logger="trainer.progress")
+    bar.on_train_start(trainer, None)  # type: ignore[arg-type]
+    for _ in range(2):  # 2 epochs x 8 micro-batches, accumulate 2 -> 8 steps
+        run_epoch(bar, trainer, clock=clock, metrics_at_step=lambda s: {"loss": 1.0 / s, "val/acc": 0.123456})
+    bar.teardown(trainer, None, "fit")  # type: ignore[arg-type]
+
+    lines = [r.getMessage() for r in caplog.records if r.name == "trainer.progress"]
+    assert len(lines) == 4  # steps 2, 4, 6, 8
+    assert stream.getvalue() == ""  # no bar on a non-terminal
+    # Each step: 2 micro-batches of 0.5 s with 4 samples x 2 ranks each -> 16 samples/s; 1 s per step.
+    assert lines[0] == "epoch 0 step 2/8 | loss=0.5 val/acc=0.1235 | 16.0 samples/s | eta 0:00:06"
+    assert lines[1].startswith("epoch 0 step 4/8 | loss=0.25 ")
+    assert lines[2].startswith("epoch 1 step 6/8 ")
+    assert lines[3].endswith("| 16.0 samples/s | eta 0:00:00")
+
+
+def test_not_tty_total_from_max_steps_and_unknown_total(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(progress_mod, "_now", FakeClock())
+    caplog.set_level(logging.INFO, logger="trainer.progress")
+    trainer = make_trainer(max_steps=3, accumulate_grad_batches=1, num_training_batches=4)
+    bar = ProgressBar(log_every_n_steps_when_not_tty=1, stream=io.StringIO())
+    bar.on_train_start(trainer, None)  # type: ignore[arg-type]
+    run_epoch(bar, trainer)
+    assert caplog.records[0].getMessage().startswith("epoch 0 step 1/3")  # min(max_steps, 4 x 2 epochs)
+
+    caplog.clear()
+    trainer = make_trainer(max_epochs=-1, accumulate_grad_batches=1, num_training_batches=None)
+    bar = ProgressBar(log_every_n_steps_when_not_tty=1, stream=io.StringIO())
+    bar.on_train_start(trainer, None)  # type: ignore[arg-type]
+    bar.on_train_epoch_start(trainer, None)  # type: ignore[arg-type]
+    trainer.global_step = 1
+    bar.on_train_batch_end(trainer, None, {}, {"x": torch.zeros(2)}, 0)  # type: ignore[arg-type]
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("epoch 0 step 1 ") or line == "epoch 0 step 1"
+    assert "/" not in line.split("|")[0] and "eta" not in line
+
+
+def test_total_steps_counts_short_last_window() -> None:
+    trainer = make_trainer(num_training_batches=7, accumulate_grad_batches=2, max_epochs=3)
+    assert ProgressBar._total_steps(trainer) == 12  # ceil(7 / 2) x 3
+
+
+def test_non_zero_rank_does_nothing(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, no_tensor_reads: None
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    for stream in (io.StringIO(), TTYStream()):
+        bar = ProgressBar(log_every_n_steps_when_not_tty=1, stream=stream)
+        trainer = make_trainer(is_global_zero=False)
+        bar.on_train_start(trainer, None)  # type: ignore[arg-type]
+        run_epoch(bar, trainer, end_epoch=False)
+        assert bar._train_bar is None
+        bar.on_validation_epoch_start(trainer, None)  # type: ignore[arg-type]
+        bar.on_validation_batch_end(trainer, None, None, torch.zeros(2), 0)  # type: ignore[arg-type]
+        bar.on_validation_epoch_end(trainer, None)  # type: ignore[arg-type]
+        bar.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
+        bar.teardown(trainer, None, "fit")  # type: ignore[arg-type]
+        assert stream.getvalue() == ""
+    assert not [r for r in caplog.records if r.name == "trainer.progress"]
+
+
+def test_tty_bar_writes_and_closes_at_epoch_end(
+    caplog: pytest.LogCaptureFixture, no_tensor_reads: None
+) -> None:
+    caplog.set_level(logging.INFO, logger="trainer.progress")
+    stream = TTYStream()
+    bar = ProgressBar(refresh_rate=2, stream=stream)
+    trainer = make_trainer(progress_bar_metrics={"loss": 0.693147})
+    bar.on_train_start(trainer, None)  # type: ignore[arg-type]
+    run_epoch(bar, trainer, end_epoch=False)
+    tqdm_bar = bar._train_bar
+    assert tqdm_bar is not None and tqdm_bar.n == 8 and tqdm_bar.total == 8
+    assert tqdm_bar.desc.startswith("Epoch 0")
+    bar.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
+    assert bar._train_bar is None and tqdm_bar.disable  # closed
+    text = stream.getvalue()
+    assert "Epoch 0" in text and "8/8" in text
+    assert "step=4" in text and "loss=0.6931" in text and "samples/s=" in text
+    assert not [r for r in caplog.records if r.name == "trainer.progress"]  # a bar, not log lines
+
+
+def test_tty_postfix_refreshes_every_refresh_rate_batches(no_tensor_reads: None) -> None:
+    stream = TTYStream()
+    bar = ProgressBar(refresh_rate=3, stream=stream)
+    trainer = make_trainer(num_training_batches=None, accumulate_grad_batches=1)
+    bar.on_train_epoch_start(trainer, None)  # type: ignore[arg-type]
+    assert bar._train_bar is not None and bar._train_bar.total is None  # unknown length
+    postfixes = []
+    for batch_idx in range(6):
+        trainer.global_step += 1
+        bar.on_train_batch_end(trainer, None, {}, torch.zeros(2, 1), batch_idx)  # type: ignore[arg-type]
+        postfixes.append(bar._train_bar.postfix)
+    assert not postfixes[0] and not postfixes[1]  # no postfix before the first refresh
+    assert "step=3" in postfixes[2] and postfixes[3] == postfixes[4] == postfixes[2]
+    assert "step=6" in postfixes[5]
+    bar.on_exception(trainer, None, RuntimeError("boom"))  # type: ignore[arg-type]
+    assert bar._train_bar is None
+
+
+def test_tty_resume_mid_epoch_starts_count_at_batch(no_tensor_reads: None) -> None:
+    bar = ProgressBar(stream=TTYStream())
+    trainer = make_trainer(num_training_batches=10, accumulate_grad_batches=1)
+    bar.on_train_epoch_start(trainer, None)  # type: ignore[arg-type]
+    for batch_idx in range(6, 10):
+        bar.on_train_batch_end(trainer, None, {}, torch.zeros(2, 1), batch_idx)  # type: ignore[arg-type]
+    assert bar._train_bar is not None and bar._train_bar.n == 10
+    bar.teardown(trainer, None, "fit")  # type: ignore[arg-type]
+    assert bar._train_bar is None
+
+
+def test_validation_bar_is_transient_and_only_on_tty(no_tensor_reads: None) -> None:
+    stream = TTYStream()
+    bar = ProgressBar(stream=stream)
+    trainer = make_trainer(sanity_checking=True)
+    bar.on_validation_epoch_start(trainer, None)  # type: ignore[arg-type]
+    val_bar = bar._eval_bar
+    assert val_bar is not None and val_bar.desc.startswith("Sanity checking") and val_bar.leave is False
+    for batch_idx in range(3):
+        bar.on_validation_batch_end(trainer, None, None, torch.zeros(2), batch_idx)  # type: ignore[arg-type]
+    assert val_bar.n == 3
+    bar.on_validation_epoch_end(trainer, None)  # type: ignore[arg-type]
+    assert bar._eval_bar is None and val_bar.disable
+    assert "Sanity checking" in stream.getvalue()
+
+    plain = io.StringIO()
+    bar = ProgressBar(stream=plain)
+    bar.on_validation_epoch_start(make_trainer(), None)  # type: ignore[arg-type]
+    assert bar._eval_bar is None
+    bar.on_validation_batch_end(make_trainer(), None, None, torch.zeros(2), 0)  # type: ignore[arg-type]
+    bar.on_validation_epoch_end(make_trainer(), None)  # type: ignore[arg-type]
+    assert plain.getvalue() == ""
+
+
+def test_default_stream_is_stderr_looked_up_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    bar = ProgressBar()
+    replacement = io.StringIO()
+    monkeypatch.setattr("sys.stderr", replacement)
+    assert bar.stream is replacement and bar.is_tty is False

@@ -1,0 +1,102 @@
+"""The Callback base class (re-exported as ``callbacks.Callback``).
+
+It lives in ``trainer/`` because the Trainer calls it and ``trainer`` never imports ``callbacks``
+(DESIGN.md section 1). Built-in callbacks use exactly this API: they have no powers a user callback
+lacks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from trainer.module import TaskModule
+    from trainer.trainer import Trainer
+
+
+class Callback:
+    """Hooks called by the Trainer, on every rank, in list order; the task's own hook of the same name
+    runs first. Only side effects (files, console) should be gated to rank 0 (``trainer.is_global_zero``).
+
+    Call order of ``fit``::
+
+        setup(stage="fit")
+        on_fit_start
+        [sanity check: on_validation_epoch_start, on_validation_batch_end*, on_validation_epoch_end]
+        on_train_start
+        for each epoch:
+            on_train_epoch_start
+            for each optimizer step:
+                for each micro-batch:
+                    on_train_batch_start
+                    on_before_backward, on_after_backward
+                    on_train_batch_end           (after the optimizer step on the step's last micro-batch)
+                on_before_optimizer_step         (before the last micro-batch's on_train_batch_end)
+                [validation every val_check_interval steps]
+            [validation at epoch end: on_validation_epoch_start, on_validation_batch_end*,
+             on_validation_epoch_end]
+            on_train_epoch_end
+        on_train_end
+        on_fit_end
+        teardown(stage="fit")
+
+    Precisely, one optimizer step with ``accumulate_grad_batches=k`` calls, per micro-batch,
+    ``on_train_batch_start -> on_before_backward -> on_after_backward``, and then for the k-th
+    micro-batch ``on_before_optimizer_step -> (optimizer.step) -> on_train_batch_end``; micro-batches
+    before the k-th call ``on_train_batch_end`` right after their backward.
+    ``on_save_checkpoint`` runs while a checkpoint is assembled, ``on_load_checkpoint`` while one is
+    restored (before training starts), ``on_exception`` when a loop raises, before ``teardown``.
+
+    Stateful callbacks return a dict from :meth:`state_dict`; it is saved under :attr:`state_key`, which
+    must be unique among the Trainer's callbacks.
+    """
+
+    @property
+    def state_key(self) -> str:
+        """Key of this callback's state in a checkpoint. Override when two instances keep state."""
+        return type(self).__qualname__
+
+    # stage hooks
+    def setup(self, trainer: Trainer, task: TaskModule, stage: str) -> None: ...
+    def teardown(self, trainer: Trainer, task: TaskModule, stage: str) -> None: ...
+    def on_fit_start(self, trainer: Trainer, task: TaskModule) -> None: ...
+    def on_fit_end(self, trainer: Trainer, task: TaskModule) -> None: ...
+    def on_train_start(self, trainer: Trainer, task: TaskModule) -> None: ...
+    def on_train_end(self, trainer: Trainer, task: TaskModule) -> None: ...
+
+    # training
+    def on_train_epoch_start(self, trainer: Trainer, task: TaskModule) -> None: ...
+    def on_train_epoch_end(self, trainer: Trainer, task: TaskModule) -> None: ...
+    def on_train_batch_start(self, trainer: Trainer, task: TaskModule, batch: Any, batch_idx: int) -> None: ...
+    def on_train_batch_end(
+        self, trainer: Trainer, task: TaskModule, outputs: dict[str, Any], batch: Any, batch_idx: int
+    ) -> None: ...
+    def on_before_backward(self, trainer: Trainer, task: TaskModule, loss: torch.Tensor) -> None: ...
+    def on_after_backward(self, trainer: Trainer, task: TaskModule) -> None: ...
+    def on_before_optimizer_step(self, trainer: Trainer, task: TaskModule, optimizer: torch.optim.Optimizer) -> None: ...
+
+    # evaluation
+    def on_validation_epoch_start(self, trainer: Trainer, task: TaskModule) -> None: ...
+    def on_validation_epoch_end(self, trainer: Trainer, task: TaskModule) -> None: ...
+    def on_validation_batch_end(
+        self, trainer: Trainer, task: TaskModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None: ...
+    def on_test_epoch_start(self, trainer: Trainer, task: TaskModule) -> None: ...
+    def on_test_epoch_end(self, trainer: Trainer, task: TaskModule) -> None: ...
+    def on_test_batch_end(
+        self, trainer: Trainer, task: TaskModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None: ...
+    def on_predict_epoch_end(self, trainer: Trainer, task: TaskModule) -> None: ...
+
+    # checkpoints and failures
+    def on_save_checkpoint(self, trainer: Trainer, task: TaskModule, checkpoint: dict[str, Any]) -> None: ...
+    def on_load_checkpoint(self, trainer: Trainer, task: TaskModule, checkpoint: dict[str, Any]) -> None: ...
+    def on_exception(self, trainer: Trainer, task: TaskModule, exception: BaseException) -> None: ...
+
+    # state
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

@@ -1,0 +1,259 @@
+"""Checkpoint content, crash-safe writes and safe loading (DESIGN.md section 8).
+
+A checkpoint is one file (rank 0 writes it; all ranks pass a barrier). Its top-level keys are the
+constants below. Files are written to a temporary name in the same folder, fsynced, renamed over the
+target and the folder is fsynced, so a crash leaves either the old file or the new one, never a torn
+one. Loading always uses ``torch.load(weights_only=True)``: a checkpoint can never run code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainer import dist
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+KEEL_VERSION = "0.1.0"
+
+# Top-level checkpoint keys.
+K_FORMAT = "keel_format_version"
+K_KEEL_VERSION = "keel_version"
+K_WORLD_SIZE = "world_size"
+K_STATE_DICT = "state_dict"
+K_OPTIMIZERS = "optimizer_states"
+K_SCHEDULERS = "lr_schedulers"
+K_SCALER = "grad_scaler"
+K_LOOP = "loop"
+K_CALLBACKS = "callbacks"
+K_RNG = "rng_states"
+K_OPTIONS = "trainer_options"
+K_DATAMODULE = "datamodule"
+REQUIRED_KEYS = (K_FORMAT, K_STATE_DICT)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be read: missing, truncated, corrupt, unsafe, or of an unknown format."""
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+class CheckpointIO:
+    """Atomic save and safe load of one checkpoint file."""
+
+    def save(self, state: dict[str, Any], path: str | os.PathLike, *, is_writer: bool) -> None:
+        if not is_writer:
+            return
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                torch.save(state, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp_name, target)
+        except BaseException:
+            with_suppressed_unlink(tmp_name)
+            raise
+        _fsync_dir(target.parent)
+
+    def load(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Load with ``weights_only=True``. Raises :class:`CheckpointError` naming the file and the cause."""
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"Checkpoint {str(path)!r} does not exist.")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            text = str(exc)
+            if "weights_only" in text or "Unsupported global" in text or "GLOBAL" in text:
+                raise CheckpointError(
+                    f"Checkpoint {str(path)!r} contains pickled objects that are not plain tensors and "
+                    "containers; keel refuses to load it (weights_only=True) so that nothing in it can run. "
+                    f"Detail: {text.splitlines()[0] if text else type(exc).__name__}"
+                ) from exc
+            raise CheckpointError(
+                f"Checkpoint {str(path)!r} is truncated or corrupt ({type(exc).__name__}: "
+                f"{text.splitlines()[0] if text else ''})."
+            ) from exc
+        if not isinstance(state, dict) or any(k not in state for k in REQUIRED_KEYS):
+            raise CheckpointError(
+                f"{str(path)!r} is not a keel checkpoint (missing {[k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]})."
+            )
+        if state[K_FORMAT] > FORMAT_VERSION:
+            raise CheckpointError(
+                f"Checkpoint {str(path)!r} has format version {state[K_FORMAT]}, newer than this keel "
+                f"({FORMAT_VERSION}); upgrade keel to load it."
+            )
+        return state
+
+
+def with_suppressed_unlink(name: str) -> None:
+    try:
+        os.unlink(name)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------- RNG states
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"python": _python_state_to_safe(random.getstate()), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    except ImportError:  # pragma: no cover
+        pass
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _python_state_to_safe(state: tuple) -> list[Any]:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            kind, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+        except ImportError:  # pragma: no cover
+            pass
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# ---------------------------------------------------------------------- assemble / restore
+def assemble(trainer: Trainer) -> dict[str, Any]:
+    """The whole run state. Collective: every rank calls it (RNG states are gathered to every rank)."""
+    task = trainer.task
+    assert task is not None
+    loop = {
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "epoch_finished": bool(getattr(trainer, "_epoch_finished", False)),
+        "samples_consumed": trainer._samples_consumed(),
+        "batches_done": trainer._epoch_batches_done,
+    }
+    rng = dist.all_gather_object(_rng_state(trainer.device))
+    state: dict[str, Any] = {
+        K_FORMAT: FORMAT_VERSION,
+        K_KEEL_VERSION: KEEL_VERSION,
+        K_WORLD_SIZE: trainer.world_size,
+        K_STATE_DICT: task.state_dict(),
+        K_OPTIMIZERS: [o.state_dict() for o in trainer.optimizers],
+        K_SCHEDULERS: [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+        K_SCALER: trainer._precision.state_dict(),
+        K_LOOP: loop,
+        K_RNG: rng,
+        K_OPTIONS: _plain(trainer.options.resolved()),
+        K_CALLBACKS: {},
+    }
+    for cb in trainer.callbacks:
+        cb_state = cb.state_dict()
+        if cb_state:
+            state[K_CALLBACKS][cb.state_key] = cb_state
+    if trainer.datamodule is not None:
+        state[K_DATAMODULE] = trainer.datamodule.state_dict()
+    task.on_save_checkpoint(state)
+    for cb in trainer.callbacks:
+        cb.on_save_checkpoint(trainer, task, state)
+    return state
+
+
+def _plain(value: Any) -> Any:
+    """Options reduced to types that ``weights_only`` loading accepts."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
+    """Load ``ckpt_path`` into the trainer. ``full`` restores the run (fit); otherwise weights only."""
+    path = trainer._resolve_ckpt_path(ckpt_path)
+    if path is None:
+        return
+    state = trainer._checkpoint_io.load(path)
+    task = trainer.task
+    assert task is not None
+    task.on_load_checkpoint(state)
+    for cb in trainer.callbacks:
+        cb.on_load_checkpoint(trainer, task, state)
+    task.load_state_dict(state[K_STATE_DICT], strict=True)
+    log.info("Restored weights from %s.", path)
+    if not full:
+        return
+    for name in (K_OPTIMIZERS, K_SCHEDULERS, K_LOOP):
+        if name not in state:
+            raise CheckpointError(f"Checkpoint {path!r} has no {name!r}: it holds weights only and cannot resume a fit.")
+    if len(state[K_OPTIMIZERS]) != len(trainer.optimizers):
+        raise CheckpointError(
+            f"Checkpoint {path!r} holds {len(state[K_OPTIMIZERS])} optimizer state(s) but configure_optimizers "
+            f"returned {len(trainer.optimizers)}."
+        )
+    for optimizer, opt_state in zip(trainer.optimizers, state[K_OPTIMIZERS]):
+        optimizer.load_state_dict(opt_state)
+    if len(state[K_SCHEDULERS]) != len(trainer.lr_scheduler_configs):
+        raise CheckpointError(
+            f"Checkpoint {path!r} holds {len(state[K_SCHEDULERS])} scheduler state(s) but configure_optimizers "
+            f"returned {len(trainer.lr_scheduler_configs)}."
+        )
+    for config, sched_state in zip(trainer.lr_scheduler_configs, state[K_SCHEDULERS]):
+        config.scheduler.load_state_dict(sched_state)
+    trainer._precision.load_state_dict(state.get(K_SCALER, {}))
+    saved_callbacks = dict(state.get(K_CALLBACKS, {}))
+    for cb in trainer.callbacks:
+        cb_state = saved_callbacks.pop(cb.state_key, None)
+        if cb_state is not None:
+            cb.load_state_dict(cb_state)
+    if saved_callbacks:
+        log.warning("Checkpoint state for callbacks %s has no matching callback in this run; it is ignored.",
+                    sorted(saved_callbacks))
+    if trainer.datamodule is not None and K_DATAMODULE in state:
+        trainer.datamodule.load_state_dict(state[K_DATAMODULE])
+    loop = state[K_LOOP]
+    trainer._restore_loop(loop, saved_world_size=int(state.get(K_WORLD_SIZE, trainer.world_size)))
+    rng = state.get(K_RNG) or []
+    if trainer.global_rank < len(rng):
+        _set_rng_state(rng[trainer.global_rank], trainer.device)
+    else:
+        # A rank that did not exist when the checkpoint was saved: seed it deterministically.
+        seed = (trainer.options.seed or 0) + 1_000_003 * (trainer.global_rank + 1) + loop["global_step"]
+        random.seed(seed)
+        torch.manual_seed(seed)
+    log.info("Resumed at global step %d, epoch %d.", trainer.global_step, trainer.current_epoch)

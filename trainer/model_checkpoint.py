@@ -1,0 +1,245 @@
+"""ModelCheckpoint: when to save, what to keep, and the ``last`` pointer (re-exported by ``callbacks``).
+
+It lives in ``trainer/`` because ``enable_checkpointing=True`` adds one by default and ``trainer`` never
+imports ``callbacks``. It uses only the public Callback API and ``Trainer.save_checkpoint``.
+
+Files in ``dirpath``: one ``*.ckpt`` per save (written atomically by ``Trainer.save_checkpoint``) and a
+small JSON pointer ``last`` (``{"last": name, "history": [newer, ..., older]}``) replaced atomically
+after each commit. Old files are pruned only after the new one and the pointer are committed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.callback import Callback
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.module import TaskModule
+    from trainer.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+POINTER_NAME = "last"
+_FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
+
+
+class ModelCheckpoint(Callback):
+    """Save checkpoints on the step clock or at epoch ends; keep the best ``save_top_k``.
+
+    Args:
+        dirpath: folder for checkpoints; default ``<run dir>/checkpoints``.
+        filename: template such as ``"{epoch}-{step}-{val/loss:.3f}"``; each field renders as
+            ``name=value`` and ``/`` becomes ``_``. Default ``"{epoch}-{step}"``.
+        monitor: metric key in ``trainer.callback_metrics`` (reduced over ranks, so every rank makes the
+            same top-k decision). None keeps the most recent ``save_top_k`` checkpoints.
+        mode: ``"min"`` or ``"max"``.
+        save_top_k: how many to keep (-1: all, 0: none except ``last``).
+        save_last: always keep the most recent checkpoint (``last_model_path``) besides the top-k.
+        every_n_train_steps: save every n optimizer steps.
+        every_n_epochs: save every n epochs (default 1 when no other trigger is given).
+        train_time_interval: save when this many seconds passed since the last save (checked at steps).
+        save_on_exception: save when a loop raises (all ranks must reach the hook; a rank that died cannot).
+    """
+
+    is_model_checkpoint = True
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        *,
+        mode: str = "min",
+        save_top_k: int = 1,
+        save_last: bool | None = None,
+        every_n_train_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        train_time_interval: float | None = None,
+        save_on_exception: bool = False,
+    ) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"ModelCheckpoint(mode={mode!r}): expected 'min' or 'max'.")
+        if not isinstance(save_top_k, int) or save_top_k < -1:
+            raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k!r}): expected an int >= -1.")
+        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"ModelCheckpoint({name}={value!r}): expected an int >= 1 or None.")
+        if train_time_interval is not None and not train_time_interval > 0:
+            raise ValueError(f"ModelCheckpoint(train_time_interval={train_time_interval!r}): expected seconds > 0.")
+        self.dirpath = str(dirpath) if dirpath is not None else None
+        self.filename = filename or "{epoch}-{step}"
+        self.monitor = monitor
+        self.mode = mode
+        self.save_top_k = save_top_k
+        self.save_last = save_last
+        self.every_n_train_steps = every_n_train_steps
+        self.every_n_epochs = every_n_epochs
+        if every_n_epochs is None and every_n_train_steps is None and train_time_interval is None:
+            self.every_n_epochs = 1
+        self.train_time_interval = train_time_interval
+        self.save_on_exception = save_on_exception
+        self.best_k_models: dict[str, float] = {}
+        self.best_model_path = ""
+        self.best_model_score: float | None = None
+        self.last_model_path = ""
+        self._last_saved_step = -1
+        self._last_time = time.monotonic()
+
+    @property
+    def state_key(self) -> str:
+        return f"ModelCheckpoint{{monitor={self.monitor!r}, mode={self.mode!r}, dirpath={self.dirpath!r}}}"
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: Trainer, task: TaskModule, stage: str) -> None:
+        if self.dirpath is None:
+            self.dirpath = os.path.join(trainer.log_dir, "checkpoints")
+
+    def on_train_batch_end(self, trainer: Trainer, task: TaskModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._last_saved_step or not trainer._at_step_boundary:
+            return
+        if self.every_n_train_steps is not None and step % self.every_n_train_steps == 0:
+            self.save(trainer)
+        elif self.train_time_interval is not None:
+            # Every rank must agree to save: the elapsed time is decided on rank 0 and broadcast.
+            from trainer import dist
+
+            due = dist.broadcast_object(time.monotonic() - self._last_time >= self.train_time_interval)
+            if due:
+                self.save(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, task: TaskModule) -> None:
+        if self.every_n_epochs is not None and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            if trainer.global_step != self._last_saved_step:
+                self.save(trainer)
+
+    def on_exception(self, trainer: Trainer, task: TaskModule, exception: BaseException) -> None:
+        if self.save_on_exception and trainer.state_stage == "fit" and trainer.optimizers:
+            self.save(trainer, suffix="-exception")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "best_k_models": dict(self.best_k_models),
+            "best_model_path": self.best_model_path,
+            "best_model_score": self.best_model_score,
+            "last_model_path": self.last_model_path,
+            "dirpath": self.dirpath,
+            "monitor": self.monitor,
+            "mode": self.mode,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best_k_models = {k: float(v) for k, v in state.get("best_k_models", {}).items() if os.path.exists(k)}
+        self.best_model_path = state.get("best_model_path", "")
+        self.best_model_score = state.get("best_model_score")
+        self.last_model_path = state.get("last_model_path", "")
+
+    # ------------------------------------------------------------------ saving
+    def format_name(self, metrics: dict[str, float], epoch: int, step: int, suffix: str = "") -> str:
+        values = dict(metrics, epoch=epoch, step=step)
+
+        def render(match: re.Match[str]) -> str:
+            key, fmt = match.group(1), match.group(2) or ""
+            if key not in values:
+                raise KeyError(
+                    f"ModelCheckpoint filename {self.filename!r} uses {key!r}, which was not logged; "
+                    f"available: {sorted(values)}."
+                )
+            return f"{key}={format(float(values[key]) if fmt else values[key], fmt[1:])}"
+
+        return _FIELD.sub(render, self.filename).replace("/", "_") + suffix + ".ckpt"
+
+    def save(self, trainer: Trainer, suffix: str = "") -> str | None:
+        """Save now (collective: every rank calls it). Returns the path, or None if top-k rejected it."""
+        assert self.dirpath is not None
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        score = None
+        if self.monitor is not None:
+            if self.monitor not in metrics:
+                raise KeyError(
+                    f"ModelCheckpoint(monitor={self.monitor!r}): no such metric was logged; available: {sorted(metrics)}."
+                )
+            score = metrics[self.monitor]
+        path = os.path.join(self.dirpath, self.format_name(metrics, trainer.current_epoch, trainer.global_step, suffix))
+        keep = self._admits(score)
+        if not keep and not self.save_last:
+            return None
+        trainer.save_checkpoint(path)
+        self._last_saved_step = trainer.global_step
+        self._last_time = time.monotonic()
+        old_last = self.last_model_path
+        self.last_model_path = path
+        removed: list[str] = []
+        if keep:
+            self.best_k_models[path] = score if score is not None else float(trainer.global_step)
+            removed = self._prune_top_k()
+        if trainer.is_global_zero:
+            self._write_pointer(path)
+            candidates = removed + ([old_last] if old_last and old_last != path else [])
+            for victim in candidates:
+                if victim != path and victim not in self.best_k_models and os.path.exists(victim):
+                    try:
+                        os.remove(victim)
+                    except OSError as exc:  # pragma: no cover
+                        log.warning("Could not remove old checkpoint %s: %s", victim, exc)
+        return path
+
+    @property
+    def _mode(self) -> str:
+        """Without a monitor the score is the global step and newer is better."""
+        return self.mode if self.monitor is not None else "max"
+
+    def _worst(self) -> str:
+        pick = max if self._mode == "min" else min
+        return pick(self.best_k_models, key=self.best_k_models.__getitem__)
+
+    def _admits(self, score: float | None) -> bool:
+        if self.save_top_k == 0:
+            return False
+        if score is not None and math.isnan(score):
+            return False
+        if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k or self.monitor is None:
+            return True
+        worst = self.best_k_models[self._worst()]
+        return score < worst if self._mode == "min" else score > worst
+
+    def _prune_top_k(self) -> list[str]:
+        removed = []
+        while self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
+            removed.append(self._worst())
+            self.best_k_models.pop(removed[-1])
+        if self.best_k_models:
+            best = (min if self._mode == "min" else max)(self.best_k_models, key=self.best_k_models.__getitem__)
+            self.best_model_path = best
+            self.best_model_score = self.best_k_models[best] if self.monitor is not None else None
+        return removed
+
+    def _write_pointer(self, path: str) -> None:
+        directory = Path(path).parent
+        pointer = directory / POINTER_NAME
+        history = [Path(path).name] + [n for n in read_pointer(directory) if n != Path(path).name]
+        fd, tmp = tempfile.mkstemp(prefix=".last.", dir=directory)
+        with os.fdopen(fd, "w") as handle:
+            json.dump({"last": history[0], "history": history[:20]}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, pointer)
+
+
+def read_pointer(directory: str | os.PathLike) -> list[str]:
+    """Checkpoint file names recorded by the ``last`` pointer in ``directory``, newest first."""
+    pointer = Path(directory) / POINTER_NAME
+    try:
+        data = json.loads(pointer.read_text())
+        return [str(n) for n in data.get("history", [data["last"]])]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []

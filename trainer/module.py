@@ -1,0 +1,235 @@
+"""TaskModule and DataModule: what users subclass.
+
+Contract (DESIGN.md sections 2 and 3):
+
+* Users own ``forward`` (inference). The Trainer never replaces it: DDP wraps an internal adapter whose
+  ``forward`` calls :meth:`TaskModule.training_step`.
+* Every hook below is called by the Trainer on every rank, in the same order. The base class defines
+  each optional hook as a no-op, so the Trainer simply calls them; required hooks raise
+  ``NotImplementedError`` with a message that names the hook.
+* Module hooks run before the callbacks' hook of the same name.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+STAGES = ("fit", "validate", "test", "predict")
+
+
+class TaskModule(nn.Module):
+    """Base class for a task: model, loss, optimizers and (optionally) data.
+
+    Required: ``training_step`` (for ``fit``) and ``configure_optimizers``. ``validation_step``,
+    ``test_step`` and ``predict_step`` are required only by the loops that use them (``predict_step``
+    defaults to ``self(batch)``).
+
+    ``training_step(batch, batch_idx)`` returns one of:
+
+    * a scalar loss tensor: a mean over the micro-batch;
+    * a dict with ``"loss"``; other entries are detached and handed to callbacks as the step output;
+    * a dict with ``"loss"`` and ``"num_items"``: then ``loss`` is a SUM over ``num_items`` contributing
+      items (tokens, samples) and the Trainer divides by the global count over all micro-batches of the
+      step and all ranks (DESIGN.md section 5).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Plain attribute, not a submodule or parameter; set by the Trainer while a loop runs.
+        self._trainer: Trainer | None = None
+
+    # ------------------------------------------------------------------ read-only run state
+    @property
+    def trainer(self) -> "Trainer":
+        """The Trainer running this task. Raises ``RuntimeError`` when the task is not attached."""
+        if self._trainer is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is not attached to a Trainer. `self.trainer` is available inside "
+                "hooks called by Trainer.fit/validate/test/predict."
+            )
+        return self._trainer
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far (0 when not attached)."""
+        return self._trainer.global_step if self._trainer is not None else 0
+
+    @property
+    def current_epoch(self) -> int:
+        return self._trainer.current_epoch if self._trainer is not None else 0
+
+    @property
+    def device(self) -> torch.device:
+        if self._trainer is not None:
+            return self._trainer.device
+        for p in self.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    @property
+    def global_rank(self) -> int:
+        return self._trainer.global_rank if self._trainer is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return self._trainer.world_size if self._trainer is not None else 1
+
+    # ------------------------------------------------------------------ logging
+    def log(
+        self,
+        name: str,
+        value: Any,
+        *,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        prog_bar: bool = False,
+        logger: bool = True,
+        batch_size: int | None = None,
+        reduce_fx: str = "mean",
+        sync_dist: bool = False,
+        rank_zero_only: bool = False,
+    ) -> None:
+        """Record a scalar metric.
+
+        Lightning's defaults: inside ``training_step`` a value is logged per step; inside validation and
+        test it is aggregated per epoch as a mean weighted by ``batch_size`` (inferred from the batch when
+        not given). Values stay on their device: nothing is read back to the host except on logging
+        steps and at epoch ends, where metrics are reduced across ranks (so ``sync_dist`` is accepted for
+        Lightning compatibility and always on).
+
+        Raises:
+            ValueError: for a non-scalar tensor or a non-numeric value, naming the metric.
+        """
+        if self._trainer is None:
+            warnings.warn(f"self.log({name!r}) called outside a Trainer loop; the value is dropped.", stacklevel=2)
+            return
+        self._trainer._metrics.log(
+            name,
+            value,
+            on_step=on_step,
+            on_epoch=on_epoch,
+            prog_bar=prog_bar,
+            logger=logger,
+            batch_size=batch_size,
+            reduce_fx=reduce_fx,
+        )
+
+    def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:
+        """``self.log`` for every item of ``metrics`` with the same keyword arguments."""
+        for name, value in metrics.items():
+            self.log(name, value, **kwargs)
+
+    # ------------------------------------------------------------------ steps (users implement)
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | Mapping[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch, batch_idx) to fit.")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} got validation data but does not implement validation_step(batch, batch_idx)."
+        )
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} got test data but does not implement test_step(batch, batch_idx)."
+        )
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        """Default: ``self(batch)``."""
+        return self(batch)
+
+    def configure_optimizers(self) -> Any:
+        """Return an optimizer, ``(optimizers, schedulers)`` lists, or Lightning's dict form.
+
+        ``{"optimizer": o, "lr_scheduler": {"scheduler": s, "interval": "step" | "epoch", "frequency": n}}``
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement configure_optimizers() to fit.")
+
+    # ------------------------------------------------------------------ optional data hooks
+    def train_dataloader(self) -> Iterable | None:
+        return None
+
+    def val_dataloader(self) -> Iterable | list[Iterable] | None:
+        return None
+
+    def test_dataloader(self) -> Iterable | list[Iterable] | None:
+        return None
+
+    def predict_dataloader(self) -> Iterable | list[Iterable] | None:
+        return None
+
+    # ------------------------------------------------------------------ optional module hooks (no-ops)
+    def setup(self, stage: str) -> None:
+        """Called on every rank at the start of fit/validate/test/predict, before optimizers exist."""
+
+    def teardown(self, stage: str) -> None:
+        """Called on every rank at the end of a stage, also after an exception."""
+
+    def on_fit_start(self) -> None: ...
+    def on_fit_end(self) -> None: ...
+    def on_train_start(self) -> None: ...
+    def on_train_end(self) -> None: ...
+    def on_train_epoch_start(self) -> None: ...
+    def on_train_epoch_end(self) -> None: ...
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None: ...
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_validation_epoch_start(self) -> None: ...
+    def on_validation_epoch_end(self) -> None: ...
+    def on_test_epoch_start(self) -> None: ...
+    def on_test_epoch_end(self) -> None: ...
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_before_backward(self, loss: torch.Tensor) -> None: ...
+    def on_after_backward(self) -> None: ...
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
+
+
+class DataModule:
+    """Bundles the data of a task: ``setup(stage)`` then the ``*_dataloader()`` methods.
+
+    The Trainer calls ``setup(stage)`` on every rank before asking for loaders; return plain
+    ``torch.utils.data.DataLoader`` objects and the Trainer adds its distributed, resumable sampler.
+    """
+
+    def __init__(self) -> None:
+        self._trainer: Trainer | None = None
+
+    @property
+    def trainer(self) -> "Trainer | None":
+        return self._trainer
+
+    def prepare_data(self) -> None:
+        """Download or build files once per node. Called on local rank 0 before ``setup``; others wait."""
+
+    def setup(self, stage: str) -> None:
+        """Build datasets for ``stage`` ("fit", "validate", "test" or "predict") on every rank."""
+
+    def teardown(self, stage: str) -> None: ...
+
+    def train_dataloader(self) -> Iterable | None:
+        return None
+
+    def val_dataloader(self) -> Iterable | list[Iterable] | None:
+        return None
+
+    def test_dataloader(self) -> Iterable | list[Iterable] | None:
+        return None
+
+    def predict_dataloader(self) -> Iterable | list[Iterable] | None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

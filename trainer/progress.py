@@ -1,0 +1,257 @@
+"""The console progress bar: a tqdm bar on a terminal, periodic log lines everywhere else.
+
+The Trainer adds a :class:`ProgressBar` unless ``enable_progress_bar=False`` or a callback with
+``is_progress_bar = True`` is already in the list. Like every callback it runs on every rank; only
+global rank 0 draws or logs anything (DESIGN.md section 7).
+
+It never reads a tensor's value: the numbers it shows come from ``trainer.progress_bar_metrics``
+(host floats the Trainer refreshes on logging steps) and from batch shapes, so it adds no host-device
+sync to any step (DESIGN.md section 11). tqdm is imported when the first bar is drawn.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import sys
+import time
+from typing import IO, TYPE_CHECKING, Any
+
+from trainer.callback import Callback
+from trainer.transfer import infer_batch_size
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tqdm import tqdm
+
+    from trainer.module import TaskModule
+    from trainer.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+_now = time.monotonic  # module-level so tests can substitute a clock
+
+
+def _format_metrics(metrics: dict[str, float]) -> str:
+    """``"loss=0.6931 val/acc=0.5"``: each value with 4 significant digits."""
+    return " ".join(f"{name}={value:.4g}" for name, value in metrics.items())
+
+
+def _format_eta(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=max(0, int(round(seconds)))))
+
+
+def _is_tty(stream: IO[str]) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+class ProgressBar(Callback):
+    """Shows training progress on global rank 0.
+
+    On a terminal (``stream.isatty()``): one tqdm bar per training epoch counting micro-batches
+    (total ``trainer.num_training_batches``, unknown when None), described ``"Epoch E"``, with a postfix
+    of ``step``, the ``trainer.progress_bar_metrics`` and ``samples/s``; the ETA is tqdm's. The counter
+    moves every micro-batch, the postfix is rebuilt every ``refresh_rate`` micro-batches. Validation and
+    test get their own transient bar (``leave=False``).
+
+    Elsewhere (CI, a file): no bar; an INFO log line every ``log_every_n_steps_when_not_tty`` optimizer
+    steps, ``epoch E step S/total | loss=0.6931 | 123.4 samples/s | eta 0:01:02``; ``/total`` and the
+    ETA appear when the number of optimizer steps is known (``max_steps``, or the epoch length times
+    ``max_epochs``).
+
+    samples/s counts the global throughput: the first tensor's first dimension of each micro-batch
+    (``infer_batch_size``) times ``trainer.world_size``.
+
+    Args:
+        refresh_rate: Rebuild the bar's postfix every this many micro-batches (>= 1).
+        log_every_n_steps_when_not_tty: Log a progress line every this many optimizer steps when the
+            stream is not a terminal (>= 1).
+        stream: Where the bar goes; ``sys.stderr`` (looked up when a bar starts) when None.
+
+    Raises:
+        ValueError: ``refresh_rate`` or ``log_every_n_steps_when_not_tty`` is not an integer >= 1.
+    """
+
+    is_progress_bar = True
+
+    def __init__(
+        self,
+        refresh_rate: int = 1,
+        log_every_n_steps_when_not_tty: int = 50,
+        stream: IO[str] | None = None,
+    ) -> None:
+        for name, value in (
+            ("refresh_rate", refresh_rate),
+            ("log_every_n_steps_when_not_tty", log_every_n_steps_when_not_tty),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ProgressBar {name}={value!r} is invalid; expected an integer >= 1.")
+        self.refresh_rate = refresh_rate
+        self.log_every_n_steps_when_not_tty = log_every_n_steps_when_not_tty
+        self._stream = stream
+        self._train_bar: tqdm | None = None
+        self._eval_bar: tqdm | None = None
+        # Throughput over the epoch (bar) and over the last log window (log lines).
+        self._epoch_batches = 0
+        self._epoch_samples = 0
+        self._epoch_start = 0.0
+        self._window_samples = 0
+        self._window_start = 0.0
+        # ETA: optimizer steps done since on_train_start, and when it ran.
+        self._run_start = 0.0
+        self._run_start_step = 0
+        self._last_logged_step = -1
+        self._log_lines = False  # stream is not a terminal: log lines instead of a bar
+
+    @property
+    def stream(self) -> IO[str]:
+        return self._stream if self._stream is not None else sys.stderr
+
+    @property
+    def is_tty(self) -> bool:
+        return _is_tty(self.stream)
+
+    # ------------------------------------------------------------------ training
+    def on_train_start(self, trainer: Trainer, task: TaskModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        self._run_start = self._window_start = _now()
+        self._run_start_step = self._last_logged_step = trainer.global_step
+        self._window_samples = 0
+
+    def on_train_epoch_start(self, trainer: Trainer, task: TaskModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        self._epoch_batches = self._epoch_samples = 0
+        self._epoch_start = _now()
+        self._log_lines = not self.is_tty
+        if not self._log_lines:
+            self._close_train_bar()
+            self._train_bar = self._new_bar(
+                desc=f"Epoch {trainer.current_epoch}", total=trainer.num_training_batches, leave=True
+            )
+
+    def on_train_batch_end(
+        self, trainer: Trainer, task: TaskModule, outputs: dict[str, Any], batch: Any, batch_idx: int
+    ) -> None:
+        if not trainer.is_global_zero:
+            return
+        samples = (infer_batch_size(batch) or 0) * trainer.world_size  # shapes only: no sync
+        self._epoch_batches += 1
+        self._epoch_samples += samples
+        self._window_samples += samples
+        bar = self._train_bar
+        if bar is not None:
+            if self._epoch_batches == 1 and batch_idx > 0:  # resumed mid-epoch: start the count there
+                bar.n = bar.last_print_n = bar.initial = batch_idx
+            if self._epoch_batches % self.refresh_rate == 0:
+                bar.set_postfix_str(self._postfix(trainer), refresh=False)
+            bar.update(1)  # tqdm redraws at most every mininterval
+        elif self._log_lines:
+            self._maybe_log_line(trainer)
+
+    def _postfix(self, trainer: Trainer) -> str:
+        parts = [f"step={trainer.global_step}"]
+        if trainer.progress_bar_metrics:
+            parts.append(_format_metrics(trainer.progress_bar_metrics))
+        elapsed = _now() - self._epoch_start
+        if elapsed > 0 and self._epoch_samples:
+            parts.append(f"samples/s={self._epoch_samples / elapsed:.4g}")
+        return " ".join(parts)
+
+    def _maybe_log_line(self, trainer: Trainer) -> None:
+        """Logs one line when an optimizer step that is a multiple of the interval just finished."""
+        step = trainer.global_step
+        if step == self._last_logged_step or step % self.log_every_n_steps_when_not_tty != 0:
+            return  # not a step end (micro-batch inside a window), or not a logging step
+        self._last_logged_step = step
+        now = _now()
+        total = self._total_steps(trainer)
+        parts = [f"epoch {trainer.current_epoch} step {step}" + (f"/{total}" if total is not None else "")]
+        if trainer.progress_bar_metrics:
+            parts.append(_format_metrics(trainer.progress_bar_metrics))
+        window = now - self._window_start
+        if window > 0 and self._window_samples:
+            parts.append(f"{self._window_samples / window:.1f} samples/s")
+        steps_done = step - self._run_start_step
+        if total is not None and steps_done > 0 and now > self._run_start:
+            parts.append(f"eta {_format_eta((total - step) * (now - self._run_start) / steps_done)}")
+        log.info(" | ".join(parts))
+        self._window_start, self._window_samples = now, 0
+
+    @staticmethod
+    def _total_steps(trainer: Trainer) -> int | None:
+        """Optimizer steps of the whole run when known: ``max_steps``, or the epoch length (a short last
+        accumulation window is a step) times ``max_epochs``, whichever comes first."""
+        candidates: list[int] = []
+        if trainer.max_steps != -1:
+            candidates.append(trainer.max_steps)
+        batches, epochs = trainer.num_training_batches, trainer.max_epochs
+        if batches is not None and epochs is not None and epochs != -1:
+            candidates.append(math.ceil(batches / trainer.accumulate_grad_batches) * epochs)
+        return min(candidates) if candidates else None
+
+    def on_train_epoch_end(self, trainer: Trainer, task: TaskModule) -> None:
+        if trainer.is_global_zero:
+            if self._train_bar is not None:
+                self._train_bar.set_postfix_str(self._postfix(trainer), refresh=False)
+            self._close_train_bar()
+
+    # ------------------------------------------------------------------ evaluation
+    def on_validation_epoch_start(self, trainer: Trainer, task: TaskModule) -> None:
+        self._start_eval_bar(trainer, "Sanity checking" if trainer.sanity_checking else "Validation")
+
+    def on_validation_batch_end(
+        self, trainer: Trainer, task: TaskModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self._eval_bar is not None:
+            self._eval_bar.update(1)
+
+    def on_validation_epoch_end(self, trainer: Trainer, task: TaskModule) -> None:
+        self._close_eval_bar()
+
+    def on_test_epoch_start(self, trainer: Trainer, task: TaskModule) -> None:
+        self._start_eval_bar(trainer, "Testing")
+
+    def on_test_batch_end(
+        self, trainer: Trainer, task: TaskModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self._eval_bar is not None:
+            self._eval_bar.update(1)
+
+    def on_test_epoch_end(self, trainer: Trainer, task: TaskModule) -> None:
+        self._close_eval_bar()
+
+    def _start_eval_bar(self, trainer: Trainer, desc: str) -> None:
+        if trainer.is_global_zero and self.is_tty:
+            self._close_eval_bar()
+            self._eval_bar = self._new_bar(desc=desc, total=None, leave=False)
+
+    # ------------------------------------------------------------------ closing
+    def on_exception(self, trainer: Trainer, task: TaskModule, exception: BaseException) -> None:
+        self._close_all()
+
+    def teardown(self, trainer: Trainer, task: TaskModule, stage: str) -> None:
+        self._close_all()
+
+    def _new_bar(self, *, desc: str, total: int | None, leave: bool) -> tqdm:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, leave=leave, file=self.stream, dynamic_ncols=True, unit="it")
+
+    def _close_train_bar(self) -> None:
+        if self._train_bar is not None:
+            self._train_bar.close()
+            self._train_bar = None
+
+    def _close_eval_bar(self) -> None:
+        if self._eval_bar is not None:
+            self._eval_bar.close()
+            self._eval_bar = None
+
+    def _close_all(self) -> None:
+        self._close_eval_bar()
+        self._close_train_bar()

@@ -1,0 +1,86 @@
+"""Rank-zero helpers and per-rank logging (DESIGN.md section 7).
+
+Every rank runs every hook; only side effects are gated to rank 0. Python logging is configured per
+rank when the Trainer is built: rank 0 at INFO, other ranks at WARNING, every line tagged with its rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import warnings
+from typing import Any, Callable, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_log = logging.getLogger("trainer")
+_TAG_FILTER_NAME = "keel-rank-tag"
+
+
+def _env_rank() -> int:
+    """This process's global rank from the launcher's environment (0 when not launched)."""
+    for name in ("RANK", "SLURM_PROCID"):
+        value = os.environ.get(name)
+        if value is not None and value.isdigit():
+            if name == "SLURM_PROCID" and int(os.environ.get("SLURM_NTASKS", "1") or 1) <= 1:
+                continue
+            return int(value)
+    return 0
+
+
+def rank_zero_only(fn: F) -> F:
+    """Run ``fn`` on global rank 0 only; other ranks get None. Never wrap a function that calls a collective."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if _env_rank() == 0:
+            return fn(*args, **kwargs)
+        return None
+
+    return wrapped  # type: ignore[return-value]
+
+
+@rank_zero_only
+def rank_zero_info(message: str, *args: Any) -> None:
+    _log.info(message, *args)
+
+
+@rank_zero_only
+def rank_zero_warn(message: str, category: type[Warning] = UserWarning, stacklevel: int = 3) -> None:
+    warnings.warn(message, category, stacklevel=stacklevel)
+
+
+class _RankTag(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__(_TAG_FILTER_NAME)
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        if not getattr(record, "_keel_tagged", False):
+            record.msg = f"[rank {self.rank}] {record.msg}"
+            record._keel_tagged = True
+        return True
+
+
+def configure_logging(rank: int) -> None:
+    """Rank 0 logs at INFO, other ranks at WARNING, each line prefixed ``[rank N]``.
+
+    Installs a stream handler on the root logger when it has none (a plain script), and otherwise
+    (Hydra, a user's own config) adds the rank tag to the existing handlers. Idempotent.
+    """
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        root.addHandler(handler)
+    for handler in root.handlers:
+        if not any(getattr(f, "name", None) == _TAG_FILTER_NAME for f in handler.filters):
+            handler.addFilter(_RankTag(rank))
+    level = logging.INFO if rank == 0 else logging.WARNING
+    root.setLevel(level)
+    for name in ("trainer", "callbacks", "recipes"):
+        logging.getLogger(name).setLevel(level)
+    if rank != 0:
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"(trainer|callbacks)\..*")

@@ -1,0 +1,880 @@
+"""The Trainer: owns the DDP-wrapped task, the loops, precision, accumulation, data sharding and state.
+
+Read :meth:`Trainer._train_epoch` and :meth:`Trainer._optimizer_step` for the whole training step:
+``loss.backward()`` and ``optimizer.step()`` are visible there (DESIGN.md section 5).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import inspect
+import logging
+import os
+import random
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from trainer import dist
+from trainer.accumulation import MicroBatch, StepNormaliser, micro_batches
+from trainer.callback import Callback
+from trainer.checkpoint import CheckpointIO
+from trainer.data import AdaptedLoader, ResumableDistributedSampler, adapt_eval_loader, adapt_train_loader
+from trainer.loggers import Logger, default_loggers
+from trainer.metrics import MetricCollector
+from trainer.module import DataModule, TaskModule
+from trainer.optim import SchedulerConfig, parse_optimizers
+from trainer.options import TrainerOptions
+from trainer.precision import Precision
+from trainer.rank_zero import configure_logging
+from trainer.transfer import infer_batch_size, move_to_device
+
+log = logging.getLogger(__name__)
+
+
+class _StepAdapter(nn.Module):
+    """What DDP wraps: its ``forward`` is the task's ``training_step``, so DDP's gradient hooks see the
+    parameters the step used, while the user's ``forward`` stays untouched (DESIGN.md section 3)."""
+
+    def __init__(self, task: TaskModule) -> None:
+        super().__init__()
+        self.task = task
+
+    def forward(self, batch: Any, batch_idx: int) -> Any:
+        return self.task.training_step(batch, batch_idx)
+
+
+_DDP_BUFFER_SYNC_ARG = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    else "broadcast_buffers"
+)
+
+_OWNED_GROUP_EXIT_HOOK = False
+
+
+def _destroy_owned_group_at_exit() -> None:
+    global _OWNED_GROUP_EXIT_HOOK
+    if not _OWNED_GROUP_EXIT_HOOK:
+        atexit.register(dist.destroy_process_group)
+        _OWNED_GROUP_EXIT_HOOK = True
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's (when installed) and torch's global generators (CPU and CUDA)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover - numpy is optional
+        pass
+
+
+class Trainer:
+    """Runs ``fit`` / ``validate`` / ``test`` / ``predict`` for a :class:`~trainer.TaskModule`.
+
+    The same script runs as one process, under ``torchrun --nproc-per-node N`` (one or many nodes) and
+    under ``srun``: the launcher is detected from the environment and the process group is created on
+    the first call that needs it (nccl on CUDA, gloo on CPU). A group the Trainer created is destroyed
+    when the interpreter exits, and immediately when a loop raises; a group the user created is left
+    alone.
+
+    Args:
+        **options: see :class:`~trainer.options.TrainerOptions` and README "Trainer options". Invalid
+            values raise ``ValueError`` naming the option, the value and the valid choices, before any
+            process group exists.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self.options = TrainerOptions.from_kwargs(options)
+        opts = self.options
+        self.env = dist.detect_env()
+        configure_logging(self.env.rank)
+        self.device = dist.select_device(opts.accelerator, self.env)  # type: ignore[arg-type]
+        self._precision = Precision(opts.precision, self.device)
+        self.callbacks: list[Callback] = self._check_callbacks(opts.callbacks)
+        self.loggers: list[Logger] = default_loggers(opts.logger, opts.default_root_dir)
+        if opts.enable_progress_bar and not any(getattr(cb, "is_progress_bar", False) for cb in self.callbacks):
+            from trainer.progress import ProgressBar
+
+            self.callbacks.append(ProgressBar())
+        if opts.enable_checkpointing and not any(getattr(cb, "is_model_checkpoint", False) for cb in self.callbacks):
+            from trainer.model_checkpoint import ModelCheckpoint
+
+            self.callbacks.append(ModelCheckpoint())
+        self._check_callbacks(self.callbacks)
+        # Run state: the step clock, the epoch, the data cursor.
+        self.global_step = 0
+        self.current_epoch = 0
+        self._epoch_batches_done = 0  # micro-batches of current_epoch already consumed (resume)
+        self._epoch_samples = 0  # global sample cursor of current_epoch (all ranks together)
+        self._epoch_finished = False  # True while on_train_epoch_end runs (a checkpoint then resumes next epoch)
+        self._at_step_boundary = False  # True during on_train_batch_end right after an optimizer step
+        self._step_loss: torch.Tensor | None = None  # optimised loss of the last step (on device)
+        self.should_stop = False
+        self.state_stage: str | None = None
+        self.sanity_checking = False
+        self.task: TaskModule | None = None
+        self.datamodule: DataModule | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.lr_scheduler_configs: list[SchedulerConfig] = []
+        self._model: nn.Module | None = None  # the adapter, or DDP(adapter)
+        self._ddp: nn.parallel.DistributedDataParallel | None = None
+        self._train: AdaptedLoader | None = None
+        self.num_training_batches: int | None = None
+        self._metrics = MetricCollector()
+        self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.logged_metrics: dict[str, float] = {}
+        self.progress_bar_metrics: dict[str, float] = {}
+        self._owns_group = False
+        self._checkpoint_io = CheckpointIO()
+        self._logged_options = False
+
+    # ------------------------------------------------------------------ public properties
+    @property
+    def global_rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def node_rank(self) -> int:
+        return self.env.node_rank
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def precision(self) -> str:
+        return self.options.precision
+
+    @property
+    def logger(self) -> Logger | None:
+        return self.loggers[0] if self.loggers else None
+
+    @property
+    def log_dir(self) -> str:
+        """The run directory: the first logger's versioned folder, else ``default_root_dir``."""
+        if self.loggers:
+            return self.loggers[0].log_dir
+        return self.options.default_root_dir or os.getcwd()
+
+    @property
+    def default_root_dir(self) -> str:
+        return self.options.default_root_dir or os.getcwd()
+
+    @property
+    def max_epochs(self) -> int | None:
+        return self.options.max_epochs
+
+    @property
+    def max_steps(self) -> int:
+        return self.options.max_steps
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        return self.options.accumulate_grad_batches
+
+    @property
+    def checkpoint_callback(self) -> Callback | None:
+        return next((cb for cb in self.callbacks if getattr(cb, "is_model_checkpoint", False)), None)
+
+    @property
+    def lightning_module(self) -> TaskModule | None:
+        return self.task
+
+    @property
+    def training(self) -> bool:
+        return self.state_stage == "fit" and not self.sanity_checking
+
+    # ------------------------------------------------------------------ public entry points
+    def fit(
+        self,
+        task: TaskModule,
+        train_dataloaders: Iterable | None = None,
+        val_dataloaders: Iterable | Sequence[Iterable] | None = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | None = None,
+    ) -> None:
+        """Train ``task``. ``ckpt_path`` resumes from a checkpoint file, or ``"last"`` / ``"best"``."""
+        self._run("fit", task, datamodule, lambda: self._fit(train_dataloaders, val_dataloaders, ckpt_path),
+                  loaders=(train_dataloaders, val_dataloaders))
+
+    def validate(
+        self,
+        task: TaskModule | None = None,
+        dataloaders: Iterable | Sequence[Iterable] | None = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | None = None,
+    ) -> list[dict[str, float]]:
+        """Run the validation loop once. Returns one dict of epoch metrics per dataloader (reduced over
+        all ranks: means weighted by batch size), the same on every rank."""
+        return self._run("validate", task, datamodule, lambda: self._evaluate_stage("validate", dataloaders, ckpt_path),
+                         loaders=(dataloaders,))
+
+    def test(
+        self,
+        task: TaskModule | None = None,
+        dataloaders: Iterable | Sequence[Iterable] | None = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | None = None,
+    ) -> list[dict[str, float]]:
+        """Run the test loop once; returns metrics like :meth:`validate`."""
+        return self._run("test", task, datamodule, lambda: self._evaluate_stage("test", dataloaders, ckpt_path),
+                         loaders=(dataloaders,))
+
+    def predict(
+        self,
+        task: TaskModule | None = None,
+        dataloaders: Iterable | Sequence[Iterable] | None = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | None = None,
+    ) -> list[Any] | None:
+        """Run ``predict_step`` over the data and return the per-batch outputs (moved to CPU) in dataset order.
+
+        Each rank predicts a contiguous shard; the shards are gathered in rank order, so the list is in
+        dataset order. With ``predict_return="all_ranks"`` (default) every rank returns the whole list;
+        with ``"rank_zero"`` rank 0 returns it and other ranks return None. With several dataloaders the
+        result is a list of such lists.
+        """
+        return self._run("predict", task, datamodule, lambda: self._predict(dataloaders, ckpt_path), loaders=(dataloaders,))
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Write a checkpoint of the whole run state to ``path`` (rank 0 writes; all ranks must call)."""
+        state = self._checkpoint_state()
+        self._checkpoint_io.save(state, path, is_writer=self.is_global_zero)
+        dist.barrier(self.device)
+
+    # ------------------------------------------------------------------ stage plumbing
+    def _run(
+        self,
+        stage: str,
+        task: TaskModule | None,
+        datamodule: DataModule | None,
+        body: Callable[[], Any],
+        *,
+        loaders: tuple[Any, ...],
+    ) -> Any:
+        if task is None:
+            task = self.task
+            if task is None:
+                raise ValueError(f"Trainer.{stage}() needs a task: pass the TaskModule as the first argument.")
+        if not isinstance(task, TaskModule):
+            raise TypeError(f"Trainer.{stage}() expects a TaskModule, got {type(task).__name__}.")
+        if datamodule is not None:
+            if not isinstance(datamodule, DataModule):
+                raise TypeError(f"datamodule must be a trainer.DataModule, got {type(datamodule).__name__}.")
+            if any(loader is not None for loader in loaders):
+                raise ValueError(
+                    f"Trainer.{stage}(): pass either dataloaders or a datamodule, not both."
+                )
+        self._init_distributed()
+        self.task, self.datamodule, self.state_stage = task, datamodule, stage
+        task._trainer = self
+        if datamodule is not None:
+            datamodule._trainer = self
+        self._metrics.reset()
+        try:
+            self._setup_stage(stage)
+            result = body()
+        except BaseException as exc:
+            for cb in self.callbacks:
+                cb.on_exception(self, task, exc)
+            self._teardown_stage(stage, failed=True)
+            raise
+        self._teardown_stage(stage, failed=False)
+        return result
+
+    def _init_distributed(self) -> None:
+        if not self.env.is_distributed or dist.is_initialized():
+            if dist.is_initialized() and dist.get_world_size() != self.env.world_size:
+                raise RuntimeError("A process group exists whose world size does not match the launcher's.")
+            return
+        timeout = datetime.timedelta(seconds=self.options.process_group_timeout)
+        backend = dist.backend_for(self.device)
+        self._owns_group = dist.init_process_group(self.env, backend=backend, timeout=timeout, device=self.device)
+        if self._owns_group:
+            _destroy_owned_group_at_exit()
+        log.info(
+            "Process group: backend=%s world_size=%d (launcher %s, %d node(s)).",
+            backend, self.env.world_size, self.env.launcher,
+            max(1, self.env.world_size // max(1, self.env.local_world_size)),
+        )
+
+    def _setup_stage(self, stage: str) -> None:
+        opts = self.options
+        task = self.task
+        assert task is not None
+        if not self._logged_options and self.is_global_zero:
+            log.info("Trainer options: %s", self.options.resolved())
+            self._logged_options = True
+        if opts.seed is not None:
+            seed_everything(opts.seed + self.global_rank)
+        if opts.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+        for logger in self.loggers:
+            logger.resolve_version()  # rank 0 picks, all ranks agree (broadcast)
+        if self.datamodule is not None:
+            if self.env.local_rank == 0:
+                self.datamodule.prepare_data()
+            dist.barrier(self.device)
+            self.datamodule.setup(stage)
+        task.setup(stage)
+        for cb in self.callbacks:
+            cb.setup(self, task, stage)
+        task.to(self.device)
+        self._precision.convert_module(task)
+
+    def _teardown_stage(self, stage: str, *, failed: bool) -> None:
+        task = self.task
+        assert task is not None
+        errors: list[BaseException] = []
+        for fn in [lambda: task.teardown(stage)] + [
+            (lambda cb=cb: cb.teardown(self, task, stage)) for cb in self.callbacks
+        ] + ([lambda: self.datamodule.teardown(stage)] if self.datamodule is not None else []):
+            try:
+                fn()
+            except Exception as exc:  # keep tearing down; report the first error below
+                errors.append(exc)
+        if self.is_global_zero:
+            for logger in self.loggers:
+                logger.finalize("failed" if failed else "success")
+        self._model = self._ddp = None
+        self.state_stage = None
+        if failed and self._owns_group:
+            dist.destroy_process_group()
+            self._owns_group = False
+        if errors and not failed:
+            raise errors[0]
+
+    def _check_callbacks(self, callbacks: Sequence[Any]) -> list[Callback]:
+        keys: dict[str, Callback] = {}
+        for cb in callbacks:
+            if not isinstance(cb, Callback):
+                raise ValueError(
+                    f"Trainer option callbacks contains {type(cb).__name__}, which is not a callbacks.Callback."
+                )
+            if cb.state_dict():
+                if cb.state_key in keys:
+                    raise ValueError(
+                        f"Two stateful callbacks share state_key {cb.state_key!r} ({type(keys[cb.state_key]).__name__} "
+                        f"and {type(cb).__name__}); give each a distinct state_key."
+                    )
+                keys[cb.state_key] = cb
+        return list(callbacks)
+
+    # ------------------------------------------------------------------ data
+    def _resolve_loaders(self, stage: str, given: Any) -> list[Any]:
+        if given is None:
+            source = self.datamodule if self.datamodule is not None else self.task
+            given = {
+                "train": source.train_dataloader,
+                "validate": source.val_dataloader,
+                "test": source.test_dataloader,
+                "predict": source.predict_dataloader,
+            }[stage]()
+        if given is None:
+            return []
+        if isinstance(given, (list, tuple)):
+            return list(given)
+        return [given]
+
+    def _limit(self, loader: Any, limit: int | float, name: str) -> int | None:
+        """Number of batches to run from ``loader`` after ``limit_*_batches`` / ``fast_dev_run``."""
+        fast = self.options.fast_dev_run
+        if fast:
+            limit = 1 if fast is True else int(fast)
+        try:
+            length = len(loader)
+        except TypeError:
+            length = None
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            return limit if length is None else min(limit, length)
+        if length is None:
+            if limit == 1.0:
+                return None
+            raise ValueError(
+                f"Trainer option {name}={limit} is a fraction, but the loader has no len(); pass an int "
+                "number of batches instead."
+            )
+        return int(length * limit)
+
+    # ------------------------------------------------------------------ fit
+    def _fit(self, train_dataloaders: Any, val_dataloaders: Any, ckpt_path: str | None) -> None:
+        task = self.task
+        assert task is not None
+        opts = self.options
+        train_loaders = self._resolve_loaders("train", train_dataloaders)
+        if len(train_loaders) != 1:
+            raise ValueError(
+                "Trainer.fit needs exactly one training dataloader (train_dataloaders=..., a datamodule, or "
+                f"task.train_dataloader()); got {len(train_loaders)}."
+            )
+        self._train = adapt_train_loader(
+            train_loaders[0], num_replicas=self.world_size, rank=self.global_rank, seed=opts.seed or 0
+        )
+        val_loaders = [
+            adapt_eval_loader(loader, num_replicas=self.world_size, rank=self.global_rank, seed=opts.seed or 0)
+            for loader in self._resolve_loaders("validate", val_dataloaders)
+        ]
+        self._configure_model_and_optimizers()
+        self.global_step = self.current_epoch = self._epoch_batches_done = self._epoch_samples = 0
+        self.should_stop = False
+        if ckpt_path is not None:
+            self._restore(ckpt_path, full=True)
+        task.on_fit_start()
+        for cb in self.callbacks:
+            cb.on_fit_start(self, task)
+        if val_loaders and opts.num_sanity_val_steps != 0 and not opts.fast_dev_run and self.global_step == 0:
+            self.sanity_checking = True
+            try:
+                limit = None if opts.num_sanity_val_steps == -1 else opts.num_sanity_val_steps
+                self._evaluate("validate", val_loaders, limit_override=limit)
+            finally:
+                self.sanity_checking = False
+        task.on_train_start()
+        for cb in self.callbacks:
+            cb.on_train_start(self, task)
+        max_epochs = 1 if opts.fast_dev_run else opts.max_epochs
+        while not self._done_training(max_epochs):
+            self._train_epoch(val_loaders)
+            if self.should_stop:
+                break
+        task.on_train_end()
+        for cb in self.callbacks:
+            cb.on_train_end(self, task)
+        task.on_fit_end()
+        for cb in self.callbacks:
+            cb.on_fit_end(self, task)
+
+    def _done_training(self, max_epochs: int | None) -> bool:
+        if self.options.max_steps != -1 and self.global_step >= self.options.max_steps:
+            return True
+        return max_epochs is not None and max_epochs != -1 and self.current_epoch >= max_epochs
+
+    def _configure_model_and_optimizers(self) -> None:
+        task = self.task
+        assert task is not None
+        opts = self.options
+        if opts.sync_batchnorm and self.world_size > 1:
+            converted = nn.SyncBatchNorm.convert_sync_batchnorm(task)
+            if converted is not task:  # the task itself is never a BatchNorm layer
+                raise TypeError("sync_batchnorm: the task itself must not be a BatchNorm layer.")
+        self.optimizers, self.lr_scheduler_configs = parse_optimizers(task.configure_optimizers())
+        adapter = _StepAdapter(task)
+        if self.world_size > 1:
+            if not any(p.requires_grad for p in task.parameters()):
+                raise ValueError(f"{type(task).__name__} has no trainable parameters; DDP has nothing to synchronise.")
+            kwargs: dict[str, Any] = dict(
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                find_unused_parameters=opts.find_unused_parameters,
+                static_graph=opts.static_graph,
+                gradient_as_bucket_view=opts.gradient_as_bucket_view,
+            )
+            # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (same meaning for True; False
+            # still syncs once at construction, which keel wants anyway).
+            kwargs[_DDP_BUFFER_SYNC_ARG] = opts.broadcast_buffers
+            if opts.bucket_cap_mb is not None:
+                kwargs["bucket_cap_mb"] = opts.bucket_cap_mb
+            self._ddp = nn.parallel.DistributedDataParallel(adapter, **kwargs)
+            self._model = self._ddp
+        else:
+            self._ddp = None
+            self._model = adapter
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    def _train_epoch(self, val_loaders: list[AdaptedLoader]) -> None:
+        """One epoch: micro-batches grouped into optimizer steps, validation and logging on the step clock."""
+        task, opts, train = self.task, self.options, self._train
+        assert task is not None and train is not None and self._model is not None
+        sampler = train.sampler if isinstance(train.sampler, ResumableDistributedSampler) else None
+        if sampler is not None:
+            sampler.set_epoch(self.current_epoch)  # also rewinds the cursor to 0
+        # Whole-epoch length (before a resume cursor shortens the sampler), after limit_train_batches.
+        num_batches = self._limit(train.loader, opts.limit_train_batches, "limit_train_batches")
+        start = self._epoch_batches_done
+        if start and sampler is not None:
+            sampler.set_cursor(self._epoch_samples)  # resume at the global sample cursor: nothing is re-read
+        elif start:
+            log.warning("Resuming mid-epoch with a loader keel cannot adapt (%s): the epoch restarts from its "
+                        "first batch.", train.reason)
+            start = self._epoch_batches_done = self._epoch_samples = 0
+        self.num_training_batches = num_batches
+        global_batch = (train.loader.batch_size or 0) * self.world_size if sampler is not None else 0
+        task.train()
+        self._metrics.stage = "train"
+        task.on_train_epoch_start()
+        for cb in self.callbacks:
+            cb.on_train_epoch_start(self, task)
+        k = opts.accumulate_grad_batches
+        normaliser = StepNormaliser(accumulate=k, world_size=self.world_size, device=self.device)
+        for micro in micro_batches(train.loader, start_idx=start, num_batches=num_batches, accumulate=k,
+                                   drop_incomplete=opts.drop_incomplete_accumulation):
+            outputs = self._training_micro_batch(micro, normaliser)
+            self._epoch_batches_done = micro.batch_idx + 1
+            self._epoch_samples += global_batch
+            stepped = False
+            if micro.is_step_end:
+                if opts.drop_incomplete_accumulation and micro.window_len is None and normaliser.ran < k:
+                    for optimizer in self.optimizers:  # unknown-length epoch ended inside a window: discard it
+                        optimizer.zero_grad(set_to_none=True)
+                    normaliser.reset()
+                else:
+                    stepped = self._optimizer_step(normaliser)
+            self._at_step_boundary = stepped
+            task.on_train_batch_end(outputs, micro.batch, micro.batch_idx)
+            for cb in self.callbacks:
+                cb.on_train_batch_end(self, task, outputs, micro.batch, micro.batch_idx)
+            self._at_step_boundary = False
+            if stepped:
+                self._after_step(val_loaders)
+            if self.should_stop or self._done_training(None):
+                break
+        self._epoch_end(val_loaders)
+
+    def _training_micro_batch(self, micro: MicroBatch, normaliser: StepNormaliser) -> dict[str, Any]:
+        """Forward and backward of one micro-batch. DDP's all-reduce runs only on the step's last one."""
+        batch = move_to_device(micro.batch, self.device, float_dtype=self._precision.param_dtype)
+        micro.batch = batch
+        self._metrics.batch_size = infer_batch_size(batch)
+        task = self.task
+        task.on_train_batch_start(batch, micro.batch_idx)
+        for cb in self.callbacks:
+            cb.on_train_batch_start(self, task, batch, micro.batch_idx)
+        # no_sync on every micro-batch but the last of the step: forward AND backward inside it, so
+        # gradients accumulate locally and DDP all-reduces once per optimizer step.
+        sync = micro.is_step_end or self._ddp is None
+        with (contextlib.nullcontext() if sync else self._ddp.no_sync()):
+            with self._precision.autocast():
+                output = self._model(batch, micro.batch_idx)
+            loss, outputs, num_items = _split_step_output(output)
+            scaled = normaliser.scale(loss, num_items, micro.window_len)
+            task.on_before_backward(scaled)
+            for cb in self.callbacks:
+                cb.on_before_backward(self, task, scaled)
+            self._precision.backward(scaled)
+            task.on_after_backward()
+            for cb in self.callbacks:
+                cb.on_after_backward(self, task)
+        return outputs
+
+    def _optimizer_step(self, normaliser: StepNormaliser) -> bool:
+        """Complete the step: normalise, unscale, hook, clip, step, schedule, zero. False if skipped."""
+        opts = self.options
+        grad_factor, step_loss, skip = normaliser.finish()
+        normaliser.reset()
+        params = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]]
+        if skip:
+            log.warning("Step %d saw zero items (num_items) on every rank; the optimizer step is skipped.", self.global_step)
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            return False
+        for optimizer in self.optimizers:
+            self._precision.unscale(optimizer)
+        grads = [p.grad for p in params if p.grad is not None]
+        if grad_factor is not None and grads:
+            torch._foreach_mul_(grads, grad_factor)
+        task = self.task
+        for optimizer in self.optimizers:
+            task.on_before_optimizer_step(optimizer)
+            for cb in self.callbacks:
+                cb.on_before_optimizer_step(self, task, optimizer)
+        if opts.gradient_clip_val is not None and grads:
+            if opts.gradient_clip_algorithm == "norm":
+                nn.utils.clip_grad_norm_(params, opts.gradient_clip_val, foreach=True)
+            else:
+                nn.utils.clip_grad_value_(params, opts.gradient_clip_val, foreach=True)
+        for optimizer in self.optimizers:
+            self._precision.optimizer_step(optimizer)
+        self._precision.update()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        self._step_schedulers("step", self.global_step)
+        self._step_loss = step_loss
+        return True
+
+    def _step_schedulers(self, interval: str, count: int) -> None:
+        for config in self.lr_scheduler_configs:
+            if config.interval != interval or count % config.frequency != 0:
+                continue
+            if config.monitor is not None:
+                if config.monitor not in self.callback_metrics:
+                    if not config.strict:
+                        continue
+                    raise KeyError(
+                        f"lr_scheduler monitors {config.monitor!r}, which was not logged; available metrics: "
+                        f"{sorted(self.callback_metrics)}."
+                    )
+                config.scheduler.step(float(self.callback_metrics[config.monitor]))
+            else:
+                config.scheduler.step()
+
+    def _after_step(self, val_loaders: list[AdaptedLoader]) -> None:
+        """Step-clock triggers after an optimizer step: logging, then validation."""
+        opts = self.options
+        if self.global_step % opts.log_every_n_steps == 0 or opts.fast_dev_run:
+            self._log_step_metrics()
+        if val_loaders and opts.val_check_interval is not None and self.global_step % opts.val_check_interval == 0:
+            self._evaluate("validate", val_loaders)
+
+    def _log_step_metrics(self) -> None:
+        """Logging step: one host read and one collective for all step metrics (DESIGN.md section 11)."""
+        if self._step_loss is not None:
+            self._metrics.log("loss", self._step_loss, on_step=True, on_epoch=False, prog_bar=True, logger=False,
+                              batch_size=None, reduce_fx="mean")
+        if not self._metrics.has_step_metrics():
+            return
+        values, to_logger, to_bar = self._metrics.reduce_step()
+        self._publish(values, to_logger, to_bar)
+
+    def _publish(self, values: dict[str, float], to_logger: dict[str, float], to_bar: dict[str, float]) -> None:
+        self.callback_metrics.update({k: torch.tensor(v) for k, v in values.items()})
+        self.progress_bar_metrics.update(to_bar)
+        if to_logger and not self.sanity_checking:
+            self.logged_metrics.update(to_logger)
+            if self.is_global_zero:
+                for logger in self.loggers:
+                    logger.log_metrics(dict(to_logger, epoch=self.current_epoch), step=self.global_step)
+
+    def _epoch_end(self, val_loaders: list[AdaptedLoader]) -> None:
+        opts = self.options
+        if (
+            val_loaders
+            and opts.val_check_interval is None
+            and opts.check_val_every_n_epoch is not None
+            and (self.current_epoch + 1) % opts.check_val_every_n_epoch == 0
+        ):
+            self._evaluate("validate", val_loaders)
+        task = self.task
+        self._epoch_finished = True
+        task.on_train_epoch_end()
+        # Training metrics logged with on_epoch=True (and in the hook above), reduced over ranks.
+        self._publish(*self._metrics.reduce_epoch())
+        for cb in self.callbacks:
+            cb.on_train_epoch_end(self, task)
+        self._step_schedulers("epoch", self.current_epoch + 1)
+        self._epoch_finished = False
+        self.current_epoch += 1
+        self._epoch_batches_done = self._epoch_samples = 0
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate_stage(self, stage: str, dataloaders: Any, ckpt_path: str | None) -> list[dict[str, float]]:
+        loaders = [
+            adapt_eval_loader(loader, num_replicas=self.world_size, rank=self.global_rank, seed=self.options.seed or 0)
+            for loader in self._resolve_loaders(stage, dataloaders)
+        ]
+        if not loaders:
+            raise ValueError(f"Trainer.{stage}() found no dataloader: pass dataloaders=..., a datamodule, or implement "
+                             f"task.{'val' if stage == 'validate' else stage}_dataloader().")
+        if ckpt_path is not None:
+            self._restore(ckpt_path, full=False)
+        return self._evaluate(stage, loaders)
+
+    def _evaluate(self, stage: str, loaders: list[AdaptedLoader], *, limit_override: int | None = None) -> list[dict[str, float]]:
+        """Validation or test loop. Ranks may run different batch counts: nothing here is collective until
+        the epoch-end reduction, which all ranks reach once per loader."""
+        task = self.task
+        assert task is not None
+        validating = stage == "validate"
+        was_training = task.training
+        task.eval()
+        self._metrics.stage = stage
+        limit_name = "limit_val_batches" if validating else "limit_test_batches"
+        results: list[dict[str, float]] = []
+        if validating:
+            task.on_validation_epoch_start()
+            for cb in self.callbacks:
+                cb.on_validation_epoch_start(self, task)
+        else:
+            task.on_test_epoch_start()
+            for cb in self.callbacks:
+                cb.on_test_epoch_start(self, task)
+        step = task.validation_step if validating else task.test_step
+        many = len(loaders) > 1
+        with torch.no_grad():
+            for loader_idx, adapted in enumerate(loaders):
+                limit = limit_override if limit_override is not None else self._limit(
+                    adapted.loader, getattr(self.options, limit_name), limit_name)
+                for batch_idx, batch in enumerate(adapted.loader):
+                    if limit is not None and batch_idx >= limit:
+                        break
+                    batch = move_to_device(batch, self.device, float_dtype=self._precision.param_dtype)
+                    self._metrics.batch_size = infer_batch_size(batch)
+                    with self._precision.autocast():
+                        outputs = step(batch, batch_idx, loader_idx) if many else step(batch, batch_idx)
+                    if validating:
+                        task.on_validation_batch_end(outputs, batch, batch_idx, loader_idx)
+                        for cb in self.callbacks:
+                            cb.on_validation_batch_end(self, task, outputs, batch, batch_idx, loader_idx)
+                    else:
+                        task.on_test_batch_end(outputs, batch, batch_idx, loader_idx)
+                        for cb in self.callbacks:
+                            cb.on_test_batch_end(self, task, outputs, batch, batch_idx, loader_idx)
+                if loader_idx < len(loaders) - 1:
+                    results.append(self._reduce_eval(loader_idx, len(loaders)))
+        # The task's epoch-end hook may still log; callbacks then see the reduced epoch metrics.
+        if validating:
+            task.on_validation_epoch_end()
+            results.append(self._reduce_eval(len(loaders) - 1, len(loaders)))
+            for cb in self.callbacks:
+                cb.on_validation_epoch_end(self, task)
+        else:
+            task.on_test_epoch_end()
+            results.append(self._reduce_eval(len(loaders) - 1, len(loaders)))
+            for cb in self.callbacks:
+                cb.on_test_epoch_end(self, task)
+        if was_training:
+            task.train()
+            self._metrics.stage = "train"
+        return results
+
+    def _reduce_eval(self, loader_idx: int, num_loaders: int) -> dict[str, float]:
+        values, to_logger, to_bar = self._metrics.reduce_epoch()
+        if num_loaders > 1:
+            suffix = f"/dataloader_idx_{loader_idx}"
+            values, to_logger, to_bar = ({k + suffix: v for k, v in d.items()} for d in (values, to_logger, to_bar))
+        if not self.sanity_checking:
+            self._publish(values, to_logger, to_bar)
+        return values
+
+    def _predict(self, dataloaders: Any, ckpt_path: str | None) -> list[Any] | None:
+        task = self.task
+        assert task is not None
+        loaders = [
+            adapt_eval_loader(loader, num_replicas=self.world_size, rank=self.global_rank, seed=self.options.seed or 0)
+            for loader in self._resolve_loaders("predict", dataloaders)
+        ]
+        if not loaders:
+            raise ValueError("Trainer.predict() found no dataloader: pass dataloaders=..., a datamodule, or "
+                             "implement task.predict_dataloader().")
+        if ckpt_path is not None:
+            self._restore(ckpt_path, full=False)
+        task.eval()
+        self._metrics.stage = "predict"
+        results: list[list[Any] | None] = []
+        with torch.no_grad():
+            for loader_idx, adapted in enumerate(loaders):
+                limit = self._limit(adapted.loader, self.options.limit_predict_batches, "limit_predict_batches")
+                local: list[Any] = []
+                for batch_idx, batch in enumerate(adapted.loader):
+                    if limit is not None and batch_idx >= limit:
+                        break
+                    batch = move_to_device(batch, self.device, float_dtype=self._precision.param_dtype)
+                    with self._precision.autocast():
+                        out = task.predict_step(batch, batch_idx) if len(loaders) == 1 else task.predict_step(batch, batch_idx, loader_idx)
+                    local.append(move_to_device(out, torch.device("cpu")))
+                gathered = dist.all_gather_object(local) if self.world_size > 1 else [local]
+                merged = [item for rank_items in gathered for item in rank_items]
+                results.append(merged if (self.is_global_zero or self.options.predict_return == "all_ranks") else None)
+        for cb in self.callbacks:
+            cb.on_predict_epoch_end(self, task)
+        return results[0] if len(results) == 1 else results
+
+    # ------------------------------------------------------------------ checkpoint state
+    def _checkpoint_state(self) -> dict[str, Any]:
+        from trainer import checkpoint as ckpt
+
+        return ckpt.assemble(self)
+
+    def _restore(self, ckpt_path: str, *, full: bool) -> None:
+        from trainer import checkpoint as ckpt
+
+        ckpt.restore(self, ckpt_path, full=full)
+
+    def _samples_consumed(self) -> int:
+        return self._epoch_samples
+
+    def _restore_loop(self, loop: dict[str, Any], *, saved_world_size: int) -> None:
+        """Set the step clock and the data cursor from a checkpoint's loop state."""
+        self.global_step = int(loop["global_step"])
+        if loop["epoch_finished"]:
+            self.current_epoch = int(loop["epoch"]) + 1
+            self._epoch_batches_done = self._epoch_samples = 0
+            return
+        self.current_epoch = int(loop["epoch"])
+        self._epoch_samples = int(loop["samples_consumed"])
+        if saved_world_size == self.world_size:
+            self._epoch_batches_done = int(loop["batches_done"])
+        else:
+            # Another world size: the global cursor stays exact; batch indices restart from it.
+            batch_size = getattr(self._train.loader, "batch_size", None) if self._train is not None else None
+            per_step = (batch_size or 1) * self.world_size
+            self._epoch_batches_done = -(-self._epoch_samples // per_step)
+            log.warning("Checkpoint was saved with world size %d, resuming on %d: the data cursor resumes at "
+                        "sample %d of epoch %d.", saved_world_size, self.world_size, self._epoch_samples,
+                        self.current_epoch)
+
+    def _resolve_ckpt_path(self, ckpt_path: str) -> str | None:
+        """``"last"`` / ``"best"`` / a path -> a file to load (decided on rank 0, broadcast), or None.
+
+        ``"last"`` is a no-op on a first run (nothing saved yet) and skips unreadable files with a warning,
+        falling back to the previous checkpoint recorded in the ``last`` pointer.
+        """
+        from trainer.model_checkpoint import read_pointer
+
+        if ckpt_path not in ("last", "best"):
+            return str(ckpt_path)
+        callback = self.checkpoint_callback
+        if callback is None:
+            raise ValueError(f'ckpt_path="{ckpt_path}" needs a ModelCheckpoint callback (enable_checkpointing=True).')
+        if ckpt_path == "best":
+            if not callback.best_model_path:
+                raise ValueError('ckpt_path="best": no best checkpoint is known yet (no monitored save happened).')
+            return callback.best_model_path
+        chosen: str | None = None
+        if self.is_global_zero:
+            directory = callback.dirpath
+            for name in read_pointer(directory):
+                candidate = os.path.join(directory, name)
+                try:
+                    self._checkpoint_io.load(candidate)
+                except Exception as exc:
+                    log.warning("Skipping checkpoint %s for ckpt_path='last': %s", candidate, exc)
+                    continue
+                chosen = candidate
+                break
+            if chosen is None:
+                log.info("ckpt_path='last': no checkpoint in %s yet; starting from scratch.", directory)
+        return dist.broadcast_object(chosen)
+
+
+def _split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any], Any]:
+    """``(loss, detached outputs for callbacks, num_items)`` from what ``training_step`` returned."""
+    if isinstance(output, torch.Tensor):
+        loss, extras, num_items = output, {}, None
+    elif isinstance(output, dict):
+        if "loss" not in output:
+            raise ValueError(
+                f"training_step returned a dict without 'loss' (keys: {sorted(output)}); include the loss tensor."
+            )
+        loss, num_items = output["loss"], output.get("num_items")
+        extras = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in output.items() if k not in ("loss",)}
+    else:
+        raise ValueError(
+            f"training_step returned {type(output).__name__}; return a scalar loss tensor or a dict with 'loss'."
+        )
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(
+            f"training_step's loss must be a scalar tensor; got "
+            f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}."
+        )
+    if not loss.requires_grad:
+        raise ValueError("training_step's loss does not require grad: it was computed without the task's parameters "
+                         "(or under torch.no_grad()).")
+    return loss.reshape(()), dict(extras, loss=loss.detach()), num_items
