@@ -355,6 +355,10 @@ class Trainer:
                 logger.finalize("failed" if failed else "success")
         self._model = self._ddp = None
         self.state_stage = None
+        if not failed:
+            # Leave every stage together: no rank exits (and tears gloo down at interpreter exit) while a
+            # peer is still inside the stage's last collective.
+            dist.barrier(self.device)
         if failed and self._owns_group:
             dist.destroy_process_group()
             self._owns_group = False
@@ -366,7 +370,8 @@ class Trainer:
         for cb in callbacks:
             if not isinstance(cb, Callback):
                 raise ValueError(
-                    f"Trainer option callbacks contains {type(cb).__name__}, which is not a callbacks.Callback."
+                    f"Trainer option callbacks contains {cb!r} ({type(cb).__name__}); expected "
+                    "callbacks.Callback instances."
                 )
             if cb.state_dict():
                 if cb.state_key in keys:

@@ -1,0 +1,440 @@
+"""Per-step overhead of ``Trainer.fit`` over a hand-written PyTorch loop (DESIGN.md section 11).
+
+    python benchmarks/overhead.py                      # full run: 1 process and 2-process DDP (gloo)
+    python benchmarks/overhead.py --quick --single-only
+
+The same model, data and optimizer run under a hand-written loop and under the Trainer, alternating
+in one process (loop, trainer, trainer+self.log, then the reverse order on the next repeat) so machine
+noise hits all of them. Only training steps are timed: from the end of the ``--warmup``-th step to the
+end of the last one (``time.perf_counter`` in ``on_train_batch_end`` for the Trainer, at the same point
+of the hand loop), so process-group init, DDP construction, loader rebuilding and teardown are excluded.
+
+Every case runs in a child process with OMP_NUM_THREADS=1 and ``torch.set_num_threads(1)``; the DDP
+cases run under ``python -m torch.distributed.run`` on 127.0.0.1 (gloo). The hand DDP loop wraps the
+model in ``DistributedDataParallel`` and reads a ``DistributedSampler(shuffle=False)``; the Trainer
+gets a plain DataLoader and shards it itself. Every child launch ends within ``--timeout`` seconds.
+
+The result is a report, not a test: PASS/MISS is printed next to each ratio, and the exit status is 0
+unless a child process failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `python benchmarks/overhead.py` from a plain checkout
+    sys.path.insert(0, str(REPO_ROOT))
+
+BATCH_SIZE = 64
+LR = 0.01
+LOG_EVERY_N_STEPS = 50  # the Trainer's default: some timed steps are logging steps
+MODELS = {  # name -> layer widths of an MLP with ReLU between layers
+    "tiny": (32, 96, 64, 10),  # 10,026 parameters
+    "mlp1m": (256, 1024, 704, 10),  # 991,818 parameters
+}
+STEPS = {"tiny": 500, "mlp1m": 100}  # timed steps per repeat (after the warm-up steps)
+QUICK_STEPS = {"tiny": 30, "mlp1m": 10}
+TARGETS = {"tiny": 1.10, "mlp1m": 1.03}  # trainer_time / loop_time, from the issue
+SELF_LOG_TARGET_US = 50.0
+RUNNERS = ("loop", "trainer", "trainer_log")
+_MARKER = "KEEL_BENCH_LAUNCH_ID"  # inherited by every process of a launch, so all can be found and killed
+
+
+# --------------------------------------------------------------------------- the measured code (child processes)
+
+
+class Clock:
+    """Wall time and process CPU time at the end of each step. CPU time (all threads of the process,
+    gloo's included) leaves out time spent descheduled, so it is steadier on a shared machine."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def tick(self) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+    def window(self, warmup: int) -> tuple[float, float]:
+        """(wall, cpu) seconds from the end of step ``warmup`` to the end of the last step."""
+        return self.wall[-1] - self.wall[warmup - 1], self.cpu[-1] - self.cpu[warmup - 1]
+
+
+def make_net(name: str, seed: int = 0):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    widths = MODELS[name]
+    layers: list[nn.Module] = []
+    for i, (fan_in, fan_out) in enumerate(zip(widths, widths[1:])):
+        layers += [nn.Linear(fan_in, fan_out)] + ([nn.ReLU()] if i < len(widths) - 2 else [])
+    return nn.Sequential(*layers)
+
+
+def make_data(name: str, num_samples: int):
+    import torch
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(num_samples, MODELS[name][0], generator=g)
+    y = torch.randint(0, MODELS[name][-1], (num_samples,), generator=g)
+    return TensorDataset(x, y)
+
+
+def hand_loop(name: str, dataset, total_steps: int, warmup: int, ddp: bool) -> tuple[float, float]:
+    """The baseline: plain PyTorch (plus DDP and a DistributedSampler when ``ddp``). Returns seconds."""
+    import torch
+    from torch.nn import functional as F
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    net = make_net(name)
+    model = torch.nn.parallel.DistributedDataParallel(net) if ddp else net
+    sampler = DistributedSampler(dataset, shuffle=False) if ddp else None
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    clock = Clock()
+    for x, y in loader:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.tick()  # the same point as the Trainer's on_train_batch_end
+        if len(clock.wall) == total_steps:
+            break
+    assert len(clock.wall) == total_steps, f"hand loop ran {len(clock.wall)} of {total_steps} steps"
+    return clock.window(warmup)
+
+
+def run_trainer(name: str, dataset, total_steps: int, warmup: int, log_every_step: bool) -> tuple[float, float]:
+    """``Trainer.fit`` on the same net, data and optimizer. Returns (wall, cpu) seconds of the timed steps."""
+    import torch
+    from torch.nn import functional as F
+    from torch.utils.data import DataLoader
+
+    from trainer import Callback, TaskModule, Trainer
+
+    class BenchTask(TaskModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_net(name)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            if log_every_step:
+                self.log("train/loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.net.parameters(), lr=LR)
+
+    class StepClock(Callback):
+        def __init__(self) -> None:
+            self.clock = Clock()
+
+        def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+            self.clock.tick()
+
+    stepclock = StepClock()
+    trainer = Trainer(
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
+        log_every_n_steps=LOG_EVERY_N_STEPS, max_steps=total_steps, callbacks=[stepclock],
+    )
+    trainer.fit(BenchTask(), train_dataloaders=DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=False))
+    clock = stepclock.clock
+    assert trainer.global_step == total_steps == len(clock.wall), (trainer.global_step, len(clock.wall))
+    return clock.window(warmup)
+
+
+def measure(name: str, steps: int, warmup: int, repeats: int) -> dict:
+    """All repeats of one model; in DDP every rank calls it and rank 0's dict is the result."""
+    import torch
+    import torch.distributed as tdist
+
+    ddp = tdist.is_initialized()
+    world = tdist.get_world_size() if ddp else 1
+    total = warmup + steps
+    dataset = make_data(name, total * BATCH_SIZE * world)  # exactly one epoch of `total` steps per rank
+    wall: dict[str, list[float]] = {r: [] for r in RUNNERS}
+    cpu: dict[str, list[float]] = {r: [] for r in RUNNERS}
+    for rep in range(repeats):
+        for runner in RUNNERS if rep % 2 == 0 else RUNNERS[::-1]:  # cancel order effects
+            gc.collect()
+            if ddp:
+                tdist.barrier()
+            if runner == "loop":
+                seconds = hand_loop(name, dataset, total, warmup, ddp)
+            else:
+                seconds = run_trainer(name, dataset, total, warmup, log_every_step=runner == "trainer_log")
+            if ddp:  # the slowest rank's times (ranks are in lock-step through the all-reduce anyway)
+                t = torch.tensor(seconds, dtype=torch.float64)
+                tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+                seconds = tuple(t.tolist())
+            wall[runner].append(seconds[0])
+            cpu[runner].append(seconds[1])
+    loop, trn, trn_log = (wall[r] for r in RUNNERS)
+    cpu_loop, cpu_trn, cpu_trn_log = (cpu[r] for r in RUNNERS)
+    return {
+        "model": name, "params": sum(p.numel() for p in make_net(name).parameters()), "procs": world,
+        "steps": steps, "warmup": warmup, "repeats": repeats, "batch_size": BATCH_SIZE,
+        "wall_s": wall, "cpu_s": cpu,
+        "loop_steps_per_s": steps / statistics.median(loop),
+        "trainer_steps_per_s": steps / statistics.median(trn),
+        "trainer_log_steps_per_s": steps / statistics.median(trn_log),
+        # Paired per repeat (same moment of the run), then the median over repeats.
+        "ratio": statistics.median(t / b for t, b in zip(trn, loop)),
+        "ratio_log": statistics.median(t / b for t, b in zip(trn_log, loop)),
+        "self_log_us": statistics.median((a - b) / steps * 1e6 for a, b in zip(trn_log, trn)),
+        "cpu_ratio": statistics.median(t / b for t, b in zip(cpu_trn, cpu_loop)),
+        "cpu_ratio_log": statistics.median(t / b for t, b in zip(cpu_trn_log, cpu_loop)),
+        "self_log_cpu_us": statistics.median((a - b) / steps * 1e6 for a, b in zip(cpu_trn_log, cpu_trn)),
+        "target": TARGETS[name],
+    }
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    logging_quiet()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        tdist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))  # env:// from torchrun
+    results = [measure(m, args.steps[m], args.warmup, args.repeats) for m in args.models]
+    if not tdist.is_initialized() or tdist.get_rank() == 0:
+        Path(args._result).write_text(json.dumps(results))
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def logging_quiet() -> None:
+    """Silence the Trainer's start-of-run INFO lines (it sets its loggers' level on every Trainer())."""
+    import logging
+
+    logging.disable(logging.INFO)
+
+
+def profile(args: argparse.Namespace) -> None:
+    """cProfile of one Trainer run per model (1 process), the top functions by own time."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    torch.set_num_threads(1)
+    logging_quiet()
+    for name in args.models:
+        total = args.warmup + args.steps[name]
+        dataset = make_data(name, total * BATCH_SIZE)
+        run_trainer(name, dataset, total, args.warmup, log_every_step=False)  # warm caches and imports
+        prof = cProfile.Profile()
+        prof.enable()
+        run_trainer(name, dataset, total, args.warmup, log_every_step=False)
+        prof.disable()
+        print(f"\n=== cProfile: Trainer.fit, {name}, {total} steps, sorted by tottime ===")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile_top)
+
+
+# --------------------------------------------------------------------------- launching and reporting (parent)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _marked_pids(marker: str) -> list[int]:
+    needle = f"{_MARKER}={marker}".encode()
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                if needle in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def launch(cmd: list[str], timeout: float) -> tuple[int, str]:
+    """Run ``cmd`` with OMP_NUM_THREADS=1; on timeout kill it and every process it started.
+
+    torchrun starts its workers in sessions of their own, so they are found by a marker variable in
+    their environment rather than by process group.
+    """
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{_MARKER: marker})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    if os.path.exists("/sys/class/net/lo"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env=env, cwd=REPO_ROOT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except BaseException:  # timeout or Ctrl-C: never leave ranks behind
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                for pid in [proc.pid] + _marked_pids(marker):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+                try:
+                    proc.wait(timeout=5)
+                    if not _marked_pids(marker):
+                        break
+                except subprocess.TimeoutExpired:
+                    pass
+            rc = 124
+        out.seek(0)
+        text = out.read().decode("utf-8", errors="replace")
+    if rc == 124:
+        text += f"\n[overhead.py] timed out after {timeout:g}s; killed all processes of the launch\n"
+    return rc, text
+
+
+def run_case(procs: int, args: argparse.Namespace) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        child = [str(Path(__file__).resolve()), "--_worker", "--_result", result, "--warmup", str(args.warmup),
+                 "--repeats", str(args.repeats), "--models", ",".join(args.models),
+                 "--steps", ",".join(f"{m}={args.steps[m]}" for m in args.models), "--timeout", str(args.timeout)]
+        if procs == 1:
+            cmd = [sys.executable] + child
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(procs),
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                   "--local-addr", "127.0.0.1", "--max-restarts", "0", "--monitor-interval", "0.5"] + child
+        rc, output = launch(cmd, args.timeout)
+        if rc != 0 or not os.path.exists(result):
+            tail = "\n".join(output.splitlines()[-60:])
+            raise RuntimeError(f"{procs}-process run failed (exit {rc}): {' '.join(cmd)}\n{tail}")
+        return json.loads(Path(result).read_text())
+
+
+def report(results: list[dict]) -> None:
+    head = ("case", "loop steps/s", "trainer steps/s", "ratio", "cpu ratio", "target (on ratio)")
+    rows = []
+    for r in results:
+        case = f"{r['model']} ({r['params']:,} params), {r['procs']} proc" + ("" if r["procs"] == 1 else "s DDP")
+        verdict = "PASS" if r["ratio"] <= r["target"] else "MISS"
+        rows.append((case, f"{r['loop_steps_per_s']:.1f}", f"{r['trainer_steps_per_s']:.1f}", f"{r['ratio']:.3f}",
+                     f"{r['cpu_ratio']:.3f}", f"<= {r['target']:.2f} {verdict}"))
+        verdict = "PASS" if r["self_log_us"] < SELF_LOG_TARGET_US else "MISS"
+        rows.append(("  trainer + self.log every step", f"{r['loop_steps_per_s']:.1f}",
+                     f"{r['trainer_log_steps_per_s']:.1f}", f"{r['ratio_log']:.3f}", f"{r['cpu_ratio_log']:.3f}",
+                     f"self.log {r['self_log_us']:+.1f} us/call (cpu {r['self_log_cpu_us']:+.1f}; "
+                     f"< {SELF_LOG_TARGET_US:.0f}) {verdict}"))
+    widths = [max(len(row[i]) for row in rows + [head]) for i in range(len(head))]
+    for row in [head, tuple("-" * w for w in widths)] + rows:
+        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row[:-1], widths))]
+        print(" | ".join(cells + [row[-1]]))
+    r0 = results[0]
+    print(f"\nratio = trainer / loop wall time of the timed steps, median over {r0['repeats']} paired repeats "
+          f"({r0['warmup']} warm-up steps excluded); cpu ratio: the same with process CPU time; steps/s from the "
+          f"median wall times; batch size {BATCH_SIZE}; self.log cost = (trainer+self.log - trainer) / steps.")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] + " Prints a table, PASS/MISS per target, and one JSON line.",
+        epilog="Targets: ratio <= 1.10 (tiny), <= 1.03 (mlp1m); self.log < 50 us per call. Exit status 0 "
+               "unless a run failed. See benchmarks/README.md.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="short run for a smoke test (few steps, 2 repeats, 3 warm-up steps; timings are noise)")
+    p.add_argument("--single-only", action="store_true", help="skip the 2-process DDP cases")
+    p.add_argument("--ddp-only", action="store_true", help="skip the single-process cases")
+    p.add_argument("--models", default="tiny,mlp1m", help="comma-separated subset of " + ", ".join(
+                       f"{m} (widths {'-'.join(map(str, w))})" for m, w in MODELS.items()) + " (default: all)")
+    p.add_argument("--steps", default=None,
+                   help=f"timed steps per repeat: one int, or name=int pairs (default: {STEPS}, --quick: {QUICK_STEPS})")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps at the start of each run (default: 10, --quick: 3)")
+    p.add_argument("--repeats", type=int, default=None, help="repeats of (loop, trainer, trainer+self.log) (default: 5, --quick: 2)")
+    p.add_argument("--nproc", type=int, default=2, help="processes of the DDP cases (default: 2)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a child launch is killed with all its ranks (default: 600)")
+    p.add_argument("--json", metavar="PATH", help="also write the JSON result line to PATH")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of the benchmark, cProfile one Trainer run per model in this process "
+                        "and print the top functions by own time")
+    p.add_argument("--profile-top", type=int, default=30, help="rows printed by --profile (default: 30)")
+    p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--_result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    unknown = sorted(set(args.models) - set(MODELS))
+    if unknown:
+        p.error(f"--models: unknown {unknown}; choose from {sorted(MODELS)}")
+    steps = dict(QUICK_STEPS if args.quick else STEPS)
+    if args.steps:
+        for item in args.steps.split(","):
+            name, _, value = item.rpartition("=")
+            if name and name not in MODELS:
+                p.error(f"--steps: unknown model {name!r}")
+            for m in [name] if name else list(steps):
+                steps[m] = int(value)
+    args.steps = steps
+    args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 10)
+    args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+    if args.warmup < 1 or args.repeats < 1 or min(steps.values()) < 1:
+        p.error("--warmup, --repeats and --steps must be >= 1")
+    if args.single_only and args.ddp_only:
+        p.error("--single-only and --ddp-only exclude each other")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args._worker:
+        worker(args)
+        return 0
+    if args.profile:
+        profile(args)
+        return 0
+    started = time.monotonic()
+    results: list[dict] = []
+    for procs in ([] if args.ddp_only else [1]) + ([] if args.single_only else [args.nproc]):
+        try:
+            results += run_case(procs, args)
+        except RuntimeError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+    import torch  # only for the version in the record
+
+    report(results)
+    record = {
+        "benchmark": "keel-overhead", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+        "quick": args.quick, "wall_s": round(time.monotonic() - started, 1), "cases": results,
+    }
+    line = json.dumps(record)
+    print(line)
+    if args.json:
+        Path(args.json).write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

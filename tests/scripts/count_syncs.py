@@ -1,0 +1,102 @@
+"""Count host-device syncs and collectives per micro-batch of a fit (run under torchrun, 2 ranks).
+
+Writes OUT/rank{R}.json: a list of windows, one per micro-batch, with the global step after it, the
+host syncs (.item/.cpu/bool/.tolist/float/int/.numpy), Python-level collectives, and DDP gradient
+all-reduces (bucket count, from a communication hook) that happened between the start of that
+micro-batch and the start of the next.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+
+import torch  # noqa: E402
+import torch.distributed as tdist  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from models import Regression, quiet, regression_data  # noqa: E402
+from trainer import Callback, Trainer  # noqa: E402
+
+SYNC_OPS = {"item", "cpu", "__bool__", "tolist", "__float__", "__int__", "numpy"}
+COLLECTIVES = [
+    "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+    "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "gather", "gather_object",
+    "scatter", "reduce_scatter_tensor", "all_to_all", "send", "recv",
+]
+counts: Counter[str] = Counter()
+
+
+class CountSyncs(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in SYNC_OPS:
+            counts["sync:" + name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_collective(name: str):
+    original = getattr(tdist, name)
+
+    def wrapped(*args, **kwargs):
+        counts["collective:" + name] += 1
+        return original(*args, **kwargs)
+
+    return wrapped
+
+
+for _name in COLLECTIVES:
+    setattr(tdist, _name, count_collective(_name))
+
+
+def counting_allreduce(state, bucket):
+    counts["ddp_allreduce"] += 1
+    future = allreduce_hook(state, bucket)
+    counts["collective:all_reduce"] -= 1  # the hook's own all_reduce is DDP's, counted above
+    return future
+
+
+class Windows(Callback):
+    def __init__(self) -> None:
+        self.windows: list[dict] = []
+        self.mark: Counter[str] = Counter()
+
+    def on_train_start(self, trainer, task) -> None:
+        if trainer._ddp is not None:  # test-only peek: register the counting hook before the first backward
+            trainer._ddp.register_comm_hook(None, counting_allreduce)
+
+    def on_train_batch_start(self, trainer, task, batch, batch_idx) -> None:
+        if self.windows:
+            self.windows[-1]["counts"] = dict(counts - self.mark)
+        self.mark = Counter(counts)
+        self.windows.append({"batch_idx": batch_idx, "step_before": trainer.global_step})
+
+    def on_train_end(self, trainer, task) -> None:
+        self.windows[-1]["counts"] = dict(counts - self.mark)
+
+
+class LoggingTask(Regression):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)  # self.log("train/loss", loss) every micro-batch
+        self.log("train/other", loss * 2, prog_bar=True)
+        return loss
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    windows = Windows()
+    trainer = Trainer(**quiet(max_steps=12, accumulate_grad_batches=2, log_every_n_steps=4, callbacks=[windows]))
+    with CountSyncs():
+        trainer.fit(LoggingTask(), DataLoader(regression_data(256), batch_size=4))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(windows.windows))
+
+
+if __name__ == "__main__":
+    main()
