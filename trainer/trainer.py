@@ -81,8 +81,10 @@ class Trainer:
     The same script runs as one process, under ``torchrun --nproc-per-node N`` (one or many nodes) and
     under ``srun``: the launcher is detected from the environment and the process group is created on
     the first call that needs it (nccl on CUDA, gloo on CPU). A group the Trainer created is destroyed
-    when the interpreter exits, and immediately when a loop raises; a group the user created is left
-    alone.
+    when the interpreter exits, whether the script ends normally or with an exception (an atexit
+    handler; a group the user created is left alone). It is not torn down when a loop raises, because
+    re-creating the default group in the same process races with the old group's rendezvous keys: a
+    caught exception leaves the group usable for the next ``fit``/``test`` call.
 
     Args:
         **options: see :class:`~trainer.options.TrainerOptions` and README "Trainer options". Invalid
@@ -359,9 +361,6 @@ class Trainer:
             # Leave every stage together: no rank exits (and tears gloo down at interpreter exit) while a
             # peer is still inside the stage's last collective.
             dist.barrier(self.device)
-        if failed and self._owns_group:
-            dist.destroy_process_group()
-            self._owns_group = False
         if errors and not failed:
             raise errors[0]
 
