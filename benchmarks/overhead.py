@@ -21,11 +21,15 @@ unless a child process failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import datetime
 import gc
 import json
+import logging
 import os
 import platform
+import pstats
 import signal
 import socket
 import statistics
@@ -36,9 +40,17 @@ import time
 import uuid
 from pathlib import Path
 
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python benchmarks/overhead.py` from a plain checkout
     sys.path.insert(0, str(REPO_ROOT))
+
+from trainer import Callback, TaskModule, Trainer  # noqa: E402
 
 BATCH_SIZE = 64
 LR = 0.01
@@ -53,6 +65,8 @@ TARGETS = {"tiny": 1.10, "mlp1m": 1.03}  # trainer_time / loop_time, from the is
 SELF_LOG_TARGET_US = 50.0
 RUNNERS = ("loop", "trainer", "trainer_log")
 _MARKER = "KEEL_BENCH_LAUNCH_ID"  # inherited by every process of a launch, so all can be found and killed
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "GROUP_RANK", "TORCHELASTIC_RUN_ID")  # not inherited from a caller that runs under torchrun
 
 
 # --------------------------------------------------------------------------- the measured code (child processes)
@@ -75,10 +89,7 @@ class Clock:
         return self.wall[-1] - self.wall[warmup - 1], self.cpu[-1] - self.cpu[warmup - 1]
 
 
-def make_net(name: str, seed: int = 0):
-    import torch
-    from torch import nn
-
+def make_net(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     widths = MODELS[name]
     layers: list[nn.Module] = []
@@ -87,10 +98,7 @@ def make_net(name: str, seed: int = 0):
     return nn.Sequential(*layers)
 
 
-def make_data(name: str, num_samples: int):
-    import torch
-    from torch.utils.data import TensorDataset
-
+def make_data(name: str, num_samples: int) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(num_samples, MODELS[name][0], generator=g)
     y = torch.randint(0, MODELS[name][-1], (num_samples,), generator=g)
@@ -98,11 +106,7 @@ def make_data(name: str, num_samples: int):
 
 
 def hand_loop(name: str, dataset, total_steps: int, warmup: int, ddp: bool) -> tuple[float, float]:
-    """The baseline: plain PyTorch (plus DDP and a DistributedSampler when ``ddp``). Returns seconds."""
-    import torch
-    from torch.nn import functional as F
-    from torch.utils.data import DataLoader, DistributedSampler
-
+    """The baseline: plain PyTorch (plus DDP and a DistributedSampler when ``ddp``). Returns (wall, cpu) s."""
     net = make_net(name)
     model = torch.nn.parallel.DistributedDataParallel(net) if ddp else net
     sampler = DistributedSampler(dataset, shuffle=False) if ddp else None
@@ -123,12 +127,6 @@ def hand_loop(name: str, dataset, total_steps: int, warmup: int, ddp: bool) -> t
 
 def run_trainer(name: str, dataset, total_steps: int, warmup: int, log_every_step: bool) -> tuple[float, float]:
     """``Trainer.fit`` on the same net, data and optimizer. Returns (wall, cpu) seconds of the timed steps."""
-    import torch
-    from torch.nn import functional as F
-    from torch.utils.data import DataLoader
-
-    from trainer import Callback, TaskModule, Trainer
-
     class BenchTask(TaskModule):
         def __init__(self) -> None:
             super().__init__()
@@ -167,9 +165,6 @@ def run_trainer(name: str, dataset, total_steps: int, warmup: int, log_every_ste
 
 def measure(name: str, steps: int, warmup: int, repeats: int) -> dict:
     """All repeats of one model; in DDP every rank calls it and rank 0's dict is the result."""
-    import torch
-    import torch.distributed as tdist
-
     ddp = tdist.is_initialized()
     world = tdist.get_world_size() if ddp else 1
     total = warmup + steps
@@ -191,32 +186,27 @@ def measure(name: str, steps: int, warmup: int, repeats: int) -> dict:
                 seconds = tuple(t.tolist())
             wall[runner].append(seconds[0])
             cpu[runner].append(seconds[1])
-    loop, trn, trn_log = (wall[r] for r in RUNNERS)
-    cpu_loop, cpu_trn, cpu_trn_log = (cpu[r] for r in RUNNERS)
+    med = statistics.median
+
+    def paired(times: dict[str, list[float]], a: str, b: str, per_step_us: bool = False) -> float:
+        """Median over repeats of a/b (or (a-b)/steps in us) within each repeat: drift cancels."""
+        return med((x - y) / steps * 1e6 if per_step_us else x / y for x, y in zip(times[a], times[b]))
+
     return {
         "model": name, "params": sum(p.numel() for p in make_net(name).parameters()), "procs": world,
-        "steps": steps, "warmup": warmup, "repeats": repeats, "batch_size": BATCH_SIZE,
+        "steps": steps, "warmup": warmup, "repeats": repeats, "batch_size": BATCH_SIZE, "target": TARGETS[name],
+        **{f"{r}_steps_per_s": steps / med(wall[r]) for r in RUNNERS},
+        "ratio": paired(wall, "trainer", "loop"), "ratio_log": paired(wall, "trainer_log", "loop"),
+        "self_log_us": paired(wall, "trainer_log", "trainer", per_step_us=True),
+        "cpu_ratio": paired(cpu, "trainer", "loop"), "cpu_ratio_log": paired(cpu, "trainer_log", "loop"),
+        "self_log_cpu_us": paired(cpu, "trainer_log", "trainer", per_step_us=True),
         "wall_s": wall, "cpu_s": cpu,
-        "loop_steps_per_s": steps / statistics.median(loop),
-        "trainer_steps_per_s": steps / statistics.median(trn),
-        "trainer_log_steps_per_s": steps / statistics.median(trn_log),
-        # Paired per repeat (same moment of the run), then the median over repeats.
-        "ratio": statistics.median(t / b for t, b in zip(trn, loop)),
-        "ratio_log": statistics.median(t / b for t, b in zip(trn_log, loop)),
-        "self_log_us": statistics.median((a - b) / steps * 1e6 for a, b in zip(trn_log, trn)),
-        "cpu_ratio": statistics.median(t / b for t, b in zip(cpu_trn, cpu_loop)),
-        "cpu_ratio_log": statistics.median(t / b for t, b in zip(cpu_trn_log, cpu_loop)),
-        "self_log_cpu_us": statistics.median((a - b) / steps * 1e6 for a, b in zip(cpu_trn_log, cpu_trn)),
-        "target": TARGETS[name],
     }
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch
-    import torch.distributed as tdist
-
     torch.set_num_threads(1)
-    logging_quiet()
+    logging.disable(logging.INFO)  # the Trainer's start-of-run lines, once per Trainer()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         tdist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))  # env:// from torchrun
     results = [measure(m, args.steps[m], args.warmup, args.repeats) for m in args.models]
@@ -226,22 +216,10 @@ def worker(args: argparse.Namespace) -> None:
         tdist.destroy_process_group()
 
 
-def logging_quiet() -> None:
-    """Silence the Trainer's start-of-run INFO lines (it sets its loggers' level on every Trainer())."""
-    import logging
-
-    logging.disable(logging.INFO)
-
-
 def profile(args: argparse.Namespace) -> None:
     """cProfile of one Trainer run per model (1 process), the top functions by own time."""
-    import cProfile
-    import pstats
-
-    import torch
-
     torch.set_num_threads(1)
-    logging_quiet()
+    logging.disable(logging.INFO)
     for name in args.models:
         total = args.warmup + args.steps[name]
         dataset = make_data(name, total * BATCH_SIZE)
@@ -263,55 +241,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _marked_pids(marker: str) -> list[int]:
+def _kill_launch(proc: subprocess.Popen, marker: str) -> None:
+    """SIGTERM, then SIGKILL after 5 s, the launcher and every process carrying ``marker`` in its environment
+    (torchrun starts its workers in sessions of their own, so a process-group kill would miss them)."""
     needle = f"{_MARKER}={marker}".encode()
-    found = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if entry.isdigit() and int(entry) != os.getpid():
+
+    def marked() -> list[int]:
+        pids = []
+        for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
             try:
-                if needle in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
-                    found.append(int(entry))
-            except OSError:
+                if entry.isdigit() and needle in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry))
+            except OSError:  # gone, or not ours to read
                 continue
-    return found
+        return pids
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in [proc.pid] + marked():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+            if not marked():
+                return
 
 
 def launch(cmd: list[str], timeout: float) -> tuple[int, str]:
-    """Run ``cmd`` with OMP_NUM_THREADS=1; on timeout kill it and every process it started.
-
-    torchrun starts its workers in sessions of their own, so they are found by a marker variable in
-    their environment rather than by process group.
-    """
+    """Run ``cmd`` with OMP_NUM_THREADS=1 and return (exit status, output); 124 when it timed out,
+    after killing it and every process it started."""
     marker = uuid.uuid4().hex
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{_MARKER: marker})
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{_MARKER: marker})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     if os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
     with tempfile.TemporaryFile() as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 env=env, cwd=REPO_ROOT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
-        except BaseException:  # timeout or Ctrl-C: never leave ranks behind
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                for pid in [proc.pid] + _marked_pids(marker):
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
-                try:
-                    proc.wait(timeout=5)
-                    if not _marked_pids(marker):
-                        break
-                except subprocess.TimeoutExpired:
-                    pass
+        except subprocess.TimeoutExpired:
+            _kill_launch(proc, marker)
             rc = 124
+        except BaseException:  # Ctrl-C: never leave ranks behind
+            _kill_launch(proc, marker)
+            raise
         out.seek(0)
         text = out.read().decode("utf-8", errors="replace")
     if rc == 124:
-        text += f"\n[overhead.py] timed out after {timeout:g}s; killed all processes of the launch\n"
+        text += f"\n[overhead.py] timed out after {timeout:g}s; killed every process of the launch\n"
     return rc, text
 
 
@@ -413,27 +391,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         profile(args)
         return 0
-    started = time.monotonic()
-    results: list[dict] = []
+    started, results, failed = time.monotonic(), [], False
     for procs in ([] if args.ddp_only else [1]) + ([] if args.single_only else [args.nproc]):
         try:
             results += run_case(procs, args)
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # report what was measured, then fail
             print(exc, file=sys.stderr)
-            return 1
-    import torch  # only for the version in the record
-
-    report(results)
-    record = {
-        "benchmark": "keel-overhead", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-        "quick": args.quick, "wall_s": round(time.monotonic() - started, 1), "cases": results,
-    }
-    line = json.dumps(record)
-    print(line)
-    if args.json:
-        Path(args.json).write_text(line + "\n")
-    return 0
+            failed = True
+    if results:
+        report(results)
+        line = json.dumps({
+            "benchmark": "keel-overhead", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+            "quick": args.quick, "wall_s": round(time.monotonic() - started, 1), "cases": results,
+        })
+        print(line)
+        if args.json:
+            Path(args.json).write_text(line + "\n")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -101,24 +101,29 @@ def run(cfg: DictConfig, *, command: str = "python -m recipes.train") -> dict[st
 
     Returns:
         The summary (the same on every rank): ``metrics`` (name -> float), ``run_dir``,
-        ``tensorboard_dir``, ``best_model_path``, ``best_model_score``, ``last_model_path``,
-        ``global_step``, ``epochs``, ``seconds``.
+        ``tensorboard_dir``, ``monitor``, ``best_model_path`` (None without a monitored checkpoint),
+        ``best_model_score``, ``last_model_path``, ``tested_on``, ``global_step``, ``epochs``, ``seconds``.
     """
     trainer, task, datamodule = build(cfg, command=command)
     start = time.monotonic()
     trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     checkpoint = trainer.checkpoint_callback
+    monitor = getattr(checkpoint, "monitor", None)
+    best_path = (getattr(checkpoint, "best_model_path", "") or None) if monitor else None
+    tested_on = None
     if cfg.test:
-        has_best = bool(getattr(checkpoint, "monitor", None) and getattr(checkpoint, "best_model_path", ""))
-        trainer.test(task, datamodule=datamodule, ckpt_path="best" if has_best else None)
+        # "best" needs a monitored save; without one, test the weights fit ended with.
+        trainer.test(task, datamodule=datamodule, ckpt_path="best" if best_path else None)
+        tested_on = "best checkpoint" if best_path else "final weights"
     summary = {
         "metrics": {name: float(value) for name, value in sorted(trainer.callback_metrics.items())},
         "run_dir": trainer.log_dir,
         "tensorboard_dir": next((lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None),
-        "best_model_path": getattr(checkpoint, "best_model_path", "") or None,
-        "best_model_score": getattr(checkpoint, "best_model_score", None),
-        "monitor": getattr(checkpoint, "monitor", None),
+        "monitor": monitor,
+        "best_model_path": best_path,
+        "best_model_score": getattr(checkpoint, "best_model_score", None) if best_path else None,
         "last_model_path": getattr(checkpoint, "last_model_path", "") or None,
+        "tested_on": tested_on,
         "global_step": trainer.global_step,
         "epochs": trainer.current_epoch,
         "seconds": time.monotonic() - start,
@@ -130,7 +135,7 @@ def run(cfg: DictConfig, *, command: str = "python -m recipes.train") -> dict[st
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The end-of-run block: where things are, then every metric (``name  value`` lines)."""
-    best = summary["best_model_path"] or "-"
+    best = summary["best_model_path"] or "- (no monitored checkpoint)"
     if summary["best_model_path"] and summary["best_model_score"] is not None:
         best += f"  ({summary['monitor']}={summary['best_model_score']:.6f})"
     tensorboard = summary["tensorboard_dir"] or "- (no TensorBoardLogger)"
@@ -141,8 +146,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"best checkpoint  {best}",
         f"last checkpoint  {summary['last_model_path'] or '-'}",
         f"trained          {summary['global_step']} steps, {summary['epochs']} epochs; "
-        f"{summary['seconds']:.1f} s fit + test",
-        "metrics (val/* from the last validation, test/* from the best checkpoint)",
+        f"{summary['seconds']:.1f} s fit{' + test' if summary['tested_on'] else ''}",
+        "metrics          val/* from the last validation"
+        + (f", test/* on the {summary['tested_on']}" if summary["tested_on"] else ""),
     ]
     lines += [f"  {name:<14} {value:.6f}" for name, value in summary["metrics"].items()]
     return "\n".join(lines + ["=" * 78])

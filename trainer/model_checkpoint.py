@@ -105,7 +105,7 @@ class ModelCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, task: TaskModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        if step == self._last_saved_step or not trainer._at_step_boundary:
+        if step == self._last_saved_step or not trainer.optimizer_stepped:
             return
         if self.every_n_train_steps is not None and step % self.every_n_train_steps == 0:
             self.save(trainer)

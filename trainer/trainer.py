@@ -116,7 +116,7 @@ class Trainer:
         self._epoch_batches_done = 0  # micro-batches of current_epoch already consumed (resume)
         self._epoch_samples = 0  # global sample cursor of current_epoch (all ranks together)
         self._epoch_finished = False  # True while on_train_epoch_end runs (a checkpoint then resumes next epoch)
-        self._at_step_boundary = False  # True during on_train_batch_end right after an optimizer step
+        self.optimizer_stepped = False  # True during on_train_batch_end right after an optimizer step
         self._step_loss: torch.Tensor | None = None  # optimised loss of the last step (on device)
         self.should_stop = False
         self.state_stage: str | None = None
@@ -192,6 +192,26 @@ class Trainer:
     @property
     def checkpoint_callback(self) -> Callback | None:
         return next((cb for cb in self.callbacks if getattr(cb, "is_model_checkpoint", False)), None)
+
+    @property
+    def log_every_n_steps(self) -> int:
+        return self.options.log_every_n_steps
+
+    @property
+    def is_logging_step(self) -> bool:
+        """True during ``on_train_batch_end`` of a micro-batch that completed a logging step."""
+        return self.optimizer_stepped and self.global_step % self.options.log_every_n_steps == 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Send host-side scalars (already agreed across ranks) to every logger; rank 0 writes.
+
+        For callbacks that measure something themselves (learning rates, throughput). Values logged by
+        the task go through ``self.log`` instead.
+        """
+        self.logged_metrics.update(metrics)
+        if self.is_global_zero:
+            for logger in self.loggers:
+                logger.log_metrics(dict(metrics), step=self.global_step if step is None else step)
 
     @property
     def lightning_module(self) -> TaskModule | None:
@@ -440,6 +460,16 @@ class Trainer:
         self.should_stop = False
         if ckpt_path is not None:
             self._restore(ckpt_path, full=True)
+        if self.is_global_zero:
+            if opts.enable_model_summary:
+                params = list(task.parameters())
+                total = sum(p.numel() for p in params)
+                trainable = sum(p.numel() for p in params if p.requires_grad)
+                size_mb = sum(p.numel() * p.element_size() for p in params) / 2**20
+                log.info("%s: %s parameters (%s trainable), %.2f MB.", type(task).__name__, f"{total:,}",
+                         f"{trainable:,}", size_mb)
+            for logger in self.loggers:
+                logger.log_hyperparams(self.options.resolved())
         task.on_fit_start()
         for cb in self.callbacks:
             cb.on_fit_start(self, task)
@@ -540,13 +570,15 @@ class Trainer:
                     normaliser.reset()
                 else:
                     stepped = self._optimizer_step(normaliser)
-            self._at_step_boundary = stepped
+            if stepped and (self.global_step % opts.log_every_n_steps == 0 or opts.fast_dev_run):
+                self._log_step_metrics()  # a logging step: the only place step metrics are read
+            self.optimizer_stepped = stepped
             task.on_train_batch_end(outputs, micro.batch, micro.batch_idx)
             for cb in self.callbacks:
                 cb.on_train_batch_end(self, task, outputs, micro.batch, micro.batch_idx)
-            self._at_step_boundary = False
-            if stepped:
-                self._after_step(val_loaders)
+            self.optimizer_stepped = False
+            if stepped and val_loaders and opts.val_check_interval and self.global_step % opts.val_check_interval == 0:
+                self._evaluate("validate", val_loaders)
             if self.should_stop or self._done_training(None):
                 break
         self._epoch_end(val_loaders)
@@ -629,14 +661,6 @@ class Trainer:
             else:
                 config.scheduler.step()
 
-    def _after_step(self, val_loaders: list[AdaptedLoader]) -> None:
-        """Step-clock triggers after an optimizer step: logging, then validation."""
-        opts = self.options
-        if self.global_step % opts.log_every_n_steps == 0 or opts.fast_dev_run:
-            self._log_step_metrics()
-        if val_loaders and opts.val_check_interval is not None and self.global_step % opts.val_check_interval == 0:
-            self._evaluate("validate", val_loaders)
-
     def _log_step_metrics(self) -> None:
         """Logging step: one host read and one collective for all step metrics (DESIGN.md section 11)."""
         if self._step_loss is not None:
@@ -648,13 +672,10 @@ class Trainer:
         self._publish(values, to_logger, to_bar)
 
     def _publish(self, values: dict[str, float], to_logger: dict[str, float], to_bar: dict[str, float]) -> None:
-        self.callback_metrics.update({k: torch.tensor(v) for k, v in values.items()})
+        self.callback_metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()})
         self.progress_bar_metrics.update(to_bar)
         if to_logger and not self.sanity_checking:
-            self.logged_metrics.update(to_logger)
-            if self.is_global_zero:
-                for logger in self.loggers:
-                    logger.log_metrics(dict(to_logger, epoch=self.current_epoch), step=self.global_step)
+            self.log_metrics(dict(to_logger, epoch=self.current_epoch))
 
     def _epoch_end(self, val_loaders: list[AdaptedLoader]) -> None:
         opts = self.options
