@@ -8,4 +8,6 @@ from trainer.callback import Callback
 from trainer.model_checkpoint import ModelCheckpoint
 from trainer.progress import ProgressBar
 
-__all__ = ["Callback", "ModelCheckpoint", "ProgressBar"]
+from callbacks.gradient_accumulation import GradientAccumulationScheduler
+
+__all__ = ["Callback", "GradientAccumulationScheduler", "ModelCheckpoint", "ProgressBar"]

@@ -19,7 +19,7 @@ Loss normalisation is the only maths the loop owns (DESIGN.md section 5) and it 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -30,6 +30,7 @@ from trainer import dist
 class MicroBatch:
     batch_idx: int  # index of the batch in the epoch
     batch: Any
+    accumulate: int  # planned micro-batches of this step (k)
     window_len: int | None  # real length of this step's window when known, else None
     is_step_end: bool  # the optimizer steps after this micro-batch
     is_epoch_end: bool
@@ -40,49 +41,98 @@ def micro_batches(
     *,
     start_idx: int,
     num_batches: int | None,
-    accumulate: int,
+    accumulate: Callable[[], int],
     drop_incomplete: bool,
 ) -> Iterator[MicroBatch]:
-    """Group an epoch's batches into optimizer-step windows of ``accumulate`` micro-batches.
+    """Group an epoch's batches into optimizer-step windows.
 
-    Windows are aligned to the start of the epoch (batch ``i`` belongs to window ``i // accumulate``).
+    ``accumulate()`` is asked for ``k`` at the start of each window (the generator is lazy, so it runs
+    after the previous step and its hooks): a schedule change lands on an optimizer-step boundary.
     ``num_batches`` is the epoch length when known (after ``limit_train_batches``); then no batch is
-    fetched beyond it. Without it, one batch of look-ahead tells which batch is the last.
-    With ``drop_incomplete`` a short final window is not run at all (known length) or its gradients
-    are discarded (unknown length: see :meth:`StepNormaliser.discard`).
+    fetched beyond it and each window knows its real length. Without it, one batch of look-ahead
+    tells which batch is the last. With ``drop_incomplete`` a short final window is not run at all
+    (known length); with an unknown length its gradients are discarded by the caller.
     """
     iterator = iter(batches)
-    idx = start_idx
-    if num_batches is not None:
-        last_full = (num_batches // accumulate) * accumulate
-        end = last_full if drop_incomplete else num_batches
-        while idx < end:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            window_start = idx - idx % accumulate
-            window_len = min(accumulate, num_batches - window_start)
-            is_step_end = idx - window_start == window_len - 1
-            yield MicroBatch(idx, batch, window_len, is_step_end, idx == end - 1)
-            idx += 1
-        return
     sentinel = object()
-    batch = next(iterator, sentinel)
-    while batch is not sentinel:
-        following = next(iterator, sentinel)
-        is_last = following is sentinel
-        is_step_end = (idx + 1) % accumulate == 0 or is_last
-        yield MicroBatch(idx, batch, None, is_step_end, is_last)
-        batch = following
-        idx += 1
+    idx = start_idx
+    pending = next(iterator, sentinel) if num_batches is None else None
+    while True:
+        k = accumulate()
+        if num_batches is not None:
+            window_len = min(k, num_batches - idx)
+            if window_len <= 0 or (drop_incomplete and window_len < k):
+                return
+            for pos in range(window_len):
+                batch = next(iterator, sentinel)
+                if batch is sentinel:
+                    return
+                yield MicroBatch(idx, batch, k, window_len, pos == window_len - 1, idx == num_batches - 1)
+                idx += 1
+            continue
+        for pos in range(k):
+            if pending is sentinel:
+                return
+            batch, pending = pending, next(iterator, sentinel)
+            is_last = pending is sentinel
+            yield MicroBatch(idx, batch, k, None, pos == k - 1 or is_last, is_last)
+            idx += 1
+
+
+def parse_schedule(schedule: Any, *, name: str = "accumulate_grad_batches") -> tuple[str, list[tuple[int, int]]]:
+    """Validate an accumulation schedule: ``{epoch: k}`` or ``{"step": {global_step: k}}``.
+
+    Returns ``(clock, [(start, k), ...])`` with ``clock`` "epoch" or "step". Before the first key, k is 1.
+
+    Raises:
+        ValueError: naming the offending key or value.
+    """
+    clock = "epoch"
+    if isinstance(schedule, dict) and set(schedule) == {"step"}:
+        clock, schedule = "step", schedule["step"]
+    if not isinstance(schedule, dict) or not schedule:
+        raise ValueError(
+            f"{name}={schedule!r}: expected an int >= 1, a non-empty {{epoch: k}} dict, or {{'step': {{global_step: k}}}}."
+        )
+    items = list(schedule.items())
+    for key, k in items:
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+            raise ValueError(f"{name}: schedule key {key!r} is not a non-negative int {clock}.")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"{name}: schedule value {k!r} at {clock} {key} is not an int >= 1.")
+    keys = [key for key, _ in items]
+    if keys != sorted(keys) or len(set(keys)) != len(keys):
+        raise ValueError(f"{name}: schedule keys {keys} must be strictly increasing.")
+    return clock, items
+
+
+class AccumulationSchedule:
+    """``k`` as a function of the step clock: constant, per epoch, or per global step."""
+
+    def __init__(self, schedule: int | dict) -> None:
+        if isinstance(schedule, int) and not isinstance(schedule, bool):
+            if schedule < 1:
+                raise ValueError(f"accumulate_grad_batches={schedule!r}: expected an int >= 1.")
+            self.clock, self.items = "epoch", [(0, schedule)]
+        else:
+            self.clock, self.items = parse_schedule(schedule)
+
+    def k(self, *, epoch: int, global_step: int) -> int:
+        now = epoch if self.clock == "epoch" else global_step
+        value = 1
+        for start, k in self.items:
+            if now >= start:
+                value = k
+        return value
+
+    def __repr__(self) -> str:
+        return f"AccumulationSchedule({self.clock}: {dict(self.items)})"
 
 
 class StepNormaliser:
     """Normalises the losses of one optimizer step and corrects its gradients (see module docstring)."""
 
-    def __init__(self, *, accumulate: int, world_size: int, device: torch.device) -> None:
-        self.accumulate = accumulate
+    def __init__(self, *, world_size: int, device: torch.device) -> None:
         self.world_size = world_size
         self.device = device
         self.reset()
@@ -93,9 +143,12 @@ class StepNormaliser:
         self.loss_sum: torch.Tensor | None = None  # detached; summed over micro-batches (on device)
         self.items: torch.Tensor | None = None  # items-mode count (on device)
         self.divided_by_planned = False  # mean mode without a known window length: losses / k
+        self.accumulate = 1  # planned k of this window
 
-    def scale(self, loss: torch.Tensor, num_items: Any, window_len: int | None) -> torch.Tensor:
+    def scale(self, loss: torch.Tensor, num_items: Any, micro: MicroBatch) -> torch.Tensor:
         """The tensor to backward for one micro-batch's loss."""
+        window_len = micro.window_len
+        self.accumulate = micro.accumulate
         mode = "mean" if num_items is None else "items"
         if self.mode is None:
             self.mode = mode

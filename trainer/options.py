@@ -67,7 +67,7 @@ class TrainerOptions:
 
     max_epochs: int | None = None
     max_steps: int = -1
-    accumulate_grad_batches: int = 1
+    accumulate_grad_batches: int | dict = 1
     drop_incomplete_accumulation: bool = False
     precision: str = "32"
     gradient_clip_val: float | None = None
@@ -106,7 +106,12 @@ class TrainerOptions:
                 raise _fail("max_epochs", 0, "an integer >= 1, -1 (no epoch limit) or None")
         if not _is_int(self.max_steps) or self.max_steps < -1 or self.max_steps == 0:
             raise _fail("max_steps", self.max_steps, "an integer >= 1, or -1 for no step limit")
-        _check_int("accumulate_grad_batches", self.accumulate_grad_batches, minimum=1)
+        if isinstance(self.accumulate_grad_batches, dict):
+            from trainer.accumulation import parse_schedule
+
+            parse_schedule(self.accumulate_grad_batches)
+        else:
+            _check_int("accumulate_grad_batches", self.accumulate_grad_batches, minimum=1)
         self.precision = _normalise_precision(self.precision)
         if self.gradient_clip_val is not None:
             if isinstance(self.gradient_clip_val, bool) or not isinstance(self.gradient_clip_val, (int, float)):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from trainer import dist
-from trainer.accumulation import MicroBatch, StepNormaliser, micro_batches
+from trainer.accumulation import AccumulationSchedule, MicroBatch, StepNormaliser, micro_batches
 from trainer.callback import Callback
 from trainer.checkpoint import CheckpointIO
 from trainer.data import AdaptedLoader, ResumableDistributedSampler, adapt_eval_loader, adapt_train_loader
@@ -130,6 +130,9 @@ class Trainer:
         self._train: AdaptedLoader | None = None
         self.num_training_batches: int | None = None
         self._metrics = MetricCollector()
+        # k as a function of (epoch, global_step). Replace it (e.g. callbacks.GradientAccumulationScheduler
+        # does in setup) to change accumulation; a change lands at the next optimizer-step boundary.
+        self.accumulation_schedule = AccumulationSchedule(opts.accumulate_grad_batches)
         self.callback_metrics: dict[str, torch.Tensor] = {}
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
@@ -187,7 +190,8 @@ class Trainer:
 
     @property
     def accumulate_grad_batches(self) -> int:
-        return self.options.accumulate_grad_batches
+        """Micro-batches of the current optimizer step: ``accumulation_schedule`` at the step clock."""
+        return self.accumulation_schedule.k(epoch=self.current_epoch, global_step=self.global_step)
 
     @property
     def checkpoint_callback(self) -> Callback | None:
@@ -555,16 +559,16 @@ class Trainer:
         task.on_train_epoch_start()
         for cb in self.callbacks:
             cb.on_train_epoch_start(self, task)
-        k = opts.accumulate_grad_batches
-        normaliser = StepNormaliser(accumulate=k, world_size=self.world_size, device=self.device)
-        for micro in micro_batches(train.loader, start_idx=start, num_batches=num_batches, accumulate=k,
+        normaliser = StepNormaliser(world_size=self.world_size, device=self.device)
+        k_now = lambda: self.accumulate_grad_batches  # noqa: E731 - read at each window start
+        for micro in micro_batches(train.loader, start_idx=start, num_batches=num_batches, accumulate=k_now,
                                    drop_incomplete=opts.drop_incomplete_accumulation):
             outputs = self._training_micro_batch(micro, normaliser)
             self._epoch_batches_done = micro.batch_idx + 1
             self._epoch_samples += global_batch
             stepped = False
             if micro.is_step_end:
-                if opts.drop_incomplete_accumulation and micro.window_len is None and normaliser.ran < k:
+                if opts.drop_incomplete_accumulation and micro.window_len is None and normaliser.ran < micro.accumulate:
                     for optimizer in self.optimizers:  # unknown-length epoch ended inside a window: discard it
                         optimizer.zero_grad(set_to_none=True)
                     normaliser.reset()
@@ -599,7 +603,7 @@ class Trainer:
             with self._precision.autocast():
                 output = self._model(batch, micro.batch_idx)
             loss, outputs, num_items = _split_step_output(output)
-            scaled = normaliser.scale(loss, num_items, micro.window_len)
+            scaled = normaliser.scale(loss, num_items, micro)
             task.on_before_backward(scaled)
             for cb in self.callbacks:
                 cb.on_before_backward(self, task, scaled)
