@@ -233,8 +233,11 @@ def profile(args: argparse.Namespace) -> None:
         prof.enable()
         run_trainer(name, dataset, total, args.warmup, log_every_step=False)
         prof.disable()
-        print(f"\n=== cProfile: Trainer.fit, {name}, {total} steps, sorted by tottime ===")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile_top)
+        stats = pstats.Stats(prof).sort_stats("tottime")
+        print(f"\n=== cProfile: Trainer.fit, {name}, {total} steps, by own time ===")
+        stats.print_stats(args.profile_top)
+        print(f"\n=== the same, keel's own code only (trainer/, callbacks/) ===")
+        stats.print_stats(r"keel|/(trainer|callbacks)/", args.profile_top)
 
 
 # --------------------------------------------------------------------------- launching and reporting (parent)

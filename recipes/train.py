@@ -9,10 +9,11 @@ the groups ``trainer``, ``task``, ``data``, ``callbacks`` and ``logger``. Exampl
     torchrun --nproc-per-node 2 -m recipes.train              # DDP: same command, same run directory
 
 Run directory: ``${output_dir}/${name}/version_N``. The logger picks N (rank 0 takes the next free
-number and broadcasts it), the Trainer's run directory is the logger's folder, and everything a run
-writes lands there: TensorBoard events (or metrics.csv), ``config.yaml`` and ``checkpoints/``. Hydra
-itself writes nothing (``hydra.output_subdir: null``, ``hydra/job_logging: none``) and never changes the
-working directory.
+number and broadcasts it; ``logger.version=N`` pins it), the Trainer's run directory is the logger's
+folder, and everything a run writes lands there: TensorBoard events (or metrics.csv), ``config.yaml``
+and ``checkpoints/``. ``ckpt_path: last`` (the default) resumes from that folder's latest checkpoint and
+is a no-op in a fresh one. Hydra writes no files (``hydra.output_subdir: null``, logging to stderr
+only) and never changes the working directory.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ CONFIG_FILE = "config.yaml"
 
 
 class SaveConfig(Callback):
-    """Writes the resolved config to ``<run dir>/config.yaml`` and to every logger's hyperparameters.
+    """Writes the resolved config to ``<run dir>/config.yaml``, headed by the command that composed it.
 
     Once, at ``setup`` of the first ``fit``: the loggers have resolved the run directory by then (on
     every rank, before callbacks are set up). Only rank 0 writes.
@@ -62,8 +63,6 @@ class SaveConfig(Callback):
         os.makedirs(trainer.log_dir, exist_ok=True)
         with open(self.path, "w") as f:
             f.write(f"# {self.command}\n" + OmegaConf.to_yaml(self.cfg, resolve=True))
-        for logger in trainer.loggers:
-            logger.log_hyperparams(self.cfg)
 
 
 def build(cfg: DictConfig, *, command: str = "python -m recipes.train") -> tuple[Trainer, TaskModule, DataModule]:

@@ -56,6 +56,7 @@ INVALID = [
     ("process_group_timeout", 0),
     ("process_group_timeout", "30s"),
     ("predict_return", "rank0"),
+    ("preemption_check_interval", 0),
     ("logger", "tensorboard"),
     ("callbacks", ["not a callback"]),
 ]

@@ -114,6 +114,15 @@ def test_callbacks_are_a_dict_that_overrides_can_edit(tmp_path: Path) -> None:
 def test_trainer_schema_rejects_a_bad_value_at_compose_time(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="trainer.max_epochs"):
         _compose(["trainer.max_epochs=oops", f"output_dir={tmp_path}"])
+    with pytest.raises(Exception, match="trainer.max_epoch"):  # a typo: not a TrainerOptions key
+        _compose(["trainer.max_epoch=3", f"output_dir={tmp_path}"])
+
+
+def test_values_the_schema_cannot_type_are_refused_by_the_trainer(tmp_path: Path) -> None:
+    # limit_*_batches is int | float, typed Any in the schema (OmegaConf 2.3 has no unions).
+    cfg = _compose(["trainer.limit_val_batches=oops", f"output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="limit_val_batches"):
+        build(cfg)
 
 
 # ---------------------------------------------------------------------------------------------- end to end
@@ -134,17 +143,11 @@ def _summary(stdout: str) -> tuple[dict[str, str], dict[str, float]]:
     return fields, metrics
 
 
+E2E_ARGS = ["trainer.limit_val_batches=2", "trainer.limit_test_batches=2", "trainer.log_every_n_steps=1"]
+
+
 def test_digits_recipe_end_to_end(tmp_path: Path) -> None:
-    proc = _run(
-        [
-            "trainer.max_steps=5",
-            "trainer.limit_val_batches=2",
-            "trainer.limit_test_batches=2",
-            "trainer.log_every_n_steps=1",
-            f"output_dir={tmp_path}",
-        ],
-        cwd=tmp_path,
-    )
+    proc = _run(["trainer.max_steps=5", *E2E_ARGS, f"output_dir={tmp_path}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     fields, metrics = _summary(proc.stdout)
     assert metrics["train/loss"] == pytest.approx(PINNED_TRAIN_LOSS, abs=1e-4), proc.stdout
@@ -161,6 +164,20 @@ def test_digits_recipe_end_to_end(tmp_path: Path) -> None:
     assert config.startswith("# python -m recipes.train trainer.max_steps=5")
     # Hydra wrote nothing of its own and stayed in the launch directory.
     assert sorted(os.listdir(tmp_path)) == ["digits"]
+
+
+def test_digits_recipe_resumes_exactly_in_its_run_dir(tmp_path: Path) -> None:
+    """ckpt_path=last (the default) + a pinned run dir: 3 steps, then 2 more, equal 5 steps in one go."""
+    common = [*E2E_ARGS, "logger.version=0", "test=false", f"output_dir={tmp_path}"]
+    first = _run(["trainer.max_steps=3", *common], cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = _run(["trainer.max_steps=5", *common], cwd=tmp_path)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "Resumed at global step 3" in second.stderr
+    fields, metrics = _summary(second.stdout)
+    assert Path(fields["run dir"]) == tmp_path / "digits" / "version_0"
+    assert metrics["train/loss"] == pytest.approx(PINNED_TRAIN_LOSS, abs=1e-4), second.stdout
+    assert metrics["val/loss"] == pytest.approx(PINNED_VAL_LOSS, abs=1e-4), second.stdout
 
 
 def test_bad_option_fails_naming_the_key(tmp_path: Path) -> None:

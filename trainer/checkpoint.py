@@ -40,6 +40,7 @@ K_CALLBACKS = "callbacks"
 K_RNG = "rng_states"
 K_OPTIONS = "trainer_options"
 K_DATAMODULE = "datamodule"
+K_HPARAMS = "hyper_parameters"
 REQUIRED_KEYS = (K_FORMAT, K_STATE_DICT)
 
 
@@ -186,6 +187,9 @@ def assemble(trainer: Trainer) -> dict[str, Any]:
             state[K_CALLBACKS][cb.state_key] = cb_state
     if trainer.datamodule is not None:
         state[K_DATAMODULE] = trainer.datamodule.state_dict()
+    hparams = getattr(task, "hparams", None)
+    if hparams:
+        state[K_HPARAMS] = _plain_hparams(dict(hparams))
     task.on_save_checkpoint(state)
     for cb in trainer.callbacks:
         cb.on_save_checkpoint(trainer, task, state)
@@ -201,6 +205,37 @@ def _plain(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+def _plain_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
+    """Hyperparameters that survive ``weights_only`` loading (containers of str/int/float/bool/None)."""
+    out = {}
+    for key, value in hparams.items():
+        if _is_plain(value):
+            out[str(key)] = value
+        else:
+            log.warning("hparams[%r] (%s) is not a plain value; it is kept in memory but not saved in checkpoints.",
+                        key, type(value).__name__)
+    return out
+
+
+def _is_plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def export_weights(ckpt_path: str | os.PathLike, out_path: str | os.PathLike) -> None:
+    """Write the task weights of a keel checkpoint as a plain ``state_dict`` file.
+
+    The result loads with bare PyTorch: ``model.load_state_dict(torch.load(out_path, weights_only=True))``.
+    """
+    state = CheckpointIO().load(ckpt_path)
+    CheckpointIO().save(dict(state[K_STATE_DICT]), out_path, is_writer=True)
 
 
 def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:

@@ -578,3 +578,101 @@ def select_device(accelerator: Accelerator, env: DistEnv) -> torch.device:
 def backend_for(device: torch.device) -> Backend:
     """Returns the collective backend for a device: nccl for CUDA, gloo otherwise."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+# --------------------------------------------------------------------------- diagnostics
+# Used by ``python -m trainer.doctor`` and the hang watchdog (trainer/watchdog.py).
+
+
+def available_backends() -> list[Backend]:
+    """Returns the collective backends compiled into this PyTorch build (``gloo``, ``nccl``)."""
+    if not dist.is_available():
+        return []
+    found: list[Backend] = []
+    if dist.is_gloo_available():
+        found.append("gloo")
+    if dist.is_nccl_available():
+        found.append("nccl")
+    return found
+
+
+def get_backend() -> str | None:
+    """Returns the default group's backend name, or None without a process group."""
+    return str(dist.get_backend()) if is_initialized() else None
+
+
+def monitored_barrier(timeout: datetime.timedelta, device: torch.device | None = None) -> None:
+    """A barrier that names the ranks that did not arrive (a collective).
+
+    On gloo this is ``torch.distributed.monitored_barrier(wait_all_ranks=True)``: rank 0
+    raises an error listing every rank that missed ``timeout``. Other backends (nccl)
+    have no monitored barrier; they get :func:`barrier`, bounded by the group's timeout.
+
+    Args:
+        timeout: How long rank 0 waits for the others.
+        device: This rank's device, for the nccl fallback.
+    """
+    if not is_initialized():
+        return
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+    else:
+        barrier(device)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Overwrites ``tensor`` on every rank with ``src``'s (a collective, in place).
+
+    Args:
+        tensor: The tensor to send on ``src``, to receive into elsewhere; same shape,
+            dtype and device type on every rank.
+        src: The sending global rank.
+
+    Returns:
+        ``tensor`` itself. Unchanged without a process group.
+    """
+    world_size = get_world_size()
+    if not 0 <= src < world_size:
+        raise ValueError(f"broadcast src={src} is not a rank of a group of {world_size}.")
+    if is_initialized():
+        dist.broadcast(tensor, src=src)
+    return tensor
+
+
+def all_gather_tensor(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Gathers a same-shaped tensor from every rank (a collective).
+
+    Returns:
+        One tensor per rank, indexed by rank; ``[tensor]`` without a process group.
+    """
+    if not is_initialized():
+        return [tensor]
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor.contiguous())
+    return gathered
+
+
+def flight_recorder_dump() -> bytes | None:
+    """Returns this process's c10d Flight Recorder buffer as pickled bytes, or None.
+
+    The Flight Recorder (torch >= 2.5) keeps the last ``TORCH_FR_BUFFER_SIZE``
+    collectives of every group with their sequence numbers and states, so a dump
+    from each rank shows which collective a hung job is stuck in
+    (``python -m torch.distributed.flight_recorder.fr_trace``). Not a collective;
+    safe to call from another thread while the main thread is blocked in one.
+    None without a process group, or when this build has no dump entry point.
+    """
+    if not is_initialized():
+        return None
+    import torch._C._distributed_c10d as c10d  # private, but the documented dump hook
+
+    # nccl records into its own (CUDA-event) recorder; gloo and others into the generic one.
+    name = "_dump_nccl_trace" if dist.get_backend() == "nccl" else "_dump_fr_trace"
+    dump = getattr(c10d, name, None)
+    if dump is None:
+        return None
+    try:
+        return bytes(dump())
+    except Exception as exc:  # never let a diagnostic mask the failure being diagnosed
+        logger.debug("%s failed: %s: %s", name, type(exc).__name__, exc)
+        return None

@@ -32,6 +32,18 @@ _VALID_LOGGER_CHOICES = "True, False, a trainer.loggers.Logger or a list of them
 _warned_no_tensorboard = False
 
 
+RUN_ID_MARKER = ".keel_run_id"
+
+
+def run_identity() -> str | None:
+    """What stays the same across restarts of one job: torchrun's run id, else SLURM's job id."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return f"torchrun:{run_id}"
+    job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
+    return f"slurm:{job_id}" if job_id else None
+
+
 class Logger:
     """Base class of keel's loggers: a versioned folder plus ``log_metrics`` / ``log_hyperparams``.
 
@@ -91,9 +103,31 @@ class Logger:
         """
         if self.version is not None:
             return
-        picked = self._next_version() if dist.get_rank() == 0 else None
+        picked = self._pick_version() if dist.get_rank() == 0 else None
         self.version = dist.broadcast_object(picked, src=0)  # type: ignore[assignment]
         log.debug("%s resolved version %s under %s", type(self).__name__, self.version, self.root_dir)
+
+    def _pick_version(self) -> int:
+        """A restarted job (same ``run_identity()``) gets its own folder back; a new run gets the next one.
+
+        The chosen folder is created with a ``.keel_run_id`` marker so that a torchrun restart or a
+        SLURM requeue of the same job lands in the same run directory and resumes from its checkpoints.
+        """
+        identity = run_identity()
+        if identity is not None:
+            for entry in sorted(os.listdir(self.root_dir)) if os.path.isdir(self.root_dir) else []:
+                marker = os.path.join(self.root_dir, entry, RUN_ID_MARKER)
+                if _VERSION_DIR.fullmatch(entry) and os.path.isfile(marker):
+                    with open(marker) as handle:
+                        if handle.read().strip() == identity:
+                            return int(_VERSION_DIR.fullmatch(entry).group(1))  # type: ignore[union-attr]
+        version = self._next_version()
+        if identity is not None:
+            folder = os.path.join(self.root_dir, f"version_{version}")
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, RUN_ID_MARKER), "w") as handle:
+                handle.write(identity)
+        return version
 
     def _next_version(self) -> int:
         """``max(N) + 1`` over the ``version_N`` folders in :attr:`root_dir`, or 0 when there are none."""

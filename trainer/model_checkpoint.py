@@ -92,6 +92,7 @@ class ModelCheckpoint(Callback):
         self.best_model_score: float | None = None
         self.last_model_path = ""
         self._last_saved_step = -1
+        self._pending_after_validation = False
         self._last_time = time.monotonic()
 
     @property
@@ -108,7 +109,10 @@ class ModelCheckpoint(Callback):
         if step == self._last_saved_step or not trainer.optimizer_stepped:
             return
         if self.every_n_train_steps is not None and step % self.every_n_train_steps == 0:
-            self.save(trainer)
+            if self.monitor is not None and trainer.val_check_due:
+                self._pending_after_validation = True  # validation runs right after this hook
+            else:
+                self.save(trainer)
         elif self.train_time_interval is not None:
             # Every rank must agree to save: the elapsed time is decided on rank 0 and broadcast.
             from trainer import dist
@@ -117,14 +121,21 @@ class ModelCheckpoint(Callback):
             if due:
                 self.save(trainer)
 
+    def on_validation_epoch_end(self, trainer: Trainer, task: TaskModule) -> None:
+        # A step-triggered save that coincides with mid-epoch validation waits for the fresh metrics.
+        if self._pending_after_validation and not trainer.sanity_checking:
+            self._pending_after_validation = False
+            self.save(trainer)
+
     def on_train_epoch_end(self, trainer: Trainer, task: TaskModule) -> None:
         if self.every_n_epochs is not None and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             if trainer.global_step != self._last_saved_step:
                 self.save(trainer)
 
     def on_exception(self, trainer: Trainer, task: TaskModule, exception: BaseException) -> None:
-        if self.save_on_exception and trainer.state_stage == "fit" and trainer.optimizers:
-            self.save(trainer, suffix="-exception")
+        if (self.save_on_exception and trainer.state_stage == "fit" and trainer.optimizers
+                and trainer.global_step != self._last_saved_step):
+            self.save(trainer, suffix="-exception", force=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -158,8 +169,12 @@ class ModelCheckpoint(Callback):
 
         return _FIELD.sub(render, self.filename).replace("/", "_") + suffix + ".ckpt"
 
-    def save(self, trainer: Trainer, suffix: str = "") -> str | None:
-        """Save now (collective: every rank calls it). Returns the path, or None if top-k rejected it."""
+    def save(self, trainer: Trainer, suffix: str = "", *, force: bool = False) -> str | None:
+        """Save now (collective: every rank calls it). Returns the path, or None if top-k rejected it.
+
+        ``force`` (preemption, exceptions) always writes and records the file as ``last``, whatever top-k
+        decides; it is pruned like any other ``last`` once a newer checkpoint exists.
+        """
         assert self.dirpath is not None
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         score = None
@@ -171,18 +186,20 @@ class ModelCheckpoint(Callback):
             score = metrics[self.monitor]
         path = os.path.join(self.dirpath, self.format_name(metrics, trainer.current_epoch, trainer.global_step, suffix))
         keep = self._admits(score)
-        if not keep and not self.save_last:
+        if not keep and not self.save_last and not force:
             return None
-        trainer.save_checkpoint(path)
-        self._last_saved_step = trainer.global_step
-        self._last_time = time.monotonic()
+        # Bookkeeping first, so the state saved inside this checkpoint already lists this file.
         old_last = self.last_model_path
         self.last_model_path = path
         removed: list[str] = []
         if keep:
             self.best_k_models[path] = score if score is not None else float(trainer.global_step)
             removed = self._prune_top_k()
+        trainer.save_checkpoint(path)  # atomic; every rank passes a barrier inside
+        self._last_saved_step = trainer.global_step
+        self._last_time = time.monotonic()
         if trainer.is_global_zero:
+            # Only after the commit: point `last` at the new file, then prune what it replaces.
             self._write_pointer(path)
             candidates = removed + ([old_last] if old_last and old_last != path else [])
             for victim in candidates:

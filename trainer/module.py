@@ -84,6 +84,29 @@ class TaskModule(nn.Module):
     def world_size(self) -> int:
         return self._trainer.world_size if self._trainer is not None else 1
 
+    # ------------------------------------------------------------------ checkpoints
+    @classmethod
+    def load_from_checkpoint(
+        cls, checkpoint_path: str, *, map_location: Any = "cpu", strict: bool = True, **overrides: Any
+    ) -> "TaskModule":
+        """Build the task from a keel checkpoint for inference.
+
+        The constructor receives the checkpoint's saved hyperparameters (``save_hyperparameters``)
+        updated with ``overrides``; then the weights are loaded (``weights_only=True``: nothing in the
+        file can run code). The task is returned in eval mode.
+        """
+        from trainer.checkpoint import K_HPARAMS, K_STATE_DICT, CheckpointIO
+
+        state = CheckpointIO().load(checkpoint_path)
+        kwargs = dict(state.get(K_HPARAMS, {}))
+        kwargs.update(overrides)
+        task = cls(**kwargs)
+        task.load_state_dict(state[K_STATE_DICT], strict=strict)
+        if map_location is not None:
+            task.to(map_location)
+        task.on_load_checkpoint(state)
+        return task.eval()
+
     # ------------------------------------------------------------------ logging
     def log(
         self,

@@ -98,6 +98,7 @@ class TrainerOptions:
     sync_batchnorm: bool = False
     process_group_timeout: float = 1800.0
     predict_return: str = "all_ranks"
+    preemption_check_interval: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_epochs is not None:
@@ -173,11 +174,9 @@ class TrainerOptions:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise _fail("process_group_timeout", self.process_group_timeout, "a number of seconds > 0 or a timedelta")
         self.process_group_timeout = float(timeout)
+        _check_int("preemption_check_interval", self.preemption_check_interval, minimum=1, allow_none=True)
         if self.predict_return not in ("all_ranks", "rank_zero"):
             raise _fail("predict_return", self.predict_return, "'all_ranks' or 'rank_zero'")
-        if self.static_graph and self.find_unused_parameters:
-            # DDP allows it, but static_graph already handles unused parameters; both is a config smell.
-            pass
         if self.max_epochs is None and self.max_steps == -1:
             # Lightning's default: 1000 epochs when neither limit is given.
             self.max_epochs = 1000

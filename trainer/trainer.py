@@ -29,6 +29,7 @@ from trainer.module import DataModule, TaskModule
 from trainer.optim import SchedulerConfig, parse_optimizers
 from trainer.options import TrainerOptions
 from trainer.precision import Precision
+from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher
 from trainer.rank_zero import configure_logging
 from trainer.transfer import infer_batch_size, move_to_device
 
@@ -137,6 +138,7 @@ class Trainer:
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
         self._owns_group = False
+        self._preemption = PreemptionWatcher()
         self._checkpoint_io = CheckpointIO()
         self._logged_options = False
 
@@ -488,10 +490,14 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_train_start(self, task)
         max_epochs = 1 if opts.fast_dev_run else opts.max_epochs
-        while not self._done_training(max_epochs):
-            self._train_epoch(val_loaders)
-            if self.should_stop:
-                break
+        self._preemption.install()
+        try:
+            while not self._done_training(max_epochs):
+                self._train_epoch(val_loaders)
+                if self.should_stop:
+                    break
+        finally:
+            self._preemption.uninstall()
         task.on_train_end()
         for cb in self.callbacks:
             cb.on_train_end(self, task)
@@ -561,6 +567,7 @@ class Trainer:
             cb.on_train_epoch_start(self, task)
         normaliser = StepNormaliser(world_size=self.world_size, device=self.device)
         k_now = lambda: self.accumulate_grad_batches  # noqa: E731 - read at each window start
+        completed = True  # False when training stops before the epoch's data is exhausted
         for micro in micro_batches(train.loader, start_idx=start, num_batches=num_batches, accumulate=k_now,
                                    drop_incomplete=opts.drop_incomplete_accumulation):
             outputs = self._training_micro_batch(micro, normaliser)
@@ -581,11 +588,42 @@ class Trainer:
             for cb in self.callbacks:
                 cb.on_train_batch_end(self, task, outputs, micro.batch, micro.batch_idx)
             self.optimizer_stepped = False
-            if stepped and val_loaders and opts.val_check_interval and self.global_step % opts.val_check_interval == 0:
+            if stepped and val_loaders and self.val_check_due:
                 self._evaluate("validate", val_loaders)
+            if stepped and self._preemption_due():
+                self._exit_preempted()
             if self.should_stop or self._done_training(None):
+                completed = micro.is_epoch_end
                 break
-        self._epoch_end(val_loaders)
+        self._epoch_end(val_loaders, completed=completed)
+
+    @property
+    def val_check_due(self) -> bool:
+        """True right after an optimizer step at which ``val_check_interval`` schedules validation."""
+        interval = self.options.val_check_interval
+        return self.state_stage == "fit" and interval is not None and self.global_step % interval == 0
+
+    def _preemption_due(self) -> bool:
+        """Every step in one process; in DDP only where all ranks check together (see trainer/preemption.py)."""
+        if self.world_size == 1:
+            return self._preemption.requested
+        interval = self.options.preemption_check_interval or self.options.log_every_n_steps
+        if self.global_step % interval != 0:
+            return False
+        return self._preemption.agreed(self.device, world_size=self.world_size)
+
+    def _exit_preempted(self) -> None:
+        """Save at this step boundary and exit non-zero so the launcher restarts the job."""
+        callback = self.checkpoint_callback
+        if callback is not None:
+            path = callback.save(self, suffix="-preempted", force=True)
+        else:
+            path = os.path.join(self.log_dir, "checkpoints", f"preempted-step={self.global_step}.ckpt")
+            self.save_checkpoint(path)
+        log.warning("Preempted (%s) at step %d: saved %s; exiting with code %d so the launcher restarts the "
+                    "job (resume with ckpt_path='last').", self._preemption.signal_name or "signal on another rank",
+                    self.global_step, path, PREEMPTED_EXIT_CODE)
+        raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def _training_micro_batch(self, micro: MicroBatch, normaliser: StepNormaliser) -> dict[str, Any]:
         """Forward and backward of one micro-batch. DDP's all-reduce runs only on the step's last one."""
@@ -681,26 +719,30 @@ class Trainer:
         if to_logger and not self.sanity_checking:
             self.log_metrics(dict(to_logger, epoch=self.current_epoch))
 
-    def _epoch_end(self, val_loaders: list[AdaptedLoader]) -> None:
+    def _epoch_end(self, val_loaders: list[AdaptedLoader], *, completed: bool) -> None:
+        """End of an epoch, or of training in the middle of one (``completed=False``: max_steps or
+        should_stop). Then the epoch counter and the data cursor stay where they are, so a checkpoint
+        written in ``on_train_epoch_end`` resumes at the right sample."""
         opts = self.options
-        if (
-            val_loaders
-            and opts.val_check_interval is None
-            and opts.check_val_every_n_epoch is not None
-            and (self.current_epoch + 1) % opts.check_val_every_n_epoch == 0
+        every = opts.check_val_every_n_epoch
+        if val_loaders and opts.val_check_interval is None and every is not None and (
+            not completed or (self.current_epoch + 1) % every == 0
         ):
             self._evaluate("validate", val_loaders)
         task = self.task
-        self._epoch_finished = True
+        self._epoch_finished = completed
         task.on_train_epoch_end()
         # Training metrics logged with on_epoch=True (and in the hook above), reduced over ranks.
         self._publish(*self._metrics.reduce_epoch())
+        if completed:
+            # Before the callbacks' hook, so a checkpoint saved there holds the stepped scheduler.
+            self._step_schedulers("epoch", self.current_epoch + 1)
         for cb in self.callbacks:
             cb.on_train_epoch_end(self, task)
-        self._step_schedulers("epoch", self.current_epoch + 1)
         self._epoch_finished = False
-        self.current_epoch += 1
-        self._epoch_batches_done = self._epoch_samples = 0
+        if completed:
+            self.current_epoch += 1
+            self._epoch_batches_done = self._epoch_samples = 0
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate_stage(self, stage: str, dataloaders: Any, ckpt_path: str | None) -> list[dict[str, float]]:
@@ -863,9 +905,21 @@ class Trainer:
         if callback is None:
             raise ValueError(f'ckpt_path="{ckpt_path}" needs a ModelCheckpoint callback (enable_checkpointing=True).')
         if ckpt_path == "best":
-            if not callback.best_model_path:
-                raise ValueError('ckpt_path="best": no best checkpoint is known yet (no monitored save happened).')
-            return callback.best_model_path
+            best = callback.best_model_path
+            if not best and self.is_global_zero:
+                # A fresh process: the callback's state lives in the last checkpoint.
+                for name in read_pointer(callback.dirpath):
+                    try:
+                        state = self._checkpoint_io.load(os.path.join(callback.dirpath, name))
+                    except Exception:
+                        continue
+                    best = state.get("callbacks", {}).get(callback.state_key, {}).get("best_model_path", "")
+                    break
+            best = dist.broadcast_object(best)
+            if not best:
+                raise ValueError('ckpt_path="best": no best checkpoint is known (no monitored ModelCheckpoint save '
+                                 f"in {callback.dirpath}).")
+            return best
         chosen: str | None = None
         if self.is_global_zero:
             directory = callback.dirpath

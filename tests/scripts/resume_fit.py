@@ -1,0 +1,131 @@
+"""A fit that checkpoints every step and always starts with ckpt_path="last", under any launcher.
+
+Faults on demand (first attempt only, TORCHELASTIC_RESTART_COUNT == 0 or unset):
+  --crash-at S        raise an exception at step S (after that step's checkpoint)
+  --kill-at S         SIGKILL rank --kill-rank at step S (before that step's checkpoint)
+  --sigterm-at S      SIGTERM to rank --kill-rank at step S (keel saves and exits 75)
+  --kill-in-save-at S SIGKILL the writer halfway through writing the checkpoint of step S
+Writes OUT/rank{R}.pt with the final weights when the fit completes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from trainer import Callback, TaskModule, Trainer  # noqa: E402
+from trainer import checkpoint as ckpt_module  # noqa: E402
+from trainer.model_checkpoint import ModelCheckpoint  # noqa: E402
+
+
+def data(n: int = 48, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    return TensorDataset(x, (x.sum(1) > 0).long())
+
+
+class Classifier(TaskModule):
+    def __init__(self, lr: float = 0.01) -> None:
+        super().__init__()
+        self.save_hyperparameters() if hasattr(self, "save_hyperparameters") else None
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2))
+        self.lr = lr
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Faults(Callback):
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not args.resumed
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+        if not (trainer.optimizer_stepped and self.first_attempt):
+            return
+        step, mine = trainer.global_step, trainer.global_rank == self.args.kill_rank
+        if step == self.args.kill_at and mine:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == self.args.sigterm_at and mine:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if step == self.args.kill_in_save_at and mine:
+            original = ckpt_module.CheckpointIO.save
+
+            def torn_save(self, state, path, *, is_writer):
+                directory = Path(path).parent
+                with open(directory / f".{Path(path).name}.torn.tmp", "wb") as handle:  # the temp name
+                    handle.write(b"PK\x03\x04" + os.urandom(4096))
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.kill(os.getpid(), signal.SIGKILL)
+                return original(self, state, path, is_writer=is_writer)
+
+            ckpt_module.CheckpointIO.save = torn_save
+
+
+class CrashAfterSave(Callback):
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+        if trainer.optimizer_stepped and trainer.global_step == self.args.crash_at and not self.args.resumed:
+            raise RuntimeError(f"simulated crash at step {trainer.global_step}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--ckpt-dir", required=True)
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--crash-at", type=int, default=-1)
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--sigterm-at", type=int, default=-1)
+    parser.add_argument("--kill-in-save-at", type=int, default=-1)
+    parser.add_argument("--kill-rank", type=int, default=0)
+    parser.add_argument("--resumed", action="store_true", help="a manual second run: inject no faults")
+    args = parser.parse_args()
+    checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_top_k=1)
+    callbacks = [Faults(args), checkpoint, CrashAfterSave(args)]
+    trainer = Trainer(max_steps=args.steps, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
+                      num_sanity_val_steps=0, log_every_n_steps=3, preemption_check_interval=2,
+                      callbacks=callbacks, seed=7)
+    task = Classifier()
+    trainer.fit(task, DataLoader(data(), batch_size=args.batch, shuffle=True), DataLoader(data(20, 1), batch_size=5),
+                ckpt_path="last")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"weights": task.state_dict(), "step": trainer.global_step,
+                "optimizer": trainer.optimizers[0].state_dict()["state"],
+                "best": checkpoint.best_model_path, "last": checkpoint.last_model_path},
+               out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

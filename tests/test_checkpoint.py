@@ -1,0 +1,200 @@
+"""Checkpoints: exact resume (1 and 2 ranks), crashes, SIGKILL under torchrun restarts, torn writes,
+corrupt and malicious files, SIGTERM preemption, top-k and `last` bookkeeping."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import REPO_ROOT, python, torchrun
+from models import Regression, loader, quiet, regression_data
+from trainer import Trainer
+from trainer.checkpoint import CheckpointError, CheckpointIO, export_weights
+from trainer.model_checkpoint import ModelCheckpoint, read_pointer
+from trainer.preemption import PREEMPTED_EXIT_CODE
+
+SCRIPT = REPO_ROOT / "tests" / "scripts" / "resume_fit.py"
+pytestmark = pytest.mark.multiprocess
+
+
+def weights(out: Path, rank: int = 0) -> dict:
+    return torch.load(out / f"rank{rank}.pt", weights_only=False)
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"] == 14
+    for name in a["weights"]:
+        assert torch.equal(a["weights"][name], b["weights"][name]), name
+
+
+@pytest.fixture(scope="module")
+def single_reference(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("single_ref")
+    python(SCRIPT, str(root / "out"), "--ckpt-dir", str(root / "ck"), timeout=120).check()
+    return weights(root / "out")
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("ddp_ref")
+    torchrun(SCRIPT, str(root / "out"), "--ckpt-dir", str(root / "ck"), nproc=2, timeout=180).check()
+    ranks = [weights(root / "out", r) for r in (0, 1)]
+    assert_same(ranks[0], ranks[1])
+    return ranks
+
+
+@pytest.mark.parametrize("crash_at", [4, 9])  # 6 steps per epoch: mid-epoch in epochs 0 and 1
+def test_resume_after_crash_equals_uninterrupted(tmp_path: Path, single_reference: dict, crash_at: int) -> None:
+    args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck")]
+    first = python(SCRIPT, *args, "--crash-at", str(crash_at), timeout=120)
+    assert first.returncode != 0 and f"simulated crash at step {crash_at}" in first.stdout
+    python(SCRIPT, *args, "--resumed", timeout=120).check()
+    assert_same(weights(tmp_path / "out"), single_reference)
+
+
+def test_two_rank_resume_equals_uninterrupted(tmp_path: Path, ddp_reference: list[dict]) -> None:
+    args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck")]
+    first = torchrun(SCRIPT, *args, "--crash-at", "4", nproc=2, timeout=180)
+    assert first.returncode != 0
+    torchrun(SCRIPT, *args, "--resumed", nproc=2, timeout=180).check()
+    for rank in (0, 1):
+        assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])
+
+
+@pytest.mark.parametrize("kill_at,kill_rank", [(3, 1), (8, 0)])
+def test_sigkill_under_torchrun_restarts_and_matches(tmp_path: Path, ddp_reference: list[dict], kill_at: int,
+                                                     kill_rank: int) -> None:
+    result = torchrun(SCRIPT, str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck"), "--kill-at", str(kill_at),
+                      "--kill-rank", str(kill_rank), nproc=2, max_restarts=2, timeout=240).check()
+    assert "Resumed at global step" in result.stdout  # the restart really resumed
+    for rank in (0, 1):
+        assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])
+
+
+def test_writer_killed_mid_save_keeps_last_loadable(tmp_path: Path, single_reference: dict) -> None:
+    args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck")]
+    first = python(SCRIPT, *args, "--kill-in-save-at", "5", timeout=120)
+    assert first.returncode == -9
+    names = read_pointer(tmp_path / "ck")
+    assert names and "step=4" in names[0]
+    CheckpointIO().load(tmp_path / "ck" / names[0])  # `last` still loads
+    python(SCRIPT, *args, "--resumed", timeout=120).check()
+    assert_same(weights(tmp_path / "out"), single_reference)
+
+
+def test_sigterm_saves_at_the_current_step_and_resumes_exactly(tmp_path: Path, single_reference: dict) -> None:
+    args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck")]
+    first = python(SCRIPT, *args, "--sigterm-at", "5", timeout=120)
+    assert first.returncode == PREEMPTED_EXIT_CODE, first.tail()
+    assert "Preempted (SIGTERM) at step 5" in first.stdout
+    assert "preempted" in read_pointer(tmp_path / "ck")[0] and "step=5" in read_pointer(tmp_path / "ck")[0]
+    python(SCRIPT, *args, "--resumed", timeout=120).check()
+    assert_same(weights(tmp_path / "out"), single_reference)
+
+
+def test_sigterm_on_one_rank_stops_both(tmp_path: Path, ddp_reference: list[dict]) -> None:
+    args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck")]
+    first = torchrun(SCRIPT, *args, "--sigterm-at", "3", "--kill-rank", "1", nproc=2, timeout=180)
+    assert first.returncode != 0
+    # Checked every 2 steps (preemption_check_interval=2): both ranks agree at step 4 and save there.
+    assert "step=4-preempted" in read_pointer(tmp_path / "ck")[0]
+    torchrun(SCRIPT, *args, "--resumed", nproc=2, timeout=180).check()
+    for rank in (0, 1):
+        assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])
+
+
+# ---------------------------------------------------------------------- single-process file handling
+def fit_with_checkpoints(tmp_path: Path, **ckpt_kwargs) -> tuple[Trainer, ModelCheckpoint]:
+    cb = ModelCheckpoint(dirpath=tmp_path, **ckpt_kwargs)
+    trainer = Trainer(**quiet(max_epochs=3, enable_checkpointing=True, callbacks=[cb]))
+    trainer.fit(Regression(), loader(regression_data(), 16), loader(regression_data(24, seed=1), 8))
+    return trainer, cb
+
+
+def test_truncated_and_garbage_files(tmp_path: Path) -> None:
+    trainer, cb = fit_with_checkpoints(tmp_path, save_top_k=-1)
+    files = sorted(tmp_path.glob("*.ckpt"), key=os.path.getmtime)
+    newest = Path(cb.last_model_path)
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        Trainer(**quiet(max_epochs=4)).fit(Regression(), loader(regression_data(), 16), ckpt_path=str(newest))
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(os.urandom(2048))
+    with pytest.raises(CheckpointError, match="garbage.ckpt"):
+        Trainer(**quiet(max_epochs=4)).fit(Regression(), loader(regression_data(), 16), ckpt_path=str(garbage))
+    # "last" skips the truncated newest file with a warning and resumes from the one before it.
+    resumed = Trainer(**quiet(max_epochs=4, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path)]))
+    resumed.fit(Regression(), loader(regression_data(), 16), ckpt_path="last")
+    assert resumed.global_step == 16  # resumed at epoch 2 (8 steps), trained epochs 2 and 3
+    assert len(files) == 3
+
+
+def test_malicious_checkpoint_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"keel_format_version": 1, "state_dict": {}, "payload": Payload()}, evil)
+    assert not marker.exists()
+    with pytest.raises(CheckpointError, match="refuses to load"):
+        CheckpointIO().load(evil)
+    with pytest.raises(CheckpointError):
+        Regression.load_from_checkpoint(str(evil))
+    assert not marker.exists()
+    raw = tmp_path / "raw.ckpt"
+    raw.write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError):
+        CheckpointIO().load(raw)
+    assert not marker.exists()
+
+
+def test_last_is_a_no_op_on_a_first_run(tmp_path: Path) -> None:
+    trainer = Trainer(**quiet(max_epochs=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path)]))
+    trainer.fit(Regression(), loader(regression_data(), 16), ckpt_path="last")
+    assert trainer.global_step == 4 and read_pointer(tmp_path)
+
+
+def test_top_k_and_last_bookkeeping_across_resumes(tmp_path: Path) -> None:
+    _, cb = fit_with_checkpoints(tmp_path, monitor="val/loss", save_top_k=2, save_last=True)
+    best, best_score = cb.best_model_path, cb.best_model_score
+    assert len(cb.best_k_models) == 2 and Path(best).exists()
+    cb2 = ModelCheckpoint(dirpath=tmp_path, monitor="val/loss", save_top_k=2, save_last=True)
+    trainer = Trainer(**quiet(max_epochs=5, enable_checkpointing=True, callbacks=[cb2]))
+    trainer.fit(Regression(), loader(regression_data(), 16), loader(regression_data(24, seed=1), 8), ckpt_path="last")
+    names = sorted(p.name for p in tmp_path.glob("*.ckpt"))
+    assert not any("-v1" in n for n in names)
+    assert set(cb2.best_k_models) <= {str(p) for p in tmp_path.glob("*.ckpt")}
+    assert len(cb2.best_k_models) == 2
+    assert cb2.best_model_score <= best_score  # the best is never lost
+    assert Path(cb2.last_model_path).exists() and "epoch=4" in cb2.last_model_path
+    # ckpt_path="best" in a fresh process reads the callback state from the last checkpoint.
+    fresh = Trainer(**quiet(enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path, monitor="val/loss")]))
+    (metrics,) = fresh.validate(Regression(), loader(regression_data(24, seed=1), 8), ckpt_path="best")
+    assert metrics["val/loss"] == pytest.approx(cb2.best_model_score, rel=1e-6)
+
+
+def test_filename_template_with_metrics(tmp_path: Path) -> None:
+    _, cb = fit_with_checkpoints(tmp_path, filename="{epoch}-{step}-{val/loss:.3f}", monitor="val/loss")
+    name = Path(cb.best_model_path).name
+    assert name.startswith("epoch=") and "-step=" in name and "-val_loss=" in name and name.endswith(".ckpt")
+
+
+def test_load_from_checkpoint_and_plain_export(tmp_path: Path) -> None:
+    trainer, cb = fit_with_checkpoints(tmp_path)
+    task = trainer.task
+    loaded = Regression.load_from_checkpoint(cb.last_model_path)
+    x = regression_data(5).tensors[0]
+    with torch.no_grad():
+        assert torch.equal(loaded(x), task(x))
+    export_weights(cb.last_model_path, tmp_path / "weights.pt")
+    net = Regression()
+    net.load_state_dict(torch.load(tmp_path / "weights.pt", weights_only=True))
+    with torch.no_grad():
+        assert torch.equal(net(x), task(x))
