@@ -198,3 +198,19 @@ def test_load_from_checkpoint_and_plain_export(tmp_path: Path) -> None:
     net.load_state_dict(torch.load(tmp_path / "weights.pt", weights_only=True))
     with torch.no_grad():
         assert torch.equal(net(x), task(x))
+
+
+def test_checkpoint_from_two_ranks_resumes_on_one_at_the_global_cursor(tmp_path: Path) -> None:
+    """2 ranks x batch 4 crash at step 4 (epoch 1, 16 of 48 samples consumed); 1 rank x batch 8 resumes at
+    sample 16 of epoch 1's permutation: nothing re-read, nothing skipped."""
+    args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck")]
+    first = torchrun(SCRIPT, *args, "--crash-at", "4", "--save-on-crash-dir", str(tmp_path / "crash"), nproc=2,
+                     timeout=180)
+    assert first.returncode != 0
+    before = [torch.load(tmp_path / "crash" / f"seen{r}.pt", weights_only=False) for r in (0, 1)]
+    result = python(SCRIPT, *args, "--resumed", "--batch", "8", timeout=120).check()
+    assert "resuming on 1" in result.stdout
+    after = weights(tmp_path / "out")["seen"]
+    consumed_before = before[0][1] + before[1][1]
+    assert len(consumed_before) == 16
+    assert sorted(consumed_before + after[1]) == list(range(48))

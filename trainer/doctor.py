@@ -156,7 +156,8 @@ def _cuda_devices() -> list[str]:
     names = []
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
-        names.append(f"{index}: {props.name}, {props.total_memory / (1 << 30):.0f} GiB, sm_{props.major}{props.minor}")
+        memory = props.total_memory / (1 << 30)
+        names.append(f"{index}: {props.name}, {memory:.0f} GiB, sm_{props.major}{props.minor}")
     return names
 
 
@@ -206,13 +207,16 @@ def _format_environment(env: dist.DistEnv, backend: str, reports: Sequence[RankR
     for r in reports:
         lines.append(f"{r.rank:>4} {r.local_rank:>5} {r.node_rank:>4}  {r.host:<24} {r.pid:>8}  {r.device}")
     names = sorted({name for r in reports for name in r.env_vars})
-    lines.append("environment variables" + ("" if names else ": none of MASTER_*, NCCL_*, GLOO_*, TORCH_NCCL_* set"))
+    none_set = ": none of MASTER_*, NCCL_*, GLOO_*, TORCH_NCCL_* set"
+    lines.append("environment variables" + ("" if names else none_set))
     for name in names:
         values = [r.env_vars.get(name) for r in reports]
         if len(set(values)) == 1:
             lines.append(f"  {name}={values[0]}")
         else:
-            per_rank = ", ".join(f"rank {r.rank}: {v if v is not None else '<unset>'}" for r, v in zip(reports, values))
+            per_rank = ", ".join(
+                f"rank {r.rank}: {v if v is not None else '<unset>'}" for r, v in zip(reports, values)
+            )
             lines.append(f"  {name}: {per_rank}   (differs across ranks)")
     return "\n".join(lines)
 
@@ -248,7 +252,10 @@ def check_rendezvous(env: dist.DistEnv, timeout: float) -> tuple[str, str | None
     try:
         socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        return "", f"MASTER_ADDR={addr} does not resolve on rank {env.rank} ({socket.gethostname()}): {exc.strerror or exc}"
+        return "", (
+            f"MASTER_ADDR={addr} does not resolve on rank {env.rank} ({socket.gethostname()}): "
+            f"{exc.strerror or exc}"
+        )
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if env.rank == 0 and not agent_store:
         return f"rank 0 hosts the store on {addr}:{port}", None
@@ -314,18 +321,25 @@ def run_checks(report: RankReport, device: torch.device, world: int, timeout: fl
     wrong = int((received != expected_t).sum())
     if wrong:
         diff = float((received - expected_t).abs().max())
-        report.failures.append(("broadcast", f"rank {rank} got {wrong} of {BROADCAST_NUMEL} elements different from rank 0's (max abs diff {diff:g})"))
+        report.failures.append((
+            "broadcast",
+            f"rank {rank} got {wrong} of {BROADCAST_NUMEL} elements different from rank 0's "
+            f"(max abs diff {diff:g})",
+        ))
     report.results["broadcast"] = f"rank 0's random tensor ({BROADCAST_NUMEL} floats) identical on all ranks"
 
     beat("all_gather")
-    gathered = _collective("all_gather", dist.all_gather_tensor, torch.tensor([rank], dtype=torch.int64, device=device))
+    mine = torch.tensor([rank], dtype=torch.int64, device=device)
+    gathered = _collective("all_gather", dist.all_gather_tensor, mine)
     ids = [int(t.item()) for t in gathered]
     if ids != list(range(world)):
         report.failures.append(("all_gather", f"rank {rank} got {ids}, expected {list(range(world))}"))
     report.results["all_gather"] = f"rank ids {ids}" if world <= 16 else f"rank ids 0..{world - 1}"
 
 
-def measure_bandwidth(report: RankReport, device: torch.device, sizes: Sequence[int], iters: int, warmup: int, beat: Any) -> None:
+def measure_bandwidth(
+    report: RankReport, device: torch.device, sizes: Sequence[int], iters: int, warmup: int, beat: Any
+) -> None:
     """Seconds per all_reduce (float32, sum) per message size, this rank's view, into ``report``."""
     for nbytes in sizes:
         beat(f"all_reduce bandwidth {format_size(nbytes)}")
@@ -345,14 +359,17 @@ def format_bandwidth(reports: Sequence[RankReport], backend: str, iters: int) ->
     """nccl-tests' figures: algbw = bytes / time, busbw = algbw * 2(W-1)/W; time = slowest rank."""
     world = len(reports)
     lines = [
-        f"== all_reduce bandwidth ({backend}, {world} ranks, float32 sum, mean of {iters} iterations, slowest rank) ==",
+        f"== all_reduce bandwidth ({backend}, {world} ranks, float32 sum, "
+        f"mean of {iters} iterations, slowest rank) ==",
         f"{'size':>10} {'elements':>10} {'time (us)':>11} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}",
     ]
     for nbytes in reports[0].timings:
         seconds = max(r.timings[nbytes] for r in reports)
         algbw = nbytes / seconds / 1e9
         busbw = algbw * 2 * (world - 1) / world
-        lines.append(f"{format_size(nbytes):>10} {nbytes // 4:>10} {seconds * 1e6:>11.1f} {algbw:>13.3f} {busbw:>13.3f}")
+        lines.append(
+            f"{format_size(nbytes):>10} {nbytes // 4:>10} {seconds * 1e6:>11.1f} {algbw:>13.3f} {busbw:>13.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -376,9 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--init-timeout", type=_positive_float, default=60.0, metavar="SECONDS",
-                        help="limit for the rendezvous probe, process-group creation and every collective (default 60)")
+                        help="limit for the rendezvous probe, process-group creation and every "
+                             "collective (default 60)")
     parser.add_argument("--sizes", type=_parse_sizes, default=_parse_sizes(DEFAULT_SIZES), metavar="LIST",
-                        help=f"comma-separated all_reduce message sizes, K/M/G = KiB/MiB/GiB (default {DEFAULT_SIZES})")
+                        help="comma-separated all_reduce message sizes, K/M/G = KiB/MiB/GiB "
+                             f"(default {DEFAULT_SIZES})")
     parser.add_argument("--iters", type=int, default=10, help="timed all_reduce iterations per size (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed all_reduce iterations per size (default 2)")
     parser.add_argument("--accelerator", choices=("auto", "cpu", "cuda"), default="auto",
@@ -416,7 +435,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os._exit(EXIT_FAIL)
 
     # Every wait below is bounded by --init-timeout; the watchdog catches whatever is not.
-    watchdog = Watchdog(args.init_timeout + _WATCHDOG_MARGIN_S, run_dir=args.run_dir, rank=env.rank, on_fire=hang_exit)
+    watchdog = Watchdog(
+        args.init_timeout + _WATCHDOG_MARGIN_S, run_dir=args.run_dir, rank=env.rank, on_fire=hang_exit
+    )
     watchdog.start()
     try:
         return _run(args, env, device, backend, report, watchdog)
@@ -426,7 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _fail_alone(env: dist.DistEnv, backend: str, report: RankReport, check: str, why: str) -> int:
     """Fails before a group exists: this rank prints its own environment and the reason."""
-    _say(_format_environment(env, backend, [report]).replace("== environment ==", f"== environment of rank {env.rank} =="))
+    text = _format_environment(env, backend, [report])
+    _say(text.replace("== environment ==", f"== environment of rank {env.rank} =="))
     _say(f"FAIL {check}: {why}")
     return EXIT_FAIL
 

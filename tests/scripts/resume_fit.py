@@ -31,7 +31,7 @@ from trainer.model_checkpoint import ModelCheckpoint  # noqa: E402
 def data(n: int = 48, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 6, generator=g)
-    return TensorDataset(x, (x.sum(1) > 0).long())
+    return TensorDataset(x, (x.sum(1) > 0).long(), torch.arange(n))  # the index records the data order
 
 
 class Classifier(TaskModule):
@@ -41,18 +41,20 @@ class Classifier(TaskModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2))
         self.lr = lr
+        self.seen: dict[int, list[int]] = {}
 
     def forward(self, x):
         return self.net(x)
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
+        x, y, idx = batch
+        self.seen.setdefault(self.current_epoch, []).extend(idx.tolist())
         loss = F.cross_entropy(self(x), y)
         self.log("train/loss", loss)
         return loss
 
     def validation_step(self, batch, batch_idx):
-        x, y = batch
+        x, y, _ = batch
         self.log("val/loss", F.cross_entropy(self(x), y))
 
     def configure_optimizers(self):
@@ -110,6 +112,7 @@ def main() -> None:
     parser.add_argument("--kill-in-save-at", type=int, default=-1)
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--resumed", action="store_true", help="a manual second run: inject no faults")
+    parser.add_argument("--save-on-crash-dir", default=None, help="also write the seen samples when crashing")
     args = parser.parse_args()
     checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_top_k=1)
     callbacks = [Faults(args), checkpoint, CrashAfterSave(args)]
@@ -117,13 +120,19 @@ def main() -> None:
                       num_sanity_val_steps=0, log_every_n_steps=3, preemption_check_interval=2,
                       callbacks=callbacks, seed=7)
     task = Classifier()
+    if args.save_on_crash_dir:
+        import atexit
+
+        out_crash = Path(args.save_on_crash_dir)
+        atexit.register(lambda: (out_crash.mkdir(parents=True, exist_ok=True),
+                                 torch.save(task.seen, out_crash / f"seen{trainer.global_rank}.pt")))
     trainer.fit(task, DataLoader(data(), batch_size=args.batch, shuffle=True), DataLoader(data(20, 1), batch_size=5),
                 ckpt_path="last")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"weights": task.state_dict(), "step": trainer.global_step,
                 "optimizer": trainer.optimizers[0].state_dict()["state"],
-                "best": checkpoint.best_model_path, "last": checkpoint.last_model_path},
+                "best": checkpoint.best_model_path, "last": checkpoint.last_model_path, "seen": task.seen},
                out / f"rank{trainer.global_rank}.pt")
 
 
