@@ -12,6 +12,7 @@ Contract (DESIGN.md sections 2 and 3):
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
@@ -25,6 +26,19 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 STAGES = ("fit", "validate", "test", "predict")
+
+
+class AttributeDict(dict):
+    """A dict whose keys are also attributes (``hparams.lr``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"no hyperparameter {name!r}; saved: {sorted(self)}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = value
 
 
 class TaskModule(nn.Module):
@@ -47,6 +61,7 @@ class TaskModule(nn.Module):
         super().__init__()
         # Plain attribute, not a submodule or parameter; set by the Trainer while a loop runs.
         self._trainer: Trainer | None = None
+        self._log_hyperparams = True
 
     # ------------------------------------------------------------------ read-only run state
     @property
@@ -83,6 +98,41 @@ class TaskModule(nn.Module):
     @property
     def world_size(self) -> int:
         return self._trainer.world_size if self._trainer is not None else 1
+
+    # ------------------------------------------------------------------ hyperparameters
+    def save_hyperparameters(self, *names: str, ignore: str | list[str] | None = None, logger: bool = True) -> None:
+        """Store the calling ``__init__``'s arguments in :attr:`hparams` (Lightning's name and meaning).
+
+        Call it inside ``__init__``. ``names`` selects arguments (default: all), ``ignore`` drops some.
+        Plain values (numbers, strings, bools, None and lists/dicts of them) go into checkpoints and are
+        used by :meth:`load_from_checkpoint`; others (modules, ``functools.partial`` factories) stay in
+        memory only, with a one-line warning when a checkpoint is written. ``logger=True`` sends them to
+        the loggers at the start of ``fit``.
+        """
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        if caller is None:  # pragma: no cover - CPython always has frames
+            raise RuntimeError("save_hyperparameters() could not find its caller's arguments.")
+        code, local = caller.f_code, caller.f_locals
+        count = code.co_argcount + code.co_kwonlyargcount
+        arg_names = [n for n in code.co_varnames[:count] if n != "self"]
+        values = {n: local[n] for n in arg_names if n in local}
+        if code.co_flags & inspect.CO_VARKEYWORDS:
+            values.update(local.get(code.co_varnames[count + bool(code.co_flags & inspect.CO_VARARGS)], {}))
+        if names:
+            unknown = sorted(set(names) - set(values))
+            if unknown:
+                raise ValueError(f"save_hyperparameters: {unknown} are not arguments of __init__ ({sorted(values)}).")
+            values = {n: values[n] for n in names}
+        for name in [ignore] if isinstance(ignore, str) else (ignore or []):
+            values.pop(name, None)
+        self._hparams = AttributeDict(values)
+        self._log_hyperparams = logger
+
+    @property
+    def hparams(self) -> "AttributeDict":
+        """Saved hyperparameters; attribute and key access (``self.hparams.lr``, ``self.hparams["lr"]``)."""
+        return self.__dict__.setdefault("_hparams", AttributeDict())
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod

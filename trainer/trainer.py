@@ -474,8 +474,11 @@ class Trainer:
                 size_mb = sum(p.numel() * p.element_size() for p in params) / 2**20
                 log.info("%s: %s parameters (%s trainable), %.2f MB.", type(task).__name__, f"{total:,}",
                          f"{trainable:,}", size_mb)
+            hparams: dict[str, Any] = {"trainer": self.options.resolved()}
+            if task.hparams and task._log_hyperparams:
+                hparams["task"] = dict(task.hparams)
             for logger in self.loggers:
-                logger.log_hyperparams(self.options.resolved())
+                logger.log_hyperparams(hparams)
         task.on_fit_start()
         for cb in self.callbacks:
             cb.on_fit_start(self, task)

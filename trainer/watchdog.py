@@ -75,6 +75,10 @@ PHASE_DESCRIPTIONS: dict[str, str] = {
 }
 
 EXIT_CODE = 134  # 128 + SIGABRT: what a launcher sees from abort()
+# The watchdog thread needs the GIL. If a C extension hangs while holding it, the thread
+# never runs; faulthandler's C-level timer, re-armed on every poll, then dumps the stacks
+# to stderr and exits (status 1) this many seconds after the watchdog should have fired.
+BACKSTOP_GRACE_S = 30.0
 
 
 def describe_phase(phase: str) -> str:
@@ -100,7 +104,8 @@ def _default_on_fire() -> None:
 class Watchdog:
     """Fires when :meth:`beat` is not called for ``timeout`` seconds.
 
-    Contract: the Trainer creates one per process, calls :meth:`start` once the run
+    Contract: the Trainer creates one per process (it owns faulthandler's single
+    ``dump_traceback_later`` timer, its GIL-free backstop), calls :meth:`start` once the run
     directory is known, :meth:`beat` at every phase change and step boundary (main
     thread), and :meth:`stop` at the end of the stage, on success and on error. It
     fires at most once; silence is measured from :meth:`start` or the last beat, with
@@ -173,12 +178,17 @@ class Watchdog:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=max(5.0, 2 * self.poll))
+        if thread is not None:
+            faulthandler.cancel_dump_traceback_later()
 
     # ------------------------------------------------------------------ watchdog thread
     def _run(self) -> None:
         seen = self._state
         last_change = time.monotonic()
+        backstop = True
         while not self._stop.wait(self.poll):
+            if backstop:
+                backstop = _arm_backstop(self.timeout + BACKSTOP_GRACE_S)
             state = self._state
             now = time.monotonic()
             if state is not seen:
@@ -190,6 +200,7 @@ class Watchdog:
                 return
 
     def _fire(self, state: tuple[str, int], silent_for: float) -> None:
+        faulthandler.cancel_dump_traceback_later()  # the dumps below may take seconds
         self.fired = True
         phase, step = state
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -255,6 +266,16 @@ class Watchdog:
         thread.start()
         thread.join(timeout=10.0)
         return result[0]
+
+
+def _arm_backstop(seconds: float) -> bool:
+    """(Re)arms faulthandler's GIL-free timer on the real stderr; False if it cannot be used."""
+    try:
+        faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
+        return True
+    except (AttributeError, ValueError, RuntimeError, OSError) as exc:  # no usable stderr fd
+        logger.debug("No faulthandler backstop for the watchdog: %s", exc)
+        return False
 
 
 def _library_dirs() -> tuple[str, ...]:
