@@ -137,9 +137,6 @@ def run_trainer(name: str, dataset, total_steps: int, warmup: int, log_every_ste
             super().__init__()
             self.net = make_net(name)
 
-        def forward(self, x):
-            return self.net(x)
-
         def training_step(self, batch, batch_idx):
             x, y = batch
             loss = F.cross_entropy(self.net(x), y)
@@ -338,9 +335,8 @@ def report(results: list[dict]) -> None:
         cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row[:-1], widths))]
         print(" | ".join(cells + [row[-1]]))
     r0 = results[0]
-    print(f"\nratio = trainer / loop wall time of the timed steps, median over {r0['repeats']} paired repeats "
-          f"({r0['warmup']} warm-up steps excluded); cpu ratio: the same with process CPU time; steps/s from the "
-          f"median wall times; batch size {BATCH_SIZE}; self.log cost = (trainer+self.log - trainer) / steps.")
+    print(f"\nratio: median over {r0['repeats']} paired repeats of trainer/loop wall time of the timed steps "
+          f"({r0['warmup']} warm-up steps excluded); cpu ratio: the same with process CPU time. See --help.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

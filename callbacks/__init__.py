@@ -2,9 +2,15 @@
 
 ``Callback``, ``ModelCheckpoint`` and ``ProgressBar`` are defined in ``trainer/`` (the Trainer adds the
 last two by default and never imports this package) and re-exported here.
+
+The others live here, one per module: ``EarlyStopping``, ``GradientAccumulationScheduler``,
+``LambdaCallback``, ``LearningRateMonitor``, ``ModelSummary``, ``ThroughputMonitor`` and ``Timer``. Every
+rank runs every hook; only side effects are gated to rank 0, and a decision that stops training is taken
+from reduced metrics or broadcast from rank 0 (DESIGN.md section 7).
 """
 
 from callbacks.early_stopping import EarlyStopping
+from callbacks.gradient_accumulation import GradientAccumulationScheduler
 from callbacks.lambda_function import LambdaCallback
 from callbacks.lr_monitor import LearningRateMonitor
 from callbacks.model_summary import ModelSummary
@@ -17,6 +23,7 @@ from trainer.progress import ProgressBar
 __all__ = [
     "Callback",
     "EarlyStopping",
+    "GradientAccumulationScheduler",
     "LambdaCallback",
     "LearningRateMonitor",
     "ModelCheckpoint",

@@ -24,7 +24,9 @@ class EarlyStopping(Callback):
     Where it checks: after each validation run of ``fit`` (``on_validation_epoch_end``; never during the
     sanity check, nor in ``Trainer.validate``), or at ``on_train_epoch_end`` when
     ``check_on_train_epoch_end=True``. With the default ``None`` it checks at the train epoch end only while
-    no validation has run in this fit (a fit without validation data monitors a training metric).
+    no validation, sanity check included, has run in this fit: a fit without validation data monitors a
+    training metric. (A fit whose first validation comes after the first epoch and that has no sanity
+    check cannot be told apart from one without validation: pass ``check_on_train_epoch_end=False``.)
 
     Rank rule (DESIGN.md section 7): the value is read from ``trainer.callback_metrics``, which is already
     reduced over ranks and identical on all of them, so every rank reaches the same decision and stops at
@@ -87,15 +89,15 @@ class EarlyStopping(Callback):
         return f"{type(self).__qualname__}{{'monitor': {self.monitor!r}, 'mode': {self.mode!r}}}"
 
     # ------------------------------------------------------------------ hooks
-    def on_train_start(self, trainer: Trainer, task: TaskModule) -> None:
+    def on_fit_start(self, trainer: Trainer, task: TaskModule) -> None:  # before the sanity check
         self._validated_this_fit = False
         self.stopping_reason = None
 
     def on_validation_epoch_end(self, trainer: Trainer, task: TaskModule) -> None:
-        if not trainer.training:  # the sanity check, or Trainer.validate(): not part of training
+        if trainer.state_stage != "fit":  # Trainer.validate(): not part of training
             return
-        self._validated_this_fit = True
-        if self.check_on_train_epoch_end:
+        self._validated_this_fit = True  # the sanity check counts: this fit has validation data
+        if trainer.sanity_checking or self.check_on_train_epoch_end:
             return
         self._check(trainer)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -93,7 +93,7 @@ class LearningRateMonitor(Callback):
             rank_zero_warn("LearningRateMonitor: the Trainer has no logger; learning rates are not written anywhere.")
 
     def on_train_batch_end(
-        self, trainer: Trainer, task: TaskModule, outputs: dict, batch: object, batch_idx: int
+        self, trainer: Trainer, task: TaskModule, outputs: dict[str, Any], batch: Any, batch_idx: int
     ) -> None:
         if self.logging_interval == "step" and trainer.is_logging_step:
             self._log(trainer)

@@ -6,6 +6,7 @@ import csv
 import datetime
 import logging
 import math
+import re
 import time
 from pathlib import Path
 
@@ -198,6 +199,20 @@ def test_early_stopping_on_train_epoch_end_without_validation() -> None:
     assert task.epochs_trained == [0, 1, 2, 3] and stopper.stopped_epoch == 3
 
 
+def test_early_stopping_auto_mode_with_sparse_validation() -> None:
+    values = [9, 4, 9, 4.5, 9, 4.6]  # validation runs after epochs 1, 3, 5 only
+    stopper = EarlyStopping("val/metric", patience=1)
+    # The sanity check shows that this fit validates: no check at train epoch ends.
+    _, task = fit_sequence(values, stopper, check_val_every_n_epoch=2, num_sanity_val_steps=1)
+    assert task.epochs_trained == [0, 1, 2, 3] and stopper.stopped_epoch == 3
+    # Without a sanity check the first check (epoch 0's end) cannot know: the error says what to pass.
+    with pytest.raises(KeyError, match="check_on_train_epoch_end=False"):
+        fit_sequence(values, EarlyStopping("val/metric", patience=1), check_val_every_n_epoch=2)
+    stopper = EarlyStopping("val/metric", patience=1, check_on_train_epoch_end=False)
+    _, task = fit_sequence(values, stopper, check_val_every_n_epoch=2)
+    assert task.epochs_trained == [0, 1, 2, 3] and stopper.stopped_epoch == 3
+
+
 def test_early_stopping_ignores_validate_calls() -> None:
     stopper = EarlyStopping("val/metric", patience=1)
     trainer, task = fit_sequence([5, 4, 3, 9], stopper, max_epochs=3)
@@ -253,7 +268,8 @@ def test_early_stopping_state_round_trips_through_checkpoints(tmp_path: Path) ->
 
 
 def test_early_stopping_argument_checks() -> None:
-    for kwargs, name in [(dict(mode="best"), "mode"), (dict(patience=0), "patience"), (dict(min_delta=-1), "min_delta")]:
+    for kwargs, name in [(dict(mode="best"), "mode"), (dict(patience=0), "patience"),
+                         (dict(min_delta=-1), "min_delta")]:
         with pytest.raises(ValueError, match=name):
             EarlyStopping("val/loss", **kwargs)
     # Two instances with different monitors may live in one Trainer (distinct state keys).
@@ -273,14 +289,12 @@ class Counting(SlowStep):
 
 def test_timer_stops_quickly_at_a_step_boundary() -> None:
     timer = Timer(duration=0.2)
-    task = Counting(0.03)  # 2 micro-batches per step: >= 0.06 s per step
-    start = time.monotonic()
+    task = Counting(0.03)  # 2 micro-batches per step: >= 0.06 s per step, so >= 0.24 s after 4 steps
     trainer = Trainer(**quiet(max_epochs=5, accumulate_grad_batches=2, callbacks=[timer]))
     trainer.fit(task, loader(regression_data(), 2))  # 16 steps per epoch: 80 steps if it never stopped
-    assert time.monotonic() - start < 3
-    assert trainer.should_stop and 3 <= trainer.global_step <= 6
+    assert trainer.should_stop and 1 <= trainer.global_step <= 4  # at the first step past 0.2 s
     assert task.calls == 2 * trainer.global_step  # stopped right after an optimizer step
-    assert 0.2 <= timer.time_elapsed() < 1.5 and timer.time_remaining() <= 0
+    assert timer.time_elapsed() >= 0.2 and timer.time_remaining() <= 0
 
 
 def test_timer_epoch_interval_finishes_the_epoch() -> None:
@@ -314,7 +328,7 @@ def test_timer_durations() -> None:
     assert parse_duration(datetime.timedelta(minutes=2)) == 120
     for bad, fragment in [("12:00:00", "'12:00:00'"), ("1 day", "'1 day'"), ({"hourz": 1}, "['hourz']"),
                           (-1, "-1"), (True, "True"), ([1], "[1]")]:
-        with pytest.raises(ValueError, match=re_escape(fragment)):
+        with pytest.raises(ValueError, match=re.escape(fragment)):
             Timer(duration=bad)
     with pytest.raises(ValueError, match="interval"):
         Timer(duration=1, interval="batch")  # type: ignore[arg-type]
@@ -323,12 +337,6 @@ def test_timer_durations() -> None:
     assert timer.time_elapsed() == 4.0 and timer.time_remaining() == 6.0
     with pytest.raises(KeyError, match="elapsed"):
         timer.load_state_dict({"elapsed": 1.0})
-
-
-def re_escape(text: str) -> str:
-    import re
-
-    return re.escape(text)
 
 
 # ---------------------------------------------------------------------------------------------- ModelSummary

@@ -317,3 +317,18 @@ def test_unadaptable_loader_warns_what_it_loses() -> None:
 def test_only_task_modules_are_accepted() -> None:
     with pytest.raises(TypeError, match="expects a TaskModule"):
         Trainer(**quiet()).fit(torch.nn.Linear(2, 2), loader(regression_data(), 8))
+
+
+def test_estimated_stepping_batches_matches_the_steps_taken() -> None:
+    seen = {}
+
+    class Probe(Regression):
+        def configure_optimizers(self):
+            seen["estimate"] = self.trainer.estimated_stepping_batches
+            return super().configure_optimizers()
+
+    for options in (dict(max_epochs=3, accumulate_grad_batches=3), dict(max_epochs=3, max_steps=5),
+                    dict(max_epochs=2, limit_train_batches=0.5)):
+        trainer = Trainer(**quiet(**options))
+        trainer.fit(Probe(), loader(regression_data(), 8))
+        assert seen["estimate"] == trainer.global_step, options

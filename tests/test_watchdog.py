@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import torchrun
+from launch import python, torchrun
 from trainer.watchdog import (
     PHASE_TRAINING_STEP,
     Watchdog,
@@ -118,6 +118,31 @@ def test_nccl_flight_recorder_env_defaults(tmp_path):
     kept = nccl_flight_recorder_env_defaults(tmp_path, environ=user)
     assert set(kept) == {"TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_ENABLE_MONITORING"}
     assert file_key not in nccl_flight_recorder_env_defaults(None, environ={})
+
+
+_HOLD_THE_GIL = """
+import ctypes, sys, time
+import trainer.watchdog as w
+w.BACKSTOP_GRACE_S = 1.0
+watchdog = w.Watchdog(0.5, run_dir=sys.argv[1], rank=0, on_fire=lambda: print("on_fire ran"), poll=0.05)
+watchdog.start()
+watchdog.beat("training_step", 1)
+time.sleep(0.2)  # the watchdog thread arms faulthandler's timer on its first polls
+
+def hold_the_gil():
+    ctypes.PyDLL(None).sleep(30)  # a C call that never releases the GIL
+
+hold_the_gil()
+"""
+
+
+def test_backstop_catches_a_hang_that_holds_the_gil(tmp_path):
+    # The watchdog thread cannot run; faulthandler's C timer must dump the stacks and exit.
+    result = python("-c", _HOLD_THE_GIL, str(tmp_path), timeout=60)
+    assert result.returncode == 1, result.tail()
+    assert result.elapsed < 25, result.tail()
+    assert "Timeout" in result.stdout and "hold_the_gil" in result.stdout
+    assert "on_fire ran" not in result.stdout and not list(tmp_path.iterdir())
 
 
 @pytest.mark.multiprocess

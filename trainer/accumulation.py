@@ -158,7 +158,9 @@ class StepNormaliser:
                 "for others; return it on every step or never."
             )
         self.ran += 1
-        detached = loss.detach().to(torch.float32 if loss.dtype in (torch.float16, torch.bfloat16) else loss.dtype)
+        detached = loss.detach()
+        if detached.dtype in (torch.float16, torch.bfloat16):
+            detached = detached.float()
         self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
         if mode == "items":
             count = _check_num_items(num_items, self.device)
@@ -179,7 +181,7 @@ class StepNormaliser:
         """
         assert self.loss_sum is not None, "finish() before any micro-batch"
         if self.mode == "mean":
-            step_loss = self.loss_sum / self.ran
+            step_loss = self.loss_sum if self.ran == 1 else self.loss_sum / self.ran
             if self.divided_by_planned and self.ran < self.accumulate:
                 return self.accumulate / self.ran, step_loss, False
             return None, step_loss, False

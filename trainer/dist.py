@@ -396,10 +396,12 @@ def init_process_group(
         backend, env.rank, env.world_size, env.master_addr, env.master_port, timeout,
     )
     try:
-        dist.init_process_group(
-            backend=backend, init_method="env://", timeout=timeout,
-            rank=env.rank, world_size=env.world_size, **kwargs,
-        )
+        store = _restart_safe_store(env, timeout)
+        if store is not None:
+            kwargs["store"] = store
+        else:
+            kwargs["init_method"] = "env://"
+        dist.init_process_group(backend=backend, timeout=timeout, rank=env.rank, world_size=env.world_size, **kwargs)
     except (RuntimeError, TimeoutError) as exc:  # DistNetworkError/DistStoreError are RuntimeErrors
         raise RuntimeError(
             f"Rank {env.rank} of {env.world_size} could not initialise the {backend} process "
@@ -409,6 +411,25 @@ def init_process_group(
             "not start or crashed, or WORLD_SIZE does not match the number of processes launched."
         ) from exc
     return True
+
+
+def _restart_safe_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, the agent's TCPStore for this job, namespaced by restart attempt; else None (env://).
+
+    torchrun workers share the agent's store (``TORCHELASTIC_USE_AGENT_STORE``), which outlives a worker
+    restart. The default group's rendezvous keys (each rank's gloo address) are the same in every
+    attempt, so a restarted rank could read the address of a peer that was just killed and fail with
+    "connectFullMesh ... Connection refused". A prefix per ``TORCHELASTIC_RESTART_COUNT`` keeps each
+    attempt's keys apart.
+    """
+    if env.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(
+        host_name=env.master_addr or "127.0.0.1", port=int(env.master_port or 0), world_size=env.world_size,
+        is_master=False, timeout=timeout,
+    )
+    return dist.PrefixStore(f"keel/attempt_{attempt}", store)
 
 
 def destroy_process_group() -> None:

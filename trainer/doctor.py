@@ -53,6 +53,7 @@ DEFAULT_SIZES = "4,64K,1M,16M"
 BROADCAST_NUMEL = 1 << 16
 BROADCAST_SEED = 1234
 _WATCHDOG_MARGIN_S = 30.0
+_MAX_RANKS_SHOWN = 8  # per-rank details in a check line
 
 # Environment variables shown in the report: these names, and every name with these prefixes.
 _ENV_NAMES = (
@@ -472,9 +473,12 @@ def _run(args: argparse.Namespace, env: dist.DistEnv, device: torch.device, back
         )
     except (RuntimeError, ValueError) as exc:
         return _fail_alone(env, backend, report, "init_process_group", str(exc))
-    report.results["init_process_group"] = (
-        f"{backend}, {time.monotonic() - start:.2f} s" if owns_group else "skipped: world of 1, no process group"
-    )
+    if owns_group:
+        report.results["init_process_group"] = f"{backend}, {time.monotonic() - start:.2f} s"
+    elif dist.is_initialized():
+        report.results["init_process_group"] = f"reused the existing {dist.get_backend()} group"
+    else:
+        report.results["init_process_group"] = "skipped: world of 1, no process group"
     world = dist.get_world_size()
     try:
         run_checks(report, device, world, args.init_timeout, beat)
@@ -494,10 +498,10 @@ def _run(args: argparse.Namespace, env: dist.DistEnv, device: torch.device, back
         failed_checks = {check for check, _ in failures}
         for check in report.results:
             status = "FAIL" if check in failed_checks else "ok  "
-            per_rank = sorted({r.results.get(check, "") for r in reports})
-            detail = per_rank[0] if len(per_rank) == 1 else "; ".join(
-                f"rank {r.rank}: {r.results.get(check, '')}" for r in reports
-            )
+            details = [r.results.get(check, "") for r in reports]
+            detail = details[0] if len(set(details)) == 1 else "; ".join(
+                f"rank {r.rank}: {d}" for r, d in list(zip(reports, details))[:_MAX_RANKS_SHOWN]
+            ) + ("" if len(reports) <= _MAX_RANKS_SHOWN else f"; ... ({len(reports)} ranks)")
             lines.append(f"{status} {check:<20} {detail}")
         if reports[0].timings:
             lines.append(format_bandwidth(reports, backend, args.iters))

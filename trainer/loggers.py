@@ -41,7 +41,10 @@ def run_identity() -> str | None:
     if run_id and run_id != "none":
         return f"torchrun:{run_id}"
     job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
-    return f"slurm:{job_id}" if job_id else None
+    if not job_id:
+        return None
+    # The step id tells apart two srun steps in one allocation; a requeued job starts again at step 0.
+    return f"slurm:{job_id}.{os.environ.get('SLURM_STEP_ID', os.environ.get('SLURM_STEPID', 'batch'))}"
 
 
 class Logger:

@@ -113,8 +113,9 @@ class ModelCheckpoint(Callback):
                 self._pending_after_validation = True  # validation runs right after this hook
             else:
                 self.save(trainer)
-        elif self.train_time_interval is not None:
-            # Every rank must agree to save: the elapsed time is decided on rank 0 and broadcast.
+        elif self.train_time_interval is not None and (trainer.world_size == 1 or trainer.is_logging_step):
+            # Every rank must agree to save: the elapsed time is decided on rank 0 and broadcast, on
+            # logging steps only in DDP (no extra collective on other steps).
             from trainer import dist
 
             due = dist.broadcast_object(time.monotonic() - self._last_time >= self.train_time_interval)

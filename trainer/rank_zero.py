@@ -15,7 +15,6 @@ from typing import Any, Callable, TypeVar
 F = TypeVar("F", bound=Callable[..., Any])
 
 _log = logging.getLogger("trainer")
-_TAG_FILTER_NAME = "keel-rank-tag"
 
 
 def _env_rank() -> int:
@@ -51,17 +50,21 @@ def rank_zero_warn(message: str, category: type[Warning] = UserWarning, stacklev
     warnings.warn(message, category, stacklevel=stacklevel)
 
 
-class _RankTag(logging.Filter):
-    def __init__(self, rank: int) -> None:
-        super().__init__(_TAG_FILTER_NAME)
+class _RankTagFormatter(logging.Formatter):
+    """Wraps a handler's formatter and prefixes ``[rank N]`` while formatting (records stay untouched)."""
+
+    def __init__(self, inner: logging.Formatter | None, rank: int) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
         self.rank = rank
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = self.rank
-        if not getattr(record, "_keel_tagged", False):
-            record.msg = f"[rank {self.rank}] {record.msg}"
-            record._keel_tagged = True
-        return True
+    def format(self, record: logging.LogRecord) -> str:
+        original = record.msg
+        record.msg = f"[rank {self.rank}] {original}"
+        try:
+            return self.inner.format(record)
+        finally:
+            record.msg = original
 
 
 def configure_logging(rank: int) -> None:
@@ -76,8 +79,10 @@ def configure_logging(rank: int) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
         root.addHandler(handler)
     for handler in root.handlers:
-        if not any(getattr(f, "name", None) == _TAG_FILTER_NAME for f in handler.filters):
-            handler.addFilter(_RankTag(rank))
+        if isinstance(handler.formatter, _RankTagFormatter):
+            handler.formatter.rank = rank
+        elif type(handler).__module__.split(".")[0] != "_pytest":  # leave pytest's capture handlers alone
+            handler.setFormatter(_RankTagFormatter(handler.formatter, rank))
     level = logging.INFO if rank == 0 else logging.WARNING
     root.setLevel(level)
     for name in ("trainer", "callbacks", "recipes"):

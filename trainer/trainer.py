@@ -9,8 +9,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import inspect
 import logging
+import math
 import os
 import random
 from typing import Any, Callable, Iterable, Sequence
@@ -60,8 +62,15 @@ _OWNED_GROUP_EXIT_HOOK = False
 def _destroy_owned_group_at_exit() -> None:
     global _OWNED_GROUP_EXIT_HOOK
     if not _OWNED_GROUP_EXIT_HOOK:
-        atexit.register(dist.destroy_process_group)
+        atexit.register(_exit_teardown)
         _OWNED_GROUP_EXIT_HOOK = True
+
+
+def _exit_teardown() -> None:
+    """Destroy the group while the interpreter is fully alive, then collect the objects that still hold
+    it (DDP reducers, pending work), so no backend thread outlives them into interpreter shutdown."""
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def seed_everything(seed: int) -> None:
@@ -125,11 +134,13 @@ class Trainer:
         self.task: TaskModule | None = None
         self.datamodule: DataModule | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
+        self._params: list[torch.Tensor] = []
         self.lr_scheduler_configs: list[SchedulerConfig] = []
         self._model: nn.Module | None = None  # the adapter, or DDP(adapter)
         self._ddp: nn.parallel.DistributedDataParallel | None = None
         self._train: AdaptedLoader | None = None
         self.num_training_batches: int | None = None
+        self.num_val_batches: list[int | None] = []  # per validation loader of the current fit
         self._metrics = MetricCollector()
         # k as a function of (epoch, global_step). Replace it (e.g. callbacks.GradientAccumulationScheduler
         # does in setup) to change accumulation; a change lands at the next optimizer-step boundary.
@@ -196,6 +207,27 @@ class Trainer:
         return self.accumulation_schedule.k(epoch=self.current_epoch, global_step=self.global_step)
 
     @property
+    def estimated_stepping_batches(self) -> int | float:
+        """Optimizer steps this ``fit`` will take (for LR schedules), from ``max_steps``, ``max_epochs``, the
+        training loader's length after ``limit_train_batches`` and the accumulation schedule. ``inf``
+        when neither limit bounds it. Available from ``configure_optimizers`` on."""
+        if self._train is None:
+            raise RuntimeError("estimated_stepping_batches is known once fit() has its training dataloader.")
+        opts = self.options
+        max_steps = opts.max_steps if opts.max_steps != -1 else math.inf
+        batches = self._limit(self._train.loader, opts.limit_train_batches, "limit_train_batches")
+        epochs = 1 if opts.fast_dev_run else opts.max_epochs
+        if batches is None or epochs in (None, -1):
+            return max_steps
+        total = 0
+        for epoch in range(epochs):
+            k = self.accumulation_schedule.k(epoch=epoch, global_step=total)
+            total += batches // k if opts.drop_incomplete_accumulation else -(-batches // k)
+            if total >= max_steps:
+                return max_steps
+        return total
+
+    @property
     def checkpoint_callback(self) -> Callback | None:
         return next((cb for cb in self.callbacks if getattr(cb, "is_model_checkpoint", False)), None)
 
@@ -206,7 +238,10 @@ class Trainer:
     @property
     def is_logging_step(self) -> bool:
         """True during ``on_train_batch_end`` of a micro-batch that completed a logging step."""
-        return self.optimizer_stepped and self.global_step % self.options.log_every_n_steps == 0
+        return self.optimizer_stepped and self._logging_due()
+
+    def _logging_due(self) -> bool:
+        return bool(self.options.fast_dev_run) or self.global_step % self.options.log_every_n_steps == 0
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Send host-side scalars (already agreed across ranks) to every logger; rank 0 writes.
@@ -461,13 +496,14 @@ class Trainer:
             adapt_eval_loader(loader, num_replicas=self.world_size, rank=self.global_rank, seed=opts.seed or 0)
             for loader in self._resolve_loaders("validate", val_dataloaders)
         ]
+        self.num_val_batches = [self._limit(v.loader, opts.limit_val_batches, "limit_val_batches") for v in val_loaders]
         self._configure_model_and_optimizers()
         self.global_step = self.current_epoch = self._epoch_batches_done = self._epoch_samples = 0
         self.should_stop = False
         if ckpt_path is not None:
             self._restore(ckpt_path, full=True)
         if self.is_global_zero:
-            if opts.enable_model_summary:
+            if opts.enable_model_summary and not any(getattr(cb, "is_model_summary", False) for cb in self.callbacks):
                 params = list(task.parameters())
                 total = sum(p.numel() for p in params)
                 trainable = sum(p.numel() for p in params if p.requires_grad)
@@ -544,6 +580,8 @@ class Trainer:
             self._model = adapter
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
+        # Every parameter the optimizers update (clipping and gradient rescaling act on these).
+        self._params = [p for o in self.optimizers for group in o.param_groups for p in group["params"]]
 
     def _train_epoch(self, val_loaders: list[AdaptedLoader]) -> None:
         """One epoch: micro-batches grouped into optimizer steps, validation and logging on the step clock."""
@@ -584,7 +622,7 @@ class Trainer:
                     normaliser.reset()
                 else:
                     stepped = self._optimizer_step(normaliser)
-            if stepped and (self.global_step % opts.log_every_n_steps == 0 or opts.fast_dev_run):
+            if stepped and self._logging_due():
                 self._log_step_metrics()  # a logging step: the only place step metrics are read
             self.optimizer_stepped = stepped
             task.on_train_batch_end(outputs, micro.batch, micro.batch_idx)
@@ -595,7 +633,8 @@ class Trainer:
                 self._evaluate("validate", val_loaders)
             if stepped and self._preemption_due():
                 self._exit_preempted()
-            if self.should_stop or self._done_training(None):
+            # should_stop (callbacks) takes effect at an optimizer-step boundary, never inside a window.
+            if (self.should_stop and micro.is_step_end) or self._done_training(None):
                 completed = micro.is_epoch_end
                 break
         self._epoch_end(val_loaders, completed=completed)
@@ -659,7 +698,7 @@ class Trainer:
         opts = self.options
         grad_factor, step_loss, skip = normaliser.finish()
         normaliser.reset()
-        params = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]]
+        params = self._params
         if skip:
             log.warning("Step %d saw zero items (num_items) on every rank; the optimizer step is skipped.", self.global_step)
             for optimizer in self.optimizers:
@@ -667,15 +706,16 @@ class Trainer:
             return False
         for optimizer in self.optimizers:
             self._precision.unscale(optimizer)
-        grads = [p.grad for p in params if p.grad is not None]
-        if grad_factor is not None and grads:
-            torch._foreach_mul_(grads, grad_factor)
+        if grad_factor is not None:
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, grad_factor)
         task = self.task
         for optimizer in self.optimizers:
             task.on_before_optimizer_step(optimizer)
             for cb in self.callbacks:
                 cb.on_before_optimizer_step(self, task, optimizer)
-        if opts.gradient_clip_val is not None and grads:
+        if opts.gradient_clip_val is not None:
             if opts.gradient_clip_algorithm == "norm":
                 nn.utils.clip_grad_norm_(params, opts.gradient_clip_val, foreach=True)
             else:
@@ -963,4 +1003,4 @@ def _split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any], Any]:
     if not loss.requires_grad:
         raise ValueError("training_step's loss does not require grad: it was computed without the task's parameters "
                          "(or under torch.no_grad()).")
-    return loss.reshape(()), dict(extras, loss=loss.detach()), num_items
+    return (loss if loss.dim() == 0 else loss.reshape(())), dict(extras, loss=loss.detach()), num_items

@@ -14,6 +14,8 @@ def move_to_device(batch: Any, device: torch.device, *, float_dtype: torch.dtype
     CUDA copies are ``non_blocking``: asynchronous from pinned memory (``pin_memory=True`` loaders), a
     plain synchronous copy otherwise. ``float_dtype`` converts floating-point tensors (precision "64").
     """
+    if device.type == "cpu" and float_dtype is None:
+        return batch  # loader output already lives on the CPU: skip the traversal (hot path)
     non_blocking = device.type == "cuda"
 
     def move(obj: Any) -> Any:

@@ -56,6 +56,9 @@ PHASE_BACKWARD = "backward"
 PHASE_OPTIMIZER_STEP = "optimizer_step"
 PHASE_METRICS_REDUCTION = "metrics_reduction"
 PHASE_VALIDATION_STEP = "validation_step"
+PHASE_TEST_STEP = "test_step"
+PHASE_PREDICT_STEP = "predict_step"
+PHASE_PREEMPTION_CHECK = "preemption_check"
 PHASE_CHECKPOINT = "checkpoint"
 PHASE_BARRIER = "barrier"
 PHASE_TEARDOWN = "teardown"
@@ -66,9 +69,14 @@ PHASE_DESCRIPTIONS: dict[str, str] = {
     PHASE_DATA: "waiting for the next batch from the DataLoader",
     PHASE_TRAINING_STEP: "inside training_step",
     PHASE_BACKWARD: "in backward, i.e. in the gradient all-reduce (DDP overlaps it with backward)",
-    PHASE_OPTIMIZER_STEP: "in the optimizer step (gradient clipping, optimizer.step, schedulers)",
+    PHASE_OPTIMIZER_STEP: (
+        "in the optimizer step (the loss-normaliser all-reduce, clipping, optimizer.step, schedulers)"
+    ),
     PHASE_METRICS_REDUCTION: "in a collective: metrics reduction",
     PHASE_VALIDATION_STEP: "inside validation_step",
+    PHASE_TEST_STEP: "inside test_step",
+    PHASE_PREDICT_STEP: "inside predict_step",
+    PHASE_PREEMPTION_CHECK: "in a collective: preemption agreement",
     PHASE_CHECKPOINT: "saving or loading a checkpoint",
     PHASE_BARRIER: "in a collective: barrier",
     PHASE_TEARDOWN: "in teardown",
