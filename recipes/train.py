@@ -1,19 +1,24 @@
 """``python -m recipes.train`` (console script ``keel-train``): fit and test a task from Hydra config.
 
 The config tree is ``conf/`` (see :func:`recipes.config_dir.config_dir`); ``conf/train.yaml`` composes
-the groups ``trainer``, ``task``, ``data``, ``callbacks`` and ``logger``. Examples::
+the groups ``trainer``, ``task``, ``data``, ``callbacks`` and ``logger``, and ``+experiment=<name>``
+layers a whole recipe on top. Every ``_target_`` is instantiated here and nowhere else: the Trainer gets
+only ``trainer.*``, the task only ``task.*``, the datamodule only ``data.*``. Examples::
 
     python -m recipes.train                                   # the digits recipe
+    python -m recipes.train +experiment=charlm                # the character-level GPT
     python -m recipes.train trainer.max_epochs=5 logger=csv   # any key, any group
     python -m recipes.train ~callbacks.progress test=false    # drop a callback, skip the test split
-    torchrun --nproc-per-node 2 -m recipes.train              # DDP: same command, same run directory
+    python -m recipes.train -m trainer.precision=32,bf16-mixed   # a sweep: one run per value
+    torchrun --standalone --nproc-per-node 2 -m recipes.train    # DDP: same command, one run directory
 
 Run directory: ``${output_dir}/${name}/version_N``. The logger picks N (rank 0 takes the next free
-number and broadcasts it; ``logger.version=N`` pins it), the Trainer's run directory is the logger's
-folder, and everything a run writes lands there: TensorBoard events (or metrics.csv), ``config.yaml``
-and ``checkpoints/``. ``ckpt_path: last`` (the default) resumes from that folder's latest checkpoint and
-is a no-op in a fresh one. Hydra writes no files (``hydra.output_subdir: null``, logging to stderr
-only) and never changes the working directory.
+number and broadcasts it; ``logger.version=N`` pins it; a torchrun restart or SLURM requeue of the same
+job finds its folder again through the ``.keel_run_id`` marker), the Trainer's run directory is the
+logger's folder, and everything a run writes lands there: TensorBoard events (or metrics.csv),
+``config.yaml`` and ``checkpoints/``. ``ckpt_path: last`` (the default) resumes from that folder's
+latest checkpoint and is a no-op in a fresh one. Hydra writes no files of a single run
+(``hydra.output_subdir: null``, logging to stderr only) and never changes the working directory.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import sys
 import time
 from typing import Any
 
@@ -28,100 +34,90 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-import recipes.trainer_schema  # noqa: F401  (registers trainer/options_schema in Hydra's ConfigStore)
+from recipes.config_callback import CONFIG_FILE, SaveConfig  # noqa: F401  (CONFIG_FILE: re-exported)
 from recipes.config_dir import config_dir
+from recipes.trainer_schema import check_overrides  # importing it registers trainer/options_schema
 from trainer import Callback, DataModule, TaskModule, Trainer, seed_everything
-from trainer.loggers import Logger, TensorBoardLogger
+from trainer.loggers import CSVLogger, Logger, TensorBoardLogger, run_identity
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.yaml"
+COMMAND = "python -m recipes.train"
 
 
-class SaveConfig(Callback):
-    """Writes the resolved config to ``<run dir>/config.yaml``, headed by the command that composed it.
-
-    Once, at ``setup`` of the first ``fit``: the loggers have resolved the run directory by then (on
-    every rank, before callbacks are set up). Only rank 0 writes.
-
-    Args:
-        cfg: The composed config (without the ``hydra`` node).
-        command: The command line that composed it, written as the file's first line.
-    """
-
-    def __init__(self, cfg: DictConfig, command: str) -> None:
-        self.cfg = cfg
-        self.command = command
-        self.path: str | None = None
-
-    def setup(self, trainer: Trainer, task: TaskModule, stage: str) -> None:
-        if stage != "fit" or self.path is not None:
-            return
-        self.path = os.path.join(trainer.log_dir, CONFIG_FILE)
-        if not trainer.is_global_zero:
-            return
-        os.makedirs(trainer.log_dir, exist_ok=True)
-        with open(self.path, "w") as f:
-            f.write(f"# {self.command}\n" + OmegaConf.to_yaml(self.cfg, resolve=True))
+def _instantiate(node: Any) -> Any:
+    # _convert_="all": the objects receive plain dicts and lists, not OmegaConf containers, so that
+    # isinstance(x, dict) checks hold and save_hyperparameters() keeps them in checkpoints.
+    return instantiate(node, _convert_="all")
 
 
-def build(cfg: DictConfig, *, command: str = "python -m recipes.train") -> tuple[Trainer, TaskModule, DataModule]:
+def build(cfg: DictConfig, *, command: str = COMMAND) -> tuple[Trainer, TaskModule, DataModule | None]:
     """Instantiates the Trainer, the task and the datamodule from a composed ``conf/train.yaml``.
 
     Seeds the global generators with ``trainer.seed`` first, so that the task's initial weights are the
-    same on every run (the Trainer seeds only at the start of ``fit``, after the task exists).
+    same on every run and every rank (the Trainer seeds ``seed + rank`` only at the start of ``fit``,
+    after the task exists). Nothing here starts a process group: a bad option fails before one exists.
 
     Args:
-        cfg: The composed config.
-        command: Recorded in ``config.yaml``.
+        cfg: The composed config. ``data`` may be absent (``~data``) when the task defines its own
+            ``*_dataloader`` methods; ``logger`` may be absent (``~logger``) for no logger.
+        command: Recorded as the first line of ``config.yaml``.
 
     Returns:
-        ``(trainer, task, datamodule)``.
+        ``(trainer, task, datamodule)``; ``datamodule`` is None without a ``data`` node.
     """
     options: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
     if options.get("seed") is not None:
         seed_everything(options["seed"])
-    datamodule = instantiate(cfg.data)
-    task = instantiate(cfg.task)
-    # A dict keyed by name, so that entries can be changed or removed (~callbacks.progress) from the
-    # command line; null entries are skipped.
-    callbacks: list[Callback] = [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None]
+    data_cfg = cfg.get("data")
+    datamodule = _instantiate(data_cfg) if data_cfg is not None else None
+    task = _instantiate(cfg.task)
+    # A dict keyed by name, so that entries can be changed, added (+callbacks.mine=...) or removed
+    # (~callbacks.progress) from the command line; null entries are skipped.
+    callbacks: list[Callback] = [
+        _instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None
+    ]
     config = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
     callbacks.append(SaveConfig(config, command))
     logger_cfg = cfg.get("logger")
-    logger: Logger | bool = instantiate(logger_cfg) if logger_cfg is not None else False
+    logger: Logger | bool = _instantiate(logger_cfg) if logger_cfg is not None else False
     trainer = Trainer(**options, callbacks=callbacks, logger=logger)
     return trainer, task, datamodule
 
 
-def run(cfg: DictConfig, *, command: str = "python -m recipes.train") -> dict[str, Any]:
+def run(cfg: DictConfig, *, command: str = COMMAND) -> dict[str, Any]:
     """Fits (resuming from ``cfg.ckpt_path``), tests the best checkpoint when ``cfg.test``, then prints
     a summary on rank 0.
 
     Returns:
-        The summary (the same on every rank): ``metrics`` (name -> float), ``run_dir``,
-        ``tensorboard_dir``, ``monitor``, ``best_model_path`` (None without a monitored checkpoint),
-        ``best_model_score``, ``last_model_path``, ``tested_on``, ``global_step``, ``epochs``, ``seconds``.
+        The summary (the same on every rank): ``metrics`` (name -> float), ``run_dir``, ``logs``
+        (``[(kind, folder)]`` per logger), ``monitor``, ``best_model_path`` (None without a monitored
+        checkpoint), ``best_model_score``, ``last_model_path``, ``tested_on``, ``global_step``,
+        ``epochs``, ``seconds``.
     """
     trainer, task, datamodule = build(cfg, command=command)
+    if trainer.is_global_zero:
+        _warn_about_restarts()
     start = time.monotonic()
-    trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     checkpoint = trainer.checkpoint_callback
     monitor = getattr(checkpoint, "monitor", None)
-    best_path = (getattr(checkpoint, "best_model_path", "") or None) if monitor else None
+    best_path = _abspath(getattr(checkpoint, "best_model_path", "")) if monitor else None
     tested_on = None
-    if cfg.test:
+    if cfg.get("test"):
         # "best" needs a monitored save; without one, test the weights fit ended with.
         trainer.test(task, datamodule=datamodule, ckpt_path="best" if best_path else None)
         tested_on = "best checkpoint" if best_path else "final weights"
+    # Values callbacks logged themselves (learning rates, throughput), then the task's (self.log).
+    metrics = {**trainer.logged_metrics, **{name: float(value) for name, value in trainer.callback_metrics.items()}}
     summary = {
-        "metrics": {name: float(value) for name, value in sorted(trainer.callback_metrics.items())},
-        "run_dir": trainer.log_dir,
-        "tensorboard_dir": next((lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None),
+        "metrics": dict(sorted(metrics.items())),
+        "run_dir": os.path.abspath(trainer.log_dir),
+        "logs": [(_logger_kind(lg), os.path.abspath(lg.log_dir)) for lg in trainer.loggers],
         "monitor": monitor,
         "best_model_path": best_path,
         "best_model_score": getattr(checkpoint, "best_model_score", None) if best_path else None,
-        "last_model_path": getattr(checkpoint, "last_model_path", "") or None,
+        "last_model_path": _abspath(getattr(checkpoint, "last_model_path", "")),
         "tested_on": tested_on,
         "global_step": trainer.global_step,
         "epochs": trainer.current_epoch,
@@ -132,34 +128,91 @@ def run(cfg: DictConfig, *, command: str = "python -m recipes.train") -> dict[st
     return summary
 
 
+def _abspath(path: str | None) -> str | None:
+    return os.path.abspath(path) if path else None
+
+
+def _logger_kind(logger: Logger) -> str:
+    if isinstance(logger, TensorBoardLogger):
+        return "tensorboard"
+    if isinstance(logger, CSVLogger):
+        return "csv"
+    return type(logger).__name__
+
+
+def _warn_about_restarts() -> None:
+    """torchrun without ``--standalone`` or ``--rdzv-id`` gives its workers the run id ``none``: a
+    restart then cannot find this run's directory and starts a new one from scratch."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if os.environ.get("TORCHELASTIC_RUN_ID") == "none" and restarts > 0:
+        log.warning(
+            "torchrun --max-restarts %d without --standalone or --rdzv-id: the job has no run id, so a "
+            "restart starts a NEW run directory instead of resuming this one. Launch with "
+            "`torchrun --standalone ...` (one node) or `--rdzv-id <job id>`.", restarts,
+        )
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The end-of-run block: where things are, then every metric (``name  value`` lines)."""
     best = summary["best_model_path"] or "- (no monitored checkpoint)"
     if summary["best_model_path"] and summary["best_model_score"] is not None:
         best += f"  ({summary['monitor']}={summary['best_model_score']:.6f})"
-    tensorboard = summary["tensorboard_dir"] or "- (no TensorBoardLogger)"
-    lines = [
-        "=" * 30 + " keel run summary " + "=" * 30,
-        f"run dir          {summary['run_dir']}",
-        f"tensorboard      {tensorboard}",
+    lines = ["=" * 30 + " keel run summary " + "=" * 30, f"run dir          {summary['run_dir']}"]
+    lines += [f"{kind:<16} {folder}" for kind, folder in summary["logs"]] or ["logs             - (no logger)"]
+    lines += [
         f"best checkpoint  {best}",
         f"last checkpoint  {summary['last_model_path'] or '-'}",
         f"trained          {summary['global_step']} steps, {summary['epochs']} epochs; "
         f"{summary['seconds']:.1f} s fit{' + test' if summary['tested_on'] else ''}",
-        "metrics          val/* from the last validation"
-        + (f", test/* on the {summary['tested_on']}" if summary["tested_on"] else ""),
+        "metrics          last logged values"
+        + (f"; test/* on the {summary['tested_on']}" if summary["tested_on"] else ""),
     ]
-    lines += [f"  {name:<14} {value:.6f}" for name, value in summary["metrics"].items()]
+    lines += [f"  {name:<30} {value:.6g}" for name, value in summary["metrics"].items()]
     return "\n".join(lines + ["=" * 78])
 
 
+def _check_sweep_launcher() -> None:
+    """Refuses a ``-m`` sweep run by Hydra's basic launcher inside a torchrun/SLURM job.
+
+    The basic launcher runs the sweep's jobs one after another in this process. Inside a torchrun or
+    SLURM job they would all share the job's run identity (``trainer.loggers.run_identity``), so every
+    job after the first would land in the first job's run directory and resume its checkpoint. Hydra's
+    submitit launcher runs each job as its own SLURM job and is not affected.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    basic = hydra_cfg.runtime.choices.get("hydra/launcher") == "basic"
+    if hydra_cfg.mode == RunMode.MULTIRUN and basic and run_identity() is not None:
+        raise SystemExit(
+            "keel: a -m sweep with Hydra's basic launcher cannot run inside a torchrun/SLURM job "
+            f"({run_identity()}): its jobs would share one run directory. Launch one job per setting, "
+            "or use hydra/launcher=submitit_slurm."
+        )
+
+
 @hydra.main(config_path=config_dir(), config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    """Entry point of ``python -m recipes.train`` and of the ``keel-train`` console script."""
+def _hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    _check_sweep_launcher()
     overrides = list(HydraConfig.get().overrides.task)
-    run(cfg, command=shlex.join(["python", "-m", "recipes.train", *overrides]))
+    run(cfg, command=shlex.join([*COMMAND.split(), *overrides]))
+
+
+def main() -> None:
+    """Entry point of ``python -m recipes.train`` and of the ``keel-train`` console script.
+
+    Checks the command line's ``trainer.*`` overrides against the schema first (an unknown key or a
+    wrong type exits with status 2, naming the key and listing the valid ones), then hands over to
+    Hydra, which composes the config (exit status 1 on any other config error) and calls :func:`run`.
+    """
+    error = check_overrides(sys.argv[1:])
+    if error is not None:
+        print(f"keel: {error}", file=sys.stderr)  # before Hydra: logging is not configured yet
+        raise SystemExit(2)
+    _hydra_main()
 
 
 if __name__ == "__main__":

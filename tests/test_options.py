@@ -57,6 +57,10 @@ INVALID = [
     ("process_group_timeout", "30s"),
     ("predict_return", "rank0"),
     ("preemption_check_interval", 0),
+    ("init_timeout", 0),
+    ("watchdog_timeout", -1),
+    ("on_nonfinite", "ignore"),
+    ("uneven_batches", "pad"),
     ("logger", "tensorboard"),
     ("callbacks", ["not a callback"]),
 ]

@@ -43,6 +43,7 @@ def micro_batches(
     num_batches: int | None,
     accumulate: Callable[[], int],
     drop_incomplete: bool,
+    agree: Callable[[bool], bool] | None = None,
 ) -> Iterator[MicroBatch]:
     """Group an epoch's batches into optimizer-step windows.
 
@@ -52,6 +53,8 @@ def micro_batches(
     fetched beyond it and each window knows its real length. Without it, one batch of look-ahead
     tells which batch is the last. With ``drop_incomplete`` a short final window is not run at all
     (known length); with an unknown length its gradients are discarded by the caller.
+    ``agree(has_data)`` (DDP with an unknown length) is asked at each window start whether every rank
+    still has data, so ranks with different amounts of data stop at the same step instead of hanging.
     """
     iterator = iter(batches)
     sentinel = object()
@@ -70,9 +73,14 @@ def micro_batches(
                 yield MicroBatch(idx, batch, k, window_len, pos == window_len - 1, idx == num_batches - 1)
                 idx += 1
             continue
+        has_data = pending is not sentinel
+        if agree is not None:
+            has_data = agree(has_data)  # every rank leaves at the same window start
+        if not has_data:
+            return
         for pos in range(k):
             if pending is sentinel:
-                return
+                break
             batch, pending = pending, next(iterator, sentinel)
             is_last = pending is sentinel
             yield MicroBatch(idx, batch, k, None, pos == k - 1 or is_last, is_last)

@@ -448,3 +448,36 @@ def adapt_eval_loader(
     ``num_replicas > 1`` (every sample would be counted N times).
     """
     return _adapt(loader, "eval", num_replicas, rank, seed)
+
+
+class ShardedIterable(torch.utils.data.IterableDataset):
+    """Shards an iterable by rank and DataLoader worker: item ``i`` goes to exactly one (rank, worker).
+
+    ``i % (world_size * num_workers) == rank * num_workers + worker_id``. Every rank and worker reads the
+    whole source and keeps its share, which is right for cheap sources (files listed in order, generated
+    samples); for expensive ones shard the source itself. Rank and world size default to the running
+    process group's (read when iteration starts).
+    """
+
+    def __init__(self, source: Iterable[Any], *, rank: int | None = None, world_size: int | None = None) -> None:
+        super().__init__()
+        self.source = source
+        self.rank = rank
+        self.world_size = world_size
+
+    def __iter__(self) -> Iterator[Any]:
+        from trainer import dist
+
+        rank = dist.get_rank() if self.rank is None else self.rank
+        world = dist.get_world_size() if self.world_size is None else self.world_size
+        info = torch.utils.data.get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        shards, mine = world * workers, rank * workers + worker
+        for index, item in enumerate(self.source):
+            if index % shards == mine:
+                yield item
+
+
+def shard_iterable(source: Iterable[Any], *, rank: int | None = None, world_size: int | None = None) -> ShardedIterable:
+    """Wrap ``source`` so that each (rank, worker) yields a disjoint share; see :class:`ShardedIterable`."""
+    return ShardedIterable(source, rank=rank, world_size=world_size)

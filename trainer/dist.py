@@ -346,8 +346,9 @@ def init_process_group(
     backend: Backend,
     timeout: datetime.timedelta,
     device: torch.device | None = None,
+    init_timeout: datetime.timedelta | None = None,
 ) -> bool:
-    """Creates the default process group with ``init_method="env://"``.
+    """Creates the default process group from the launcher's environment (``env://`` semantics).
 
     For SLURM the environment's rank, world size and rendezvous address are first
     exported to ``os.environ`` (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
@@ -357,7 +358,10 @@ def init_process_group(
     Args:
         env: The environment from :func:`detect_env`.
         backend: ``"nccl"`` for CUDA devices, ``"gloo"`` for CPU (see :func:`backend_for`).
-        timeout: Limit for the rendezvous and for every later collective.
+        timeout: Limit for every collective of the group.
+        init_timeout: Limit for joining: connecting to the rendezvous store and waiting for every rank
+            (default: ``timeout``). An unreachable MASTER_ADDR or a rank that never starts fails after
+            this long instead of after the collective timeout.
         device: This rank's device; for nccl it is bound to the group (``device_id``),
             which must match the device set by :func:`select_device`.
 
@@ -395,17 +399,14 @@ def init_process_group(
         "Initialising process group: backend=%s rank=%d world_size=%d master=%s:%s timeout=%s",
         backend, env.rank, env.world_size, env.master_addr, env.master_port, timeout,
     )
+    join_timeout = init_timeout or timeout
     try:
-        store = _restart_safe_store(env, timeout)
-        if store is not None:
-            kwargs["store"] = store
-        else:
-            kwargs["init_method"] = "env://"
+        kwargs["store"] = _rendezvous_store(env, join_timeout)
         dist.init_process_group(backend=backend, timeout=timeout, rank=env.rank, world_size=env.world_size, **kwargs)
     except (RuntimeError, TimeoutError) as exc:  # DistNetworkError/DistStoreError are RuntimeErrors
         raise RuntimeError(
             f"Rank {env.rank} of {env.world_size} could not initialise the {backend} process "
-            f"group at {env.master_addr}:{env.master_port} within {timeout} "
+            f"group at {env.master_addr}:{env.master_port} within {join_timeout} "
             f"({type(exc).__name__}: {exc}). Likely causes: MASTER_ADDR is not reachable from "
             "this node (wrong host or a firewall on MASTER_PORT), the port is in use, a rank did "
             "not start or crashed, or WORLD_SIZE does not match the number of processes launched."
@@ -413,23 +414,25 @@ def init_process_group(
     return True
 
 
-def _restart_safe_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun, the agent's TCPStore for this job, namespaced by restart attempt; else None (env://).
+def _rendezvous_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
+    """The store the default group rendezvous through, joined within ``timeout``.
 
-    torchrun workers share the agent's store (``TORCHELASTIC_USE_AGENT_STORE``), which outlives a worker
-    restart. The default group's rendezvous keys (each rank's gloo address) are the same in every
-    attempt, so a restarted rank could read the address of a peer that was just killed and fail with
-    "connectFullMesh ... Connection refused". A prefix per ``TORCHELASTIC_RESTART_COUNT`` keeps each
-    attempt's keys apart.
+    Under torchrun the agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``) and it outlives a worker
+    restart. The default group's keys (each rank's gloo address) are the same in every attempt, so a
+    restarted rank could read the address of a peer that was just killed and fail with
+    "connectFullMesh ... Connection refused": a prefix per ``TORCHELASTIC_RESTART_COUNT`` keeps each
+    attempt's keys apart. Otherwise (SLURM, a hand-set environment) rank 0 hosts the store and waits for
+    every rank, like ``env://`` does, but with ``timeout`` instead of the collective timeout.
     """
-    if env.launcher != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(
-        host_name=env.master_addr or "127.0.0.1", port=int(env.master_port or 0), world_size=env.world_size,
-        is_master=False, timeout=timeout,
+    host, port = env.master_addr or "127.0.0.1", int(env.master_port or 0)
+    if env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(host_name=host, port=port, world_size=env.world_size, is_master=False, timeout=timeout)
+        return dist.PrefixStore(f"keel/attempt_{attempt}", store)
+    return dist.TCPStore(
+        host_name=host, port=port, world_size=env.world_size, is_master=env.rank == 0, timeout=timeout,
+        wait_for_workers=True,
     )
-    return dist.PrefixStore(f"keel/attempt_{attempt}", store)
 
 
 def destroy_process_group() -> None:
@@ -697,3 +700,11 @@ def flight_recorder_dump() -> bytes | None:
     except Exception as exc:  # never let a diagnostic mask the failure being diagnosed
         logger.debug("%s failed: %s: %s", name, type(exc).__name__, exc)
         return None
+
+
+def record(fn):  # type: ignore[no-untyped-def]
+    """TorchElastic's error recorder: decorate your ``main`` so that torchrun's failure summary shows the
+    root-cause traceback of the rank that failed first (``torch.distributed.elastic...errors.record``)."""
+    from torch.distributed.elastic.multiprocessing.errors import record as elastic_record
+
+    return elastic_record(fn)

@@ -5,24 +5,78 @@ rank calls :meth:`MetricCollector.reduce_step` / :meth:`MetricCollector.reduce_e
 point of the loop. Each does one host read of the local values (one stacked copy) and one
 ``all_gather_object`` of a small dict, so a key logged on only some ranks reduces over the ranks that
 logged it instead of hanging a collective that other ranks never enter.
+
+Cross-rank reduction follows Lightning's ``self.log`` arguments:
+
+* ``reduce_fx`` ("mean", "sum", "max", "min"; Lightning's "avg" and ``torch.mean``/``torch.sum``/
+  ``torch.max``/``torch.min`` are accepted too) reduces over the batches of an epoch AND over the ranks,
+  for epoch and step values alike. An epoch "mean" is weighted by ``batch_size`` (global sums and
+  weights, so N ranks give the one-process value); a step "mean" is the plain mean over the ranks.
+* ``rank_zero_only=True``: rank 0's value is used as is, on every rank (no cross-rank reduction; other
+  ranks' values of that name are ignored).
+* ``sync_dist`` is accepted and has no effect: keel always reduces, at logging steps and epoch ends only,
+  so every rank sees the same ``callback_metrics`` (DESIGN.md section 7) at no per-step cost.
+
+Metric objects (a torchmetrics ``Metric`` or anything with callable ``compute`` and ``reset``; keel never
+imports torchmetrics): the collector keeps a reference, never calls ``update`` (the task does, as in
+Lightning) and
+
+* at the epoch end (``on_epoch=True``: the default in validation and test) calls ``compute()`` and then
+  ``reset()``. ``compute()`` is the metric's own distributed sync, so its result is already global: keel
+  uses it as is (rank 0's, if ranks disagree; ``reduce_fx`` does not apply) and never reduces it again.
+  ``reset()`` runs at the end of the epoch of every metric object logged in it, ``on_epoch`` or not;
+* at a training logging step (``on_step=True``) logs ``compute()`` of the RUNNING state, i.e. the metric
+  over everything since its last reset (the start of the epoch), not Lightning's value of the last batch
+  alone (Lightning logs ``forward``'s return value). To log the batch value, log the tensor that
+  ``metric(preds, target)`` returns instead of the object.
+
+``compute()`` of a torchmetrics metric is a collective under DDP: every rank must log the same metric
+objects in the same order (the natural case: the same ``validation_step`` on every rank).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from trainer import dist
 
+log = logging.getLogger(__name__)
+
 REDUCE_FX = ("mean", "sum", "max", "min")
+_REDUCE_FX_ALIASES: dict[Any, str] = {"avg": "mean", torch.mean: "mean", torch.sum: "sum", torch.max: "max",
+                                      torch.min: "min"}
+
+# How a value combines over ranks: "reduce" with its reduce_fx; "rank_zero": rank 0's value as is;
+# "global": already global (a metric object's compute()), taken from the lowest rank that logged it.
+Mode = Literal["reduce", "rank_zero", "global"]
+
+
+def is_metric_object(value: Any) -> bool:
+    """True for a torchmetrics ``Metric`` or any object with callable ``compute`` and ``reset``."""
+    return (not isinstance(value, torch.Tensor) and callable(getattr(value, "compute", None))
+            and callable(getattr(value, "reset", None)))
+
+
+def normalise_reduce_fx(name: str, reduce_fx: Any) -> str:
+    """``reduce_fx`` as one of :data:`REDUCE_FX`, accepting Lightning's spellings."""
+    try:
+        fx = _REDUCE_FX_ALIASES.get(reduce_fx, reduce_fx)
+    except TypeError:  # unhashable
+        fx = reduce_fx
+    if fx not in REDUCE_FX:
+        raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): expected one of {REDUCE_FX} "
+                         "(or torch.mean / torch.sum / torch.max / torch.min).")
+    return fx
 
 
 @dataclass
 class _Entry:
-    """One metric of the current epoch: a weighted sum (mean) or a running sum/max/min."""
+    """One value metric of the current epoch: a weighted sum (mean) or a running sum/max/min."""
 
     total: torch.Tensor | float
     weight: float
@@ -30,6 +84,30 @@ class _Entry:
     prog_bar: bool
     logger: bool
     out_name: str
+    mode: Mode
+
+
+@dataclass
+class _MetricRef:
+    """A metric object logged in the current epoch: ``compute()`` at the end if ``publish``, then ``reset()``."""
+
+    metric: Any
+    publish: bool
+    prog_bar: bool
+    logger: bool
+    out_name: str
+    mode: Mode
+
+
+@dataclass
+class _StepValue:
+    """The latest value of a step metric (a scalar, or a metric object read at the logging step)."""
+
+    value: Any
+    reduce_fx: str
+    prog_bar: bool
+    logger: bool
+    mode: Mode
 
 
 def _combine(fx: str, a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor | float:
@@ -55,26 +133,50 @@ def _to_scalar(name: str, value: Any) -> torch.Tensor | float:
             return float(value)  # numpy scalars and other number-likes
         except (TypeError, ValueError):
             raise ValueError(
-                f"self.log({name!r}, ...) got {type(value).__name__}; expected a scalar tensor or a number."
+                f"self.log({name!r}, ...) got {type(value).__name__}; expected a scalar tensor, a number, or a "
+                "metric object (with compute() and reset(), e.g. a torchmetrics Metric)."
             ) from None
     return float(value)
+
+
+def _compute(name: str, metric: Any) -> torch.Tensor | float:
+    """``metric.compute()`` as a scalar (a collective for torchmetrics under DDP)."""
+    value = metric.compute()
+    if isinstance(value, dict):
+        raise ValueError(
+            f"self.log({name!r}, {type(metric).__name__}): compute() returned a dict "
+            f"({sorted(value)}); log a collection with self.log_dict(collection) instead."
+        )
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise ValueError(
+            f"self.log({name!r}, {type(metric).__name__}): compute() returned a tensor of shape "
+            f"{tuple(value.shape)}; self.log needs a scalar (e.g. average='macro', or log one value per class)."
+        )
+    return _to_scalar(name, value)
 
 
 def _read(values: list[torch.Tensor | float]) -> list[float]:
     """Host copies of ``values`` with ONE device-to-host transfer for all tensors (a sync point)."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    read = iter(torch.stack([t.to(torch.float64) for t in tensors]).tolist()) if tensors else iter(())
+    # A metric object's state may sit on another device than the logged tensors: gather on the first one.
+    device = tensors[0].device if tensors else None
+    read = iter(torch.stack([t.to(device, torch.float64) for t in tensors]).tolist()) if tensors else iter(())
     return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 class MetricCollector:
-    """Collects ``self.log`` calls for the loop that is running (``stage``)."""
+    """Collects ``self.log`` calls for the loop that is running (``stage``).
+
+    One epoch state for all stages: :meth:`reduce_epoch` reduces (and resets) everything logged with
+    ``on_epoch`` since the previous call, whichever loop logged it.
+    """
 
     def __init__(self) -> None:
         self.stage: str = "train"
         self.batch_size: int | None = None  # set by the loop from the current batch (shape read, no sync)
-        self._step: dict[str, tuple[torch.Tensor | float, bool, bool]] = {}
-        self._epoch: dict[str, _Entry] = {}
+        self._step: dict[str, _StepValue] = {}
+        self._epoch: dict[str, _Entry | _MetricRef] = {}
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ recording
     def log(
@@ -87,30 +189,57 @@ class MetricCollector:
         prog_bar: bool,
         logger: bool,
         batch_size: int | None,
-        reduce_fx: str,
+        reduce_fx: Any,
+        rank_zero_only: bool = False,
     ) -> None:
+        """Record one ``self.log`` call (see the module docstring for the reduction rules).
+
+        Raises:
+            ValueError: for an empty name, an unknown ``reduce_fx``, a non-scalar or non-numeric value,
+                or a name whose kind (value or metric object) or ``reduce_fx`` changed within an epoch.
+        """
         if not isinstance(name, str) or not name:
             raise ValueError(f"self.log: metric name must be a non-empty str, got {name!r}.")
-        if reduce_fx not in REDUCE_FX:
-            raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): expected one of {REDUCE_FX}.")
+        reduce_fx = normalise_reduce_fx(name, reduce_fx)
         training = self.stage == "train"
         on_step = training if on_step is None else on_step
         on_epoch = (not training) if on_epoch is None else on_epoch
         if not training:
             on_step = False  # evaluation metrics are epoch aggregates (per-batch values: use a callback)
             on_epoch = True
+        epoch = self._epoch
+        step_name = f"{name}_step" if on_epoch else name
+        if is_metric_object(value):
+            mode: Mode = "rank_zero" if rank_zero_only else "global"
+            ref = epoch.get(name)
+            if ref is None:
+                out_name = f"{name}_epoch" if on_step else name
+                epoch[name] = _MetricRef(value, on_epoch, prog_bar, logger, out_name, mode)
+            elif not isinstance(ref, _MetricRef) or ref.metric is not value:
+                raise ValueError(
+                    f"self.log({name!r}, ...): this epoch already logged "
+                    f"{'a value' if isinstance(ref, _Entry) else 'another metric object'} under this name; log "
+                    "one metric object per name (create it in __init__, not in the step)."
+                )
+            if on_step:
+                self._step[step_name] = _StepValue(value, reduce_fx, prog_bar, logger, mode)
+            return
+        mode = "rank_zero" if rank_zero_only else "reduce"
         scalar = _to_scalar(name, value)
         if on_step:
-            self._step[f"{name}_step" if on_epoch else name] = (scalar, prog_bar, logger)
+            self._step[step_name] = _StepValue(scalar, reduce_fx, prog_bar, logger, mode)
         if on_epoch:
             weight = float(batch_size if batch_size is not None else (self.batch_size or 1))
             if isinstance(scalar, torch.Tensor):
                 scalar = scalar.to(torch.float64)  # accumulate in float64 on the device
-            entry = self._epoch.get(name)
+            entry = epoch.get(name)
             if entry is None:
                 total = scalar * weight if reduce_fx == "mean" else scalar
                 out_name = f"{name}_epoch" if on_step else name
-                self._epoch[name] = _Entry(total, weight, reduce_fx, prog_bar, logger, out_name)
+                epoch[name] = _Entry(total, weight, reduce_fx, prog_bar, logger, out_name, mode)
+            elif isinstance(entry, _MetricRef):
+                raise ValueError(f"self.log({name!r}, ...): this epoch logged a metric object under this name; "
+                                 "log either the object or values, not both.")
             else:
                 if entry.reduce_fx != reduce_fx:
                     raise ValueError(f"self.log({name!r}): reduce_fx changed from {entry.reduce_fx!r} to {reduce_fx!r}.")
@@ -122,63 +251,107 @@ class MetricCollector:
 
     # ------------------------------------------------------------------ reduction (collective: all ranks)
     def reduce_step(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-        """Reduce the latest per-step values across ranks (mean over ranks that logged each key).
+        """Reduce the latest per-step values across ranks with each one's ``reduce_fx`` (see module doc).
 
-        Returns ``(all, for_logger, for_progress_bar)`` and clears the step values. All ranks must call
-        it at the same step (it does one ``all_gather_object``).
+        Metric objects are read with ``compute()`` here (their own collective). Returns
+        ``(all, for_logger, for_progress_bar)`` and clears the step values. All ranks must call it at the
+        same step (it does one ``all_gather_object``).
         """
         names = list(self._step)
-        local = dict(zip(names, _read([self._step[n][0] for n in names])))
-        flags = {n: self._step[n][1:] for n in names}
+        items = [self._step[n] for n in names]
+        values = [_compute(n, s.value) if is_metric_object(s.value) else s.value for n, s in zip(names, items)]
+        local = {n: (v, s.reduce_fx, s.mode, s.prog_bar, s.logger)
+                 for n, v, s in zip(names, _read(values), items)}
         self._step.clear()
-        merged: dict[str, list[float]] = {}
-        all_flags: dict[str, tuple[bool, bool]] = {}
-        for values, rank_flags in dist.all_gather_object((local, flags)):
-            for name, v in values.items():
-                merged.setdefault(name, []).append(v)
-            all_flags.update(rank_flags)
-        reduced = {name: math.fsum(vs) / len(vs) for name, vs in merged.items()}
-        return (
-            reduced,
-            {n: v for n, v in reduced.items() if all_flags[n][1]},
-            {n: v for n, v in reduced.items() if all_flags[n][0]},
-        )
+        gathered: dict[str, list[tuple[int, float, float]]] = {}
+        flags: dict[str, tuple[str, Mode, bool, bool]] = {}
+        for rank, rank_values in enumerate(dist.all_gather_object(local)):
+            for name, (value, fx, mode, bar, logger) in rank_values.items():
+                gathered.setdefault(name, []).append((rank, value, 1.0))
+                flags.setdefault(name, (fx, mode, bar, logger))
+        return self._finish(gathered, flags, step=True)
 
     def reduce_epoch(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-        """Reduce the epoch aggregates across ranks exactly (weighted means use global sums and weights).
+        """Reduce the epoch aggregates across ranks exactly (weighted means use global sums and weights);
+        ``compute()`` then ``reset()`` the metric objects logged in this epoch.
 
         Returns ``(all, for_logger, for_progress_bar)`` and clears the epoch state. Collective.
         """
-        names = list(self._epoch)
-        entries = [self._epoch[n] for n in names]
-        totals = _read([e.total for e in entries])
-        local = {e.out_name: (t, e.weight, e.reduce_fx, e.prog_bar, e.logger) for t, e in zip(totals, entries)}
-        self._epoch.clear()
-        gathered: dict[str, list[tuple[float, float, str, bool, bool]]] = {}
-        for rank_values in dist.all_gather_object(local):
-            for name, item in rank_values.items():
-                gathered.setdefault(name, []).append(item)
+        epoch, self._epoch = self._epoch, {}
+        names = [n for n, e in epoch.items() if isinstance(e, _Entry) or e.publish]
+        entries = [epoch[n] for n in names]
+        values: list[torch.Tensor | float] = []
+        for name, entry in zip(names, entries):
+            values.append(entry.total if isinstance(entry, _Entry) else _compute(name, entry.metric))
+        for entry in epoch.values():
+            if isinstance(entry, _MetricRef):
+                entry.metric.reset()  # after compute(): the next epoch starts from an empty state
+        local = {}
+        for value, entry in zip(_read(values), entries):
+            weight, fx = (entry.weight, entry.reduce_fx) if isinstance(entry, _Entry) else (1.0, "mean")
+            local[entry.out_name] = (value, weight, fx, entry.mode, entry.prog_bar, entry.logger)
+        gathered: dict[str, list[tuple[int, float, float]]] = {}
+        flags: dict[str, tuple[str, Mode, bool, bool]] = {}
+        for rank, rank_values in enumerate(dist.all_gather_object(local)):
+            for name, (value, weight, fx, mode, bar, logger) in rank_values.items():
+                gathered.setdefault(name, []).append((rank, value, weight))
+                flags.setdefault(name, (fx, mode, bar, logger))
+        return self._finish(gathered, flags, step=False)
+
+    def _finish(
+        self,
+        gathered: dict[str, list[tuple[int, float, float]]],
+        flags: dict[str, tuple[str, Mode, bool, bool]],
+        *,
+        step: bool,
+    ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """Combine the per-rank ``(rank, value, weight)`` of each name: host maths on gathered floats."""
         reduced: dict[str, float] = {}
         logger: dict[str, float] = {}
         bar: dict[str, float] = {}
         for name, items in gathered.items():
-            fx = items[0][2]
-            if fx == "mean":
-                weight = math.fsum(i[1] for i in items)
-                value = math.fsum(i[0] for i in items) / weight if weight > 0 else float("nan")
+            fx, mode, to_bar, to_logger = flags[name]
+            if mode == "rank_zero":
+                items = [i for i in items if i[0] == 0]
+                if not items:
+                    self._warn_once(name, f"self.log({name!r}, rank_zero_only=True) was not logged on rank 0; "
+                                          "the value is dropped.")
+                    continue
+            elif mode == "global":
+                first = items[0][1]
+                if any(not math.isclose(i[1], first, rel_tol=1e-6, abs_tol=1e-12) for i in items[1:]):
+                    self._warn_once(name, f"metric object {name!r}: compute() gave different values on different "
+                                          "ranks (it does not sync across processes); keel uses rank "
+                                          f"{items[0][0]}'s value.")
+                items = items[:1]
+            if mode == "global":
+                value = items[0][1]
+            elif fx == "mean":
+                if step:  # the latest value of each rank: a plain mean over the ranks
+                    value = math.fsum(i[1] for i in items) / len(items)
+                else:  # weighted sums over batches and ranks
+                    weight = math.fsum(i[2] for i in items)
+                    value = math.fsum(i[1] for i in items) / weight if weight > 0 else float("nan")
             elif fx == "sum":
-                value = math.fsum(i[0] for i in items)
+                value = math.fsum(i[1] for i in items)
             elif fx == "max":
-                value = max(i[0] for i in items)
+                value = max(i[1] for i in items)
             else:
-                value = min(i[0] for i in items)
+                value = min(i[1] for i in items)
             reduced[name] = value
-            if items[0][4]:
+            if to_logger:
                 logger[name] = value
-            if items[0][3]:
+            if to_bar:
                 bar[name] = value
         return reduced, logger, bar
 
+    def _warn_once(self, name: str, message: str) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            if dist.is_rank_zero():
+                log.warning(message)
+
     def reset(self) -> None:
+        """Forget every value and metric-object reference (the objects themselves are not reset)."""
         self._step.clear()
         self._epoch.clear()

@@ -11,7 +11,10 @@ import dataclasses
 import datetime
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.dist import DistEnv
 
 Precision = Literal["32", "64", "bf16-mixed", "16-mixed"]
 Accelerator = Literal["auto", "cpu", "cuda"]
@@ -28,6 +31,7 @@ _PRECISION_ALIASES: dict[str, str] = {
     "double": "64",
 }
 ACCELERATORS: tuple[str, ...] = ("auto", "cpu", "cuda")
+STRATEGIES: tuple[str | None, ...] = ("ddp", "auto", None)
 CLIP_ALGORITHMS: tuple[str, ...] = ("norm", "value")
 
 
@@ -84,6 +88,11 @@ class TrainerOptions:
     seed: int | None = 0
     deterministic: bool = False
     accelerator: str = "auto"
+    # Lightning's launch keywords. keel never starts processes: they must match what torchrun / SLURM
+    # started (checked by check_lightning_keywords once the environment is known).
+    devices: int | str = "auto"
+    num_nodes: int | None = None
+    strategy: str | None = "auto"
     default_root_dir: str | None = None
     callbacks: list[Any] = field(default_factory=list)
     logger: Any = True
@@ -97,6 +106,10 @@ class TrainerOptions:
     broadcast_buffers: bool = True
     sync_batchnorm: bool = False
     process_group_timeout: float = 1800.0
+    init_timeout: float = 300.0
+    watchdog_timeout: float | None = None
+    on_nonfinite: str = "error"
+    uneven_batches: str = "truncate"
     predict_return: str = "all_ranks"
     preemption_check_interval: int | None = None
 
@@ -155,6 +168,9 @@ class TrainerOptions:
                 raise _fail(name, getattr(self, name), "True or False")
         if self.accelerator not in ACCELERATORS:
             raise _fail("accelerator", self.accelerator, f"one of {ACCELERATORS}")
+        self.devices = _normalise_devices(self.devices)
+        _check_int("num_nodes", self.num_nodes, minimum=1, allow_none=True)
+        _check_strategy(self.strategy)
         if self.default_root_dir is not None and not isinstance(self.default_root_dir, (str, bytes)):
             try:
                 self.default_root_dir = str(self.default_root_dir.__fspath__())
@@ -174,6 +190,20 @@ class TrainerOptions:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise _fail("process_group_timeout", self.process_group_timeout, "a number of seconds > 0 or a timedelta")
         self.process_group_timeout = float(timeout)
+        for name in ("init_timeout", "watchdog_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, datetime.timedelta):
+                value = value.total_seconds()
+            if value is None and name == "watchdog_timeout":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise _fail(name, getattr(self, name), "a number of seconds > 0 or a timedelta"
+                            + (" or None" if name == "watchdog_timeout" else ""))
+            setattr(self, name, float(value))
+        if self.on_nonfinite not in ("error", "skip"):
+            raise _fail("on_nonfinite", self.on_nonfinite, "'error' or 'skip'")
+        if self.uneven_batches not in ("truncate", "error"):
+            raise _fail("uneven_batches", self.uneven_batches, "'truncate' or 'error'")
         _check_int("preemption_check_interval", self.preemption_check_interval, minimum=1, allow_none=True)
         if self.predict_return not in ("all_ranks", "rank_zero"):
             raise _fail("predict_return", self.predict_return, "'all_ranks' or 'rank_zero'")
@@ -185,11 +215,14 @@ class TrainerOptions:
     def from_kwargs(cls, options: Mapping[str, Any]) -> "TrainerOptions":
         """Build from keyword arguments, refusing unknown names with the list of valid ones."""
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
+        lightning = sorted(set(options) & set(LIGHTNING_UNSUPPORTED))
+        unknown = sorted(set(options) - known - set(lightning))
+        lines = [f"Trainer option {name!r} is a Lightning option keel does not support: {LIGHTNING_UNSUPPORTED[name]}"
+                 for name in lightning]
         if unknown:
-            raise ValueError(
-                f"Unknown Trainer option(s) {unknown}. Valid options: {sorted(known)}."
-            )
+            lines.append(f"Unknown Trainer option(s) {unknown}. Valid options: {sorted(known)}.")
+        if lines:
+            raise ValueError("\n".join(lines))
         return cls(**options)
 
     def resolved(self) -> dict[str, Any]:
@@ -212,3 +245,129 @@ def _normalise_precision(value: Any) -> str:
         if text in PRECISIONS:
             return text
     raise _fail("precision", value, f"one of {PRECISIONS}")
+
+
+# ---------------------------------------------------------------------- Lightning compatibility
+
+# Lightning Trainer keywords (2.x, and common 1.x ones) that keel refuses, with why and what to do instead.
+# Never silently ignored: Trainer.from_kwargs names them with this text.
+LIGHTNING_UNSUPPORTED: dict[str, str] = {
+    "min_epochs": "training stops only at max_epochs / max_steps or when a callback sets trainer.should_stop; "
+    "delay EarlyStopping with its patience.",
+    "min_steps": "training stops only at max_epochs / max_steps or when a callback sets trainer.should_stop; "
+    "delay EarlyStopping with its patience.",
+    "max_time": "use max_steps / max_epochs, or a callback that sets trainer.should_stop at a deadline "
+    "(callbacks.Timer); on a cluster time limit keel saves on SIGTERM/SIGUSR1 and resumes with ckpt_path='last'.",
+    "overfit_batches": "pass limit_train_batches=N with an unshuffled loader, and the same loader as validation.",
+    "benchmark": "set torch.backends.cudnn.benchmark yourself before fit.",
+    "inference_mode": "keel evaluates under torch.no_grad(); wrap your own code in torch.inference_mode() if needed.",
+    "use_distributed_sampler": "keel always adds its resumable distributed sampler to a plain DataLoader "
+    "(DESIGN.md section 6); a loader it cannot adapt is used as is, with a warning saying why.",
+    "replace_sampler_ddp": "keel always adds its resumable distributed sampler to a plain DataLoader "
+    "(DESIGN.md section 6); a loader it cannot adapt is used as is, with a warning saying why.",
+    "reload_dataloaders_every_n_epochs": "loaders are built once per fit; let the dataset read fresh data itself "
+    "(set_epoch on your sampler or dataset is called by keel's sampler each epoch).",
+    "profiler": "wrap trainer.fit(...) in torch.profiler.profile(...), or start/stop it in a callback.",
+    "detect_anomaly": "wrap trainer.fit(...) in `with torch.autograd.detect_anomaly():`.",
+    "barebones": "pass logger=False, enable_checkpointing=False, enable_progress_bar=False, "
+    "enable_model_summary=False.",
+    "plugins": "keel has no plugin system: precision is precision=..., the cluster environment is read from "
+    "torchrun / SLURM, checkpoint I/O is keel's own.",
+    "model_registry": "upload the checkpoints that ModelCheckpoint writes with your registry's client.",
+    "auto_lr_find": "no built-in tuner; run a learning-rate sweep as separate runs.",
+    "auto_scale_batch_size": "no built-in tuner; set the batch size in your DataLoader.",
+    "gpus": "use accelerator='cuda' with `torchrun --nproc-per-node G` (devices=G is checked against it).",
+    "tpu_cores": "keel runs on CPU and CUDA only.",
+    "ipus": "keel runs on CPU and CUDA only.",
+    "num_processes": "launch with `torchrun --nproc-per-node N` (devices=N is checked against it).",
+    "auto_select_gpus": "select GPUs with CUDA_VISIBLE_DEVICES; each process uses cuda:LOCAL_RANK.",
+    "resume_from_checkpoint": "pass ckpt_path=... (or ckpt_path='last') to fit().",
+    "track_grad_norm": "log torch.nn.utils.get_total_norm(...) in on_before_optimizer_step.",
+    "weights_save_path": "pass ModelCheckpoint(dirpath=...).",
+    "checkpoint_callback": "use enable_checkpointing=..., or pass a ModelCheckpoint in callbacks.",
+    "stochastic_weight_avg": "use torch.optim.swa_utils in your task.",
+    "terminate_on_nan": "the on_nonfinite option decides what a non-finite loss does ('error', the default, "
+    "or 'skip').",
+    "amp_backend": "use precision='16-mixed' or 'bf16-mixed' (torch.autocast).",
+    "amp_level": "use precision='16-mixed' or 'bf16-mixed' (torch.autocast).",
+    "move_metrics_to_cpu": "metrics stay on the device and are read to the host on logging steps only.",
+    "multiple_trainloader_mode": "fit takes exactly one training loader; combine datasets in one loader.",
+    "prepare_data_per_node": "DataModule.prepare_data runs on local rank 0 of every node.",
+    "flush_logs_every_n_steps": "loggers write at every logging step (log_every_n_steps).",
+    "progress_bar_refresh_rate": "pass ProgressBar(...) in callbacks, or enable_progress_bar=False.",
+    "weights_summary": "use enable_model_summary=..., or callbacks.ModelSummary.",
+    "process_position": "pass ProgressBar(...) in callbacks.",
+    "log_gpu_memory": "log torch.cuda.memory_allocated() yourself, or use callbacks.ThroughputMonitor.",
+}
+
+
+def _normalise_devices(value: Any) -> int | str:
+    """Lightning's ``devices``: ``"auto"`` / ``-1`` (whatever the launcher started) or a count per node."""
+    if value == "auto" or (_is_int(value) and value == -1) or value == "-1":
+        return "auto"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if _is_int(value) and value >= 1:
+        return value
+    if isinstance(value, (list, tuple)) or (isinstance(value, str) and "," in value):
+        raise _fail(
+            "devices", value,
+            "a number of processes per node, 'auto' or -1 (keel does not pick device indices: every process "
+            "uses cuda:LOCAL_RANK; select GPUs with CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 ...)",
+        )
+    raise _fail("devices", value, "an int >= 1 (processes per node), 'auto' or -1")
+
+
+def _check_strategy(value: Any) -> None:
+    if value in STRATEGIES:
+        return
+    if isinstance(value, str) and value.startswith("ddp_find_unused_parameters_"):
+        hint = f"use strategy='ddp' with find_unused_parameters={value.endswith('true')}"
+    elif isinstance(value, str) and value in ("ddp_spawn", "ddp_fork", "ddp_notebook", "spawn"):
+        hint = "keel does not spawn processes; launch with `torchrun --nproc-per-node G your_script.py`"
+    elif not isinstance(value, str):
+        hint = ("pass DDP settings as Trainer options instead of a strategy object: find_unused_parameters, "
+                "static_graph, gradient_as_bucket_view, bucket_cap_mb, broadcast_buffers, process_group_timeout")
+    else:
+        hint = "keel runs DistributedDataParallel only (no FSDP, DeepSpeed or DataParallel)"
+    raise _fail("strategy", value if isinstance(value, str) else type(value).__name__,
+                f"'ddp', 'auto' or None; {hint}")
+
+
+def _launch_command(env: "DistEnv", nodes: int, per_node: int) -> str:
+    if env.launcher == "slurm":
+        return f"srun --nodes {nodes} --ntasks-per-node {per_node} python your_script.py"
+    return f"torchrun --nnodes {nodes} --nproc-per-node {per_node} your_script.py"
+
+
+def check_lightning_keywords(options: TrainerOptions, env: "DistEnv") -> None:
+    """Check Lightning's ``devices`` / ``num_nodes`` against what the launcher started.
+
+    keel never starts processes (DESIGN.md section 1): ``devices`` must be the processes per node
+    (``LOCAL_WORLD_SIZE``) or ``"auto"`` / -1, and ``num_nodes`` must be ``world_size // local_world_size``.
+    Called by the Trainer right after :func:`trainer.dist.detect_env`, before any process group exists.
+
+    Raises:
+        ValueError: naming the mismatch and the launch command that gives the requested layout.
+    """
+    env_nodes = env.world_size // env.local_world_size if env.world_size % env.local_world_size == 0 else None
+    want_per_node = options.devices if _is_int(options.devices) else env.local_world_size
+    want_nodes = options.num_nodes if options.num_nodes is not None else env_nodes
+    asked = []
+    if want_per_node != env.local_world_size:
+        asked.append(f"devices={options.devices!r}")
+    if options.num_nodes is not None and env_nodes is not None and options.num_nodes != env_nodes:
+        asked.append(f"num_nodes={options.num_nodes!r}")
+    if not asked:
+        return
+    if env.launcher == "single":
+        started = "as a single process (no torchrun or SLURM environment)"
+    else:
+        started = (f"by {env.launcher} with {env.local_world_size} process(es) on this node and "
+                   f"{env_nodes if env_nodes is not None else '?'} node(s) (world size {env.world_size})")
+    command = _launch_command(env, want_nodes or 1, want_per_node)
+    raise ValueError(
+        f"Trainer({', '.join(asked)}) does not match the launch: this process was started {started}. keel "
+        f"does not start processes itself; launch the layout you asked for with\n    {command}\nor pass "
+        "devices='auto' and leave out num_nodes to use whatever the launcher started."
+    )

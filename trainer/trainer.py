@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import random
+import re
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -34,6 +35,7 @@ from trainer.precision import Precision
 from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher
 from trainer.rank_zero import configure_logging
 from trainer.transfer import infer_batch_size, move_to_device
+from trainer import watchdog as wd
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +152,8 @@ class Trainer:
         self.progress_bar_metrics: dict[str, float] = {}
         self._owns_group = False
         self._preemption = PreemptionWatcher()
+        self._watchdog: wd.Watchdog | None = None
+        self._check_sharding = False
         self._checkpoint_io = CheckpointIO()
         self._logged_options = False
 
@@ -315,7 +319,20 @@ class Trainer:
         return self._run("predict", task, datamodule, lambda: self._predict(dataloaders, ckpt_path), loaders=(dataloaders,))
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Write a checkpoint of the whole run state to ``path`` (rank 0 writes; all ranks must call)."""
+        """Write a checkpoint of the whole run state to ``path`` (rank 0 writes; all ranks must call).
+
+        Raises:
+            FloatingPointError: the weights hold NaN or inf; such a checkpoint is never written.
+        """
+        self._beat(wd.PHASE_CHECKPOINT)
+        task = self.task
+        if task is not None:
+            params = [p.detach() for p in task.parameters()]
+            if params and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+                raise FloatingPointError(
+                    f"Refusing to write checkpoint {os.fspath(path)!r} at step {self.global_step}: the weights hold "
+                    "NaN or inf (a non-finite step got through). The last good checkpoint is kept."
+                )
         state = self._checkpoint_state()
         self._checkpoint_io.save(state, path, is_writer=self.is_global_zero)
         dist.barrier(self.device)
@@ -351,14 +368,39 @@ class Trainer:
         self._metrics.reset()
         try:
             self._setup_stage(stage)
+            self._start_watchdog()
             result = body()
         except BaseException as exc:
             for cb in self.callbacks:
                 cb.on_exception(self, task, exc)
             self._teardown_stage(stage, failed=True)
             raise
+        finally:
+            self._stop_watchdog()
         self._teardown_stage(stage, failed=False)
         return result
+
+    def _start_watchdog(self) -> None:
+        """A daemon thread that dumps this rank's stacks and exits if no beat arrives in time
+        (``watchdog_timeout``; default 600 s in a distributed run, off in a single process)."""
+        timeout = self.options.watchdog_timeout
+        if timeout is None and self.world_size > 1:
+            timeout = min(600.0, self.options.process_group_timeout)
+        if timeout is None:
+            return
+        self._watchdog = wd.Watchdog(timeout, run_dir=self.log_dir, rank=self.global_rank)
+        self._watchdog.start()
+        self._beat(wd.PHASE_SETUP)
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+
+    def _beat(self, phase: str) -> None:
+        """Tell the watchdog which phase this rank enters (an attribute write)."""
+        if self._watchdog is not None:
+            self._watchdog.beat(phase, self.global_step)
 
     def _init_distributed(self) -> None:
         if not self.env.is_distributed or dist.is_initialized():
@@ -367,7 +409,14 @@ class Trainer:
             return
         timeout = datetime.timedelta(seconds=self.options.process_group_timeout)
         backend = dist.backend_for(self.device)
-        self._owns_group = dist.init_process_group(self.env, backend=backend, timeout=timeout, device=self.device)
+        if backend == "nccl":
+            # NCCL's flight recorder on by default, so a collective timeout leaves a trace to read.
+            for key, value in wd.nccl_flight_recorder_env_defaults(self.default_root_dir).items():
+                os.environ.setdefault(key, value)
+        self._owns_group = dist.init_process_group(
+            self.env, backend=backend, timeout=timeout, device=self.device,
+            init_timeout=datetime.timedelta(seconds=self.options.init_timeout),
+        )
         if self._owns_group:
             _destroy_owned_group_at_exit()
         log.info(
@@ -497,6 +546,7 @@ class Trainer:
             for loader in self._resolve_loaders("validate", val_dataloaders)
         ]
         self.num_val_batches = [self._limit(v.loader, opts.limit_val_batches, "limit_val_batches") for v in val_loaders]
+        self._check_sharding = self.world_size > 1 and self._train.sampler is None
         self._configure_model_and_optimizers()
         self.global_step = self.current_epoch = self._epoch_batches_done = self._epoch_samples = 0
         self.should_stop = False
@@ -592,6 +642,13 @@ class Trainer:
             sampler.set_epoch(self.current_epoch)  # also rewinds the cursor to 0
         # Whole-epoch length (before a resume cursor shortens the sampler), after limit_train_batches.
         num_batches = self._limit(train.loader, opts.limit_train_batches, "limit_train_batches")
+        agree = None
+        if self.world_size > 1 and sampler is None:
+            # A loader keel does not shard may hold different amounts of data per rank: agree first.
+            if num_batches is not None:
+                num_batches = self._agree_on_batches(num_batches)
+            else:
+                agree = self._all_ranks_have_data
         start = self._epoch_batches_done
         if start and sampler is not None:
             sampler.set_cursor(self._epoch_samples)  # resume at the global sample cursor: nothing is re-read
@@ -610,7 +667,9 @@ class Trainer:
         k_now = lambda: self.accumulate_grad_batches  # noqa: E731 - read at each window start
         completed = True  # False when training stops before the epoch's data is exhausted
         for micro in micro_batches(train.loader, start_idx=start, num_batches=num_batches, accumulate=k_now,
-                                   drop_incomplete=opts.drop_incomplete_accumulation):
+                                   drop_incomplete=opts.drop_incomplete_accumulation, agree=agree):
+            if self._check_sharding:
+                self._warn_if_unsharded(micro.batch)
             outputs = self._training_micro_batch(micro, normaliser)
             self._epoch_batches_done = micro.batch_idx + 1
             self._epoch_samples += global_batch
@@ -629,6 +688,7 @@ class Trainer:
             for cb in self.callbacks:
                 cb.on_train_batch_end(self, task, outputs, micro.batch, micro.batch_idx)
             self.optimizer_stepped = False
+            self._beat(wd.PHASE_DATA)  # next: fetching the next batch
             if stepped and val_loaders and self.val_check_due:
                 self._evaluate("validate", val_loaders)
             if stepped and self._preemption_due():
@@ -667,8 +727,41 @@ class Trainer:
                     self.global_step, path, PREEMPTED_EXIT_CODE)
         raise SystemExit(PREEMPTED_EXIT_CODE)
 
+    def _agree_on_batches(self, num_batches: int) -> int:
+        """One collective per epoch: every rank runs the same number of batches (uneven_batches)."""
+        counts = torch.tensor([num_batches, -num_batches], device=self.device)
+        dist.all_reduce(counts, "min")
+        low, high = int(counts[0].item()), -int(counts[1].item())
+        if low == high:
+            return num_batches
+        message = (f"Ranks have different numbers of training batches this epoch (min {low}, max {high}; this rank "
+                   f"{num_batches}), from a loader keel does not shard.")
+        if self.options.uneven_batches == "error":
+            raise ValueError(message + " Pass a plain DataLoader so keel shards it evenly, or "
+                             "uneven_batches='truncate'.")
+        log.warning("%s Every rank runs %d (uneven_batches='truncate').", message, low)
+        return low
+
+    def _all_ranks_have_data(self, has_data: bool) -> bool:
+        """Loader without len() in DDP: one tiny all-reduce per optimizer step (documented cost)."""
+        flag = torch.tensor([1.0 if has_data else 0.0], device=self.device)
+        dist.all_reduce(flag, "min")
+        return bool(flag.item() > 0)
+
+    def _warn_if_unsharded(self, batch: Any) -> None:
+        """First batch of a fit from an unsharded loader in DDP: warn if every rank got the same one."""
+        self._check_sharding = False
+        tensors = [t for t in (batch if isinstance(batch, (list, tuple)) else [batch]) if isinstance(t, torch.Tensor)]
+        fingerprint = hash(tuple(t.detach().cpu().contiguous().view(-1)[:4096].numpy().tobytes() for t in tensors))
+        if len(set(dist.all_gather_object(fingerprint))) == 1:
+            log.warning(
+                "Every rank got the same first batch from %s: the data is probably not sharded by rank, so each "
+                "rank trains on the same samples. Shard it (trainer.data.shard_iterable) or pass a plain "
+                "DataLoader over a map-style dataset.", type(self._train.loader).__name__)
+
     def _training_micro_batch(self, micro: MicroBatch, normaliser: StepNormaliser) -> dict[str, Any]:
         """Forward and backward of one micro-batch. DDP's all-reduce runs only on the step's last one."""
+        self._beat(wd.PHASE_TRAINING_STEP)
         batch = move_to_device(micro.batch, self.device, float_dtype=self._precision.param_dtype)
         micro.batch = batch
         self._metrics.batch_size = infer_batch_size(batch)
@@ -681,12 +774,16 @@ class Trainer:
         sync = micro.is_step_end or self._ddp is None
         with (contextlib.nullcontext() if sync else self._ddp.no_sync()):
             with self._precision.autocast():
-                output = self._model(batch, micro.batch_idx)
+                try:
+                    output = self._model(batch, micro.batch_idx)
+                except RuntimeError as exc:
+                    raise _explain_ddp_error(exc, self._model) from exc
             loss, outputs, num_items = _split_step_output(output)
             scaled = normaliser.scale(loss, num_items, micro)
             task.on_before_backward(scaled)
             for cb in self.callbacks:
                 cb.on_before_backward(self, task, scaled)
+            self._beat(wd.PHASE_BACKWARD)
             self._precision.backward(scaled)
             task.on_after_backward()
             for cb in self.callbacks:
@@ -696,11 +793,18 @@ class Trainer:
     def _optimizer_step(self, normaliser: StepNormaliser) -> bool:
         """Complete the step: normalise, unscale, hook, clip, step, schedule, zero. False if skipped."""
         opts = self.options
+        self._beat(wd.PHASE_OPTIMIZER_STEP)
         grad_factor, step_loss, skip = normaliser.finish()
         normaliser.reset()
+        if not skip and opts.on_nonfinite == "skip" and not self._step_loss_finite(step_loss):
+            log.warning("Non-finite loss at step %d: the optimizer step is skipped on every rank (on_nonfinite='skip').",
+                        self.global_step + 1)
+            skip = True
         params = self._params
         if skip:
-            log.warning("Step %d saw zero items (num_items) on every rank; the optimizer step is skipped.", self.global_step)
+            if step_loss is None:
+                log.warning("Step %d saw zero items (num_items) on every rank; the optimizer step is skipped.",
+                            self.global_step)
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
             return False
@@ -730,6 +834,15 @@ class Trainer:
         self._step_loss = step_loss
         return True
 
+    def _step_loss_finite(self, step_loss: torch.Tensor | None) -> bool:
+        """on_nonfinite='skip': one host read per step (and one all-reduce in DDP) so all ranks agree."""
+        if step_loss is None:
+            return True
+        flag = torch.isfinite(step_loss).to(torch.float32).reshape(1)
+        if self.world_size > 1:
+            dist.all_reduce(flag, "min")
+        return bool(flag.item() > 0)
+
     def _step_schedulers(self, interval: str, count: int) -> None:
         for config in self.lr_scheduler_configs:
             if config.interval != interval or count % config.frequency != 0:
@@ -753,8 +866,17 @@ class Trainer:
                               batch_size=None, reduce_fx="mean")
         if not self._metrics.has_step_metrics():
             return
+        self._beat(wd.PHASE_METRICS_REDUCTION)
         values, to_logger, to_bar = self._metrics.reduce_step()
         self._publish(values, to_logger, to_bar)
+        loss = values.get("loss")
+        if loss is not None and not math.isfinite(loss) and self.options.on_nonfinite == "error":
+            # The loss is reduced over ranks, so every rank raises here at the same step.
+            raise FloatingPointError(
+                f"Non-finite training loss ({loss}) at step {self.global_step} (checked on logging steps, every "
+                f"{self.options.log_every_n_steps}): training stops on all ranks. Lower the learning rate, clip "
+                "gradients (gradient_clip_val), check the data, or pass on_nonfinite='skip' to skip such steps."
+            )
 
     def _publish(self, values: dict[str, float], to_logger: dict[str, float], to_bar: dict[str, float]) -> None:
         self.callback_metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()})
@@ -828,6 +950,7 @@ class Trainer:
                 for batch_idx, batch in enumerate(adapted.loader):
                     if limit is not None and batch_idx >= limit:
                         break
+                    self._beat(wd.PHASE_VALIDATION_STEP if validating else wd.PHASE_TEST_STEP)
                     batch = move_to_device(batch, self.device, float_dtype=self._precision.param_dtype)
                     self._metrics.batch_size = infer_batch_size(batch)
                     with self._precision.autocast():
@@ -1004,3 +1127,22 @@ def _split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any], Any]:
         raise ValueError("training_step's loss does not require grad: it was computed without the task's parameters "
                          "(or under torch.no_grad()).")
     return (loss if loss.dim() == 0 else loss.reshape(())), dict(extras, loss=loss.detach()), num_items
+
+
+_UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
+
+
+def _explain_ddp_error(exc: RuntimeError, model: nn.Module) -> RuntimeError:
+    """DDP's unused-parameter error, re-raised with the parameter names and the option that fixes it."""
+    text = str(exc)
+    if "Expected to have finished reduction in the prior iteration" not in text:
+        return exc
+    names = [name.removeprefix("module.task.") for name, p in model.named_parameters() if p.requires_grad]
+    match = _UNUSED_INDICES.search(text)
+    unused = [names[int(i)] for i in match.group(2).split()] if match else []
+    listed = ", ".join(unused) if unused else "(run with TORCH_DISTRIBUTED_DEBUG=INFO to list them)"
+    return RuntimeError(
+        f"DDP: some parameters got no gradient in the previous step: {listed}. Make every parameter take part "
+        "in the loss, freeze unused ones (requires_grad=False), or pass Trainer(find_unused_parameters=True) "
+        "(or static_graph=True when the unused set never changes)."
+    )
