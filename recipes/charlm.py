@@ -472,9 +472,18 @@ def main_quick(**overrides: Any) -> dict[str, float]:
     return result
 
 
+def _parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``key=value`` Trainer options from the command line: ints stay ints, ``precision`` stays a string."""
+    out: dict[str, Any] = {}
+    for arg in args:
+        key, _, value = arg.partition("=")
+        out[key] = value if key == "precision" or not value.lstrip("-").isdigit() else int(value)
+    return out
+
+
 if __name__ == "__main__":
     import sys
 
+    # python -m recipes.charlm [max_steps=1000] [precision=32]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    main_quick(**dict(arg.split("=", 1) for arg in sys.argv[1:]) and {
-        k: (v if k == "precision" else int(v)) for k, v in (arg.split("=", 1) for arg in sys.argv[1:])})
+    main_quick(**_parse_overrides(sys.argv[1:]))

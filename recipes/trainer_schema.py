@@ -28,6 +28,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from trainer import options as trainer_options
 from trainer.options import TrainerOptions
 
 SCHEMA_NAME = "options_schema"
@@ -131,6 +132,9 @@ def check_overrides(argv: list[str]) -> str | None:
         if key not in keys:
             close = difflib.get_close_matches(key, keys, n=1)
             hint = f" Did you mean trainer.{close[0]}?" if close else ""
+            lightning = getattr(trainer_options, "LIGHTNING_UNSUPPORTED", {}).get(key)
+            if lightning:
+                hint = f" It is a Lightning option keel does not support: {lightning}"
             return (f"Unknown trainer option {path!r} in override {text!r}.{hint}\n"
                     f"Valid trainer options (trainer.<key>): {', '.join(keys)}.")
         value = override.value()

@@ -62,6 +62,9 @@ class TaskModule(nn.Module):
         # Plain attribute, not a submodule or parameter; set by the Trainer while a loop runs.
         self._trainer: Trainer | None = None
         self._log_hyperparams = True
+        # Lightning's switch: False means training_step calls manual_backward and optimizer.step itself.
+        self.automatic_optimization = True
+        self._toggled: dict[torch.nn.Parameter, bool] | None = None
 
     # ------------------------------------------------------------------ read-only run state
     @property
@@ -98,6 +101,44 @@ class TaskModule(nn.Module):
     @property
     def world_size(self) -> int:
         return self._trainer.world_size if self._trainer is not None else 1
+
+    # ------------------------------------------------------------------ manual optimization
+    def optimizers(self) -> "ManualOptimizer | list[ManualOptimizer]":
+        """The optimizers from ``configure_optimizers``, wrapped so that ``step()`` is precision-aware
+        (GradScaler under 16-mixed) and runs ``on_before_optimizer_step`` hooks. One optimizer is returned
+        bare, several as a list (Lightning's convention)."""
+        wrapped = [ManualOptimizer(o, self.trainer) for o in self.trainer.optimizers]
+        return wrapped[0] if len(wrapped) == 1 else wrapped
+
+    def lr_schedulers(self) -> Any:
+        """The schedulers from ``configure_optimizers`` (one bare, several as a list, None without any).
+        Under manual optimization the Trainer does not step them: call ``.step()`` yourself."""
+        schedulers = [c.scheduler for c in self.trainer.lr_scheduler_configs]
+        if not schedulers:
+            return None
+        return schedulers[0] if len(schedulers) == 1 else schedulers
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` for manual optimization: scaled under 16-mixed, and in DDP the gradients are
+        averaged over ranks on the last micro-batch of each ``accumulate_grad_batches`` window (no sync on
+        the others, like DDP's ``no_sync``)."""
+        self.trainer._manual_backward(loss)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Freeze every parameter that ``optimizer`` does not own (``requires_grad=False``) until
+        :meth:`untoggle_optimizer`, so a backward computes only that optimizer's gradients."""
+        inner = optimizer.optimizer if isinstance(optimizer, ManualOptimizer) else optimizer
+        owned = {id(p) for group in inner.param_groups for p in group["params"]}
+        self._toggled = {p: p.requires_grad for p in self.parameters()}
+        for p in self.parameters():
+            if id(p) not in owned:
+                p.requires_grad_(False)
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        """Restore the ``requires_grad`` flags changed by :meth:`toggle_optimizer`."""
+        for p, flag in (self._toggled or {}).items():
+            p.requires_grad_(flag)
+        self._toggled = None
 
     # ------------------------------------------------------------------ hyperparameters
     def save_hyperparameters(self, *names: str, ignore: str | list[str] | None = None, logger: bool = True) -> None:
@@ -306,3 +347,38 @@ class DataModule:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class ManualOptimizer:
+    """An optimizer as seen from ``TaskModule.optimizers()`` under manual optimization.
+
+    ``step()`` runs the task's and callbacks' ``on_before_optimizer_step`` hooks, then the optimizer step
+    through the precision plugin (``GradScaler.step`` under 16-mixed). Everything else is the wrapped
+    optimizer's own: use ``.optimizer`` for anything not listed here.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, trainer: "Trainer") -> None:
+        self.optimizer = optimizer
+        self._trainer = trainer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            closure()
+        self._trainer._manual_optimizer_step(self.optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)

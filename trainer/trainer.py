@@ -153,6 +153,8 @@ class Trainer:
         self._owns_group = False
         self._preemption = PreemptionWatcher()
         self._watchdog: wd.Watchdog | None = None
+        self._manual = False  # task.automatic_optimization is False for this fit
+        self._manual_sync = True  # manual_backward all-reduces on this micro-batch
         self._check_sharding = False
         self._checkpoint_io = CheckpointIO()
         self._logged_options = False
@@ -609,7 +611,13 @@ class Trainer:
                 raise TypeError("sync_batchnorm: the task itself must not be a BatchNorm layer.")
         self.optimizers, self.lr_scheduler_configs = parse_optimizers(task.configure_optimizers())
         adapter = _StepAdapter(task)
-        if self.world_size > 1:
+        self._manual = not task.automatic_optimization
+        if self._manual and self.world_size > 1:
+            # Manual optimization syncs gradients in manual_backward; start every rank from rank 0's state.
+            for tensor in task.state_dict().values():
+                dist.broadcast(tensor, 0)
+            self._ddp, self._model = None, adapter
+        elif self.world_size > 1:
             if not any(p.requires_grad for p in task.parameters()):
                 raise ValueError(f"{type(task).__name__} has no trainable parameters; DDP has nothing to synchronise.")
             kwargs: dict[str, Any] = dict(
@@ -679,6 +687,11 @@ class Trainer:
                     for optimizer in self.optimizers:  # unknown-length epoch ended inside a window: discard it
                         optimizer.zero_grad(set_to_none=True)
                     normaliser.reset()
+                elif self._manual:
+                    # One training iteration (whatever number of optimizer calls) is one step.
+                    self._precision.update()
+                    self.global_step += 1
+                    stepped = True
                 else:
                     stepped = self._optimizer_step(normaliser)
             if stepped and self._logging_due():
@@ -769,6 +782,8 @@ class Trainer:
         task.on_train_batch_start(batch, micro.batch_idx)
         for cb in self.callbacks:
             cb.on_train_batch_start(self, task, batch, micro.batch_idx)
+        if self._manual:
+            return self._manual_micro_batch(micro, batch, task)
         # no_sync on every micro-batch but the last of the step: forward AND backward inside it, so
         # gradients accumulate locally and DDP all-reduces once per optimizer step.
         sync = micro.is_step_end or self._ddp is None
@@ -789,6 +804,52 @@ class Trainer:
             for cb in self.callbacks:
                 cb.on_after_backward(self, task)
         return outputs
+
+    def _manual_micro_batch(self, micro: MicroBatch, batch: Any, task: TaskModule) -> dict[str, Any]:
+        """Manual optimization: training_step does its own backward and steps; keel keeps the clock."""
+        self._manual_sync = micro.is_step_end
+        with self._precision.autocast():
+            output = self._model(batch, micro.batch_idx)
+        if isinstance(output, torch.Tensor):
+            output = {"loss": output}
+        outputs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in (output or {}).items()}
+        if isinstance(outputs.get("loss"), torch.Tensor):
+            self._step_loss = outputs["loss"]
+        return outputs
+
+    def _manual_backward(self, loss: torch.Tensor) -> None:
+        task = self.task
+        task.on_before_backward(loss)
+        for cb in self.callbacks:
+            cb.on_before_backward(self, task, loss)
+        self._beat(wd.PHASE_BACKWARD)
+        self._precision.backward(loss)
+        if self.world_size > 1 and self._manual_sync:
+            # One all-reduce of all current gradients (flattened). Re-reducing a gradient that an earlier
+            # manual_backward of this step already averaged is harmless: it is identical on every rank.
+            grads = [p.grad for p in task.parameters() if p.grad is not None]
+            if grads:
+                flat = torch._utils._flatten_dense_tensors(grads)
+                dist.all_reduce(flat, "mean")
+                for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    grad.copy_(synced)
+        task.on_after_backward()
+        for cb in self.callbacks:
+            cb.on_after_backward(self, task)
+
+    def _manual_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        task = self.task
+        self._precision.unscale(optimizer)
+        task.on_before_optimizer_step(optimizer)
+        for cb in self.callbacks:
+            cb.on_before_optimizer_step(self, task, optimizer)
+        if self.options.gradient_clip_val is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if self.options.gradient_clip_algorithm == "norm":
+                nn.utils.clip_grad_norm_(params, self.options.gradient_clip_val, foreach=True)
+            else:
+                nn.utils.clip_grad_value_(params, self.options.gradient_clip_val, foreach=True)
+        self._precision.optimizer_step(optimizer)
 
     def _optimizer_step(self, normaliser: StepNormaliser) -> bool:
         """Complete the step: normalise, unscale, hook, clip, step, schedule, zero. False if skipped."""
@@ -899,7 +960,7 @@ class Trainer:
         task.on_train_epoch_end()
         # Training metrics logged with on_epoch=True (and in the hook above), reduced over ranks.
         self._publish(*self._metrics.reduce_epoch())
-        if completed:
+        if completed and not self._manual:
             # Before the callbacks' hook, so a checkpoint saved there holds the stepped scheduler.
             self._step_schedulers("epoch", self.current_epoch + 1)
         for cb in self.callbacks:
