@@ -41,7 +41,23 @@ class AttributeDict(dict):
         self[name] = value
 
 
-class TaskModule(nn.Module):
+class DataHooks:
+    """The optional ``*_dataloader()`` hooks shared by TaskModule and DataModule (None: no such data)."""
+
+    def train_dataloader(self) -> Iterable | None:
+        return None
+
+    def val_dataloader(self) -> Iterable | list[Iterable] | None:
+        return None
+
+    def test_dataloader(self) -> Iterable | list[Iterable] | None:
+        return None
+
+    def predict_dataloader(self) -> Iterable | list[Iterable] | None:
+        return None
+
+
+class TaskModule(DataHooks, nn.Module):
     """Base class for a task: model, loss, optimizers and (optionally) data.
 
     Required: ``training_step`` (for ``fit``) and ``configure_optimizers``. ``validation_step``,
@@ -268,19 +284,6 @@ class TaskModule(nn.Module):
         """
         raise NotImplementedError(f"{type(self).__name__} must implement configure_optimizers() to fit.")
 
-    # ------------------------------------------------------------------ optional data hooks
-    def train_dataloader(self) -> Iterable | None:
-        return None
-
-    def val_dataloader(self) -> Iterable | list[Iterable] | None:
-        return None
-
-    def test_dataloader(self) -> Iterable | list[Iterable] | None:
-        return None
-
-    def predict_dataloader(self) -> Iterable | list[Iterable] | None:
-        return None
-
     # ------------------------------------------------------------------ optional module hooks (no-ops)
     def setup(self, stage: str) -> None:
         """Called on every rank at the start of fit/validate/test/predict, before optimizers exist."""
@@ -309,7 +312,7 @@ class TaskModule(nn.Module):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
 
 
-class DataModule:
+class DataModule(DataHooks):
     """Bundles the data of a task: ``setup(stage)`` then the ``*_dataloader()`` methods.
 
     The Trainer calls ``setup(stage)`` on every rank before asking for loaders; return plain
@@ -330,18 +333,6 @@ class DataModule:
         """Build datasets for ``stage`` ("fit", "validate", "test" or "predict") on every rank."""
 
     def teardown(self, stage: str) -> None: ...
-
-    def train_dataloader(self) -> Iterable | None:
-        return None
-
-    def val_dataloader(self) -> Iterable | list[Iterable] | None:
-        return None
-
-    def test_dataloader(self) -> Iterable | list[Iterable] | None:
-        return None
-
-    def predict_dataloader(self) -> Iterable | list[Iterable] | None:
-        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {}
