@@ -40,7 +40,7 @@ from recipes.trainer_schema import check_overrides  # importing it registers tra
 from trainer import Callback, DataModule, TaskModule, Trainer, seed_everything
 from trainer.loggers import CSVLogger, Logger, TensorBoardLogger, run_identity
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("recipes.train")  # also when run as __main__ (python -m recipes.train)
 
 COMMAND = "python -m recipes.train"
 

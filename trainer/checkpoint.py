@@ -164,7 +164,7 @@ def assemble(trainer: Trainer) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
         "epoch_finished": bool(getattr(trainer, "_epoch_finished", False)),
-        "samples_consumed": trainer._samples_consumed(),
+        "samples_consumed": trainer._epoch_samples,
         "batches_done": trainer._epoch_batches_done,
     }
     rng = dist.all_gather_object(_rng_state(trainer.device))
@@ -240,7 +240,7 @@ def export_weights(ckpt_path: str | os.PathLike, out_path: str | os.PathLike) ->
 
 def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
     """Load ``ckpt_path`` into the trainer. ``full`` restores the run (fit); otherwise weights only."""
-    path = trainer._resolve_ckpt_path(ckpt_path)
+    path = resolve_ckpt_path(trainer, ckpt_path)
     if path is None:
         return
     state = trainer._checkpoint_io.load(path)
@@ -282,7 +282,7 @@ def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
     if trainer.datamodule is not None and K_DATAMODULE in state:
         trainer.datamodule.load_state_dict(state[K_DATAMODULE])
     loop = state[K_LOOP]
-    trainer._restore_loop(loop, saved_world_size=int(state.get(K_WORLD_SIZE, trainer.world_size)))
+    restore_loop(trainer, loop, saved_world_size=int(state.get(K_WORLD_SIZE, trainer.world_size)))
     rng = state.get(K_RNG) or []
     if trainer.global_rank < len(rng):
         _set_rng_state(rng[trainer.global_rank], trainer.device)
@@ -292,3 +292,70 @@ def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
         random.seed(seed)
         torch.manual_seed(seed)
     log.info("Resumed at global step %d, epoch %d.", trainer.global_step, trainer.current_epoch)
+
+
+def restore_loop(trainer: Trainer, loop: dict[str, Any], *, saved_world_size: int) -> None:
+    """Set the step clock and the data cursor from a checkpoint's loop state."""
+    trainer.global_step = int(loop["global_step"])
+    if loop["epoch_finished"]:
+        trainer.current_epoch = int(loop["epoch"]) + 1
+        trainer._epoch_batches_done = trainer._epoch_samples = 0
+        return
+    trainer.current_epoch = int(loop["epoch"])
+    trainer._epoch_samples = int(loop["samples_consumed"])
+    if saved_world_size == trainer.world_size:
+        trainer._epoch_batches_done = int(loop["batches_done"])
+    else:
+        # Another world size: the global cursor stays exact; batch indices restart from it.
+        batch_size = getattr(trainer._train.loader, "batch_size", None) if trainer._train is not None else None
+        per_step = (batch_size or 1) * trainer.world_size
+        trainer._epoch_batches_done = -(-trainer._epoch_samples // per_step)
+        log.warning("Checkpoint was saved with world size %d, resuming on %d: the data cursor resumes at "
+                    "sample %d of epoch %d.", saved_world_size, trainer.world_size, trainer._epoch_samples,
+                    trainer.current_epoch)
+
+
+def resolve_ckpt_path(trainer: Trainer, ckpt_path: str) -> str | None:
+    """``"last"`` / ``"best"`` / a path -> a file to load (decided on rank 0, broadcast), or None.
+
+    ``"last"`` is a no-op on a first run (nothing saved yet) and skips unreadable files with a warning,
+    falling back to the previous checkpoint recorded in the ``last`` pointer.
+    """
+    from trainer.model_checkpoint import read_pointer
+
+    if ckpt_path not in ("last", "best"):
+        return str(ckpt_path)
+    callback = trainer.checkpoint_callback
+    if callback is None:
+        raise ValueError(f'ckpt_path="{ckpt_path}" needs a ModelCheckpoint callback (enable_checkpointing=True).')
+    if ckpt_path == "best":
+        best = callback.best_model_path
+        if not best and trainer.is_global_zero:
+            # A fresh process: the callback's state lives in the last checkpoint.
+            for name in read_pointer(callback.dirpath):
+                try:
+                    state = trainer._checkpoint_io.load(os.path.join(callback.dirpath, name))
+                except Exception:
+                    continue
+                best = state.get("callbacks", {}).get(callback.state_key, {}).get("best_model_path", "")
+                break
+        best = dist.broadcast_object(best)
+        if not best:
+            raise ValueError('ckpt_path="best": no best checkpoint is known (no monitored ModelCheckpoint save '
+                             f"in {callback.dirpath}).")
+        return best
+    chosen: str | None = None
+    if trainer.is_global_zero:
+        directory = callback.dirpath
+        for name in read_pointer(directory):
+            candidate = os.path.join(directory, name)
+            try:
+                trainer._checkpoint_io.load(candidate)
+            except Exception as exc:
+                log.warning("Skipping checkpoint %s for ckpt_path='last': %s", candidate, exc)
+                continue
+            chosen = candidate
+            break
+        if chosen is None:
+            log.info("ckpt_path='last': no checkpoint in %s yet; starting from scratch.", directory)
+    return dist.broadcast_object(chosen)
