@@ -70,6 +70,7 @@ class CheckpointIO:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; a checkpoint gets the usual file mode
         try:
             with os.fdopen(fd, "wb") as handle:
                 torch.save(state, handle)
@@ -110,6 +111,15 @@ class CheckpointIO:
                 f"({FORMAT_VERSION}); upgrade keel to load it."
             )
         return state
+
+
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # read once at import: os.umask is process-wide, so never toggle it while saving
 
 
 def with_suppressed_unlink(name: str) -> None:
