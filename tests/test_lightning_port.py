@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainer.trainer as trainer_module
-from models import quiet, regression_data
+from models import Regression, quiet, regression_data
 from trainer import TaskModule, Trainer
 from trainer.checkpoint import CheckpointIO
 from trainer.dist import detect_env
@@ -139,8 +139,6 @@ def test_trainer_checks_devices_against_the_launcher() -> None:
 
 
 def test_lightning_launch_keywords_fit_in_one_process() -> None:
-    from models import Regression
-
     trainer = Trainer(**quiet(devices=1, num_nodes=1, strategy="ddp", accelerator="cpu", max_epochs=1))
     trainer.fit(Regression(), DataLoader(regression_data(16), batch_size=8))
     assert trainer.global_step == 2
@@ -213,8 +211,11 @@ def test_fit_accepts_lightnings_model_keyword(tmp_path: Path) -> None:
     if "model" not in inspect.signature(Trainer.fit).parameters:
         pytest.skip("pending the trainer/trainer.py patch: fit/validate/test/predict(model=...) as in Lightning")
     trainer = Trainer(**quiet(max_epochs=1))
-    trainer.fit(model=Plateau([1.0]), train_dataloaders=DataLoader(regression_data(16), batch_size=8))
+    task = Regression()
+    data = DataLoader(regression_data(16), batch_size=8)
+    trainer.fit(model=task, train_dataloaders=data, val_dataloaders=data)
     assert trainer.global_step == 2
+    assert trainer.validate(model=task, dataloaders=data)[0].keys() == {"val/loss"}
 
 
 # ---------------------------------------------------------------------------- ReduceLROnPlateau with monitor

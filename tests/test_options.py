@@ -61,6 +61,9 @@ INVALID = [
     ("watchdog_timeout", -1),
     ("on_nonfinite", "ignore"),
     ("uneven_batches", "pad"),
+    ("devices", 0),
+    ("num_nodes", 0),
+    ("strategy", "fsdp"),
     ("logger", "tensorboard"),
     ("callbacks", ["not a callback"]),
 ]

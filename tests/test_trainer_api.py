@@ -332,3 +332,16 @@ def test_estimated_stepping_batches_matches_the_steps_taken() -> None:
         trainer = Trainer(**quiet(**options))
         trainer.fit(Probe(), loader(regression_data(), 8))
         assert seen["estimate"] == trainer.global_step, options
+
+
+def test_validation_inside_an_epoch_does_not_close_training_epoch_metrics() -> None:
+    class EpochLogged(Regression):
+        def training_step(self, batch, batch_idx):
+            self.log("train/count", 1.0, on_step=False, on_epoch=True, reduce_fx="sum")
+            return super().training_step(batch, batch_idx)
+
+    trainer = Trainer(**quiet(max_epochs=1, val_check_interval=2))
+    trainer.fit(EpochLogged(), loader(regression_data(), 8), loader(regression_data(16), 8))
+    assert float(trainer.callback_metrics["train/count"]) == 8  # all 8 batches, not those after the last validation
+    (metrics,) = trainer.validate(trainer.task, loader(regression_data(16), 8))
+    assert "train/count" not in metrics

@@ -167,16 +167,21 @@ def _read(values: list[torch.Tensor | float]) -> list[float]:
 class MetricCollector:
     """Collects ``self.log`` calls for the loop that is running (``stage``).
 
-    One epoch state for all stages: :meth:`reduce_epoch` reduces (and resets) everything logged with
-    ``on_epoch`` since the previous call, whichever loop logged it.
+    Training and evaluation keep separate epoch states: a validation run inside a training epoch reduces
+    only what the validation loop logged, and the training epoch's aggregates stay until its own end.
     """
 
     def __init__(self) -> None:
         self.stage: str = "train"
         self.batch_size: int | None = None  # set by the loop from the current batch (shape read, no sync)
         self._step: dict[str, _StepValue] = {}
-        self._epoch: dict[str, _Entry | _MetricRef] = {}
+        self._epochs: dict[str, dict[str, _Entry | _MetricRef]] = {"train": {}, "eval": {}}
         self._warned: set[str] = set()
+
+    @property
+    def _epoch(self) -> dict[str, _Entry | _MetricRef]:
+        """The epoch state of the running loop ("train", or "eval" for validation / test / sanity)."""
+        return self._epochs["train" if self.stage == "train" else "eval"]
 
     # ------------------------------------------------------------------ recording
     def log(
@@ -277,7 +282,8 @@ class MetricCollector:
 
         Returns ``(all, for_logger, for_progress_bar)`` and clears the epoch state. Collective.
         """
-        epoch, self._epoch = self._epoch, {}
+        key = "train" if self.stage == "train" else "eval"
+        epoch, self._epochs[key] = self._epochs[key], {}
         names = [n for n, e in epoch.items() if isinstance(e, _Entry) or e.publish]
         entries = [epoch[n] for n in names]
         values: list[torch.Tensor | float] = []
@@ -354,4 +360,5 @@ class MetricCollector:
     def reset(self) -> None:
         """Forget every value and metric-object reference (the objects themselves are not reset)."""
         self._step.clear()
-        self._epoch.clear()
+        for state in self._epochs.values():
+            state.clear()

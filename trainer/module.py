@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -225,17 +225,20 @@ class TaskModule(DataHooks, nn.Module):
         prog_bar: bool = False,
         logger: bool = True,
         batch_size: int | None = None,
-        reduce_fx: str = "mean",
+        reduce_fx: str | Callable = "mean",
         sync_dist: bool = False,
         rank_zero_only: bool = False,
     ) -> None:
-        """Record a scalar metric.
+        """Record a scalar metric, or a metric object (a torchmetrics ``Metric`` or anything with ``compute()``
+        and ``reset()``: keel calls ``compute()`` at logging steps / the epoch end and ``reset()`` after the
+        epoch, and never reduces its result again; see trainer/metrics.py).
 
         Lightning's defaults: inside ``training_step`` a value is logged per step; inside validation and
         test it is aggregated per epoch as a mean weighted by ``batch_size`` (inferred from the batch when
         not given). Values stay on their device: nothing is read back to the host except on logging
-        steps and at epoch ends, where metrics are reduced across ranks (so ``sync_dist`` is accepted for
-        Lightning compatibility and always on).
+        steps and at epoch ends, where metrics are reduced across ranks with ``reduce_fx`` ("mean", "sum",
+        "max", "min"), so ``sync_dist`` is accepted for Lightning compatibility and always on.
+        ``rank_zero_only=True`` uses rank 0's value as is, on every rank.
 
         Raises:
             ValueError: for a non-scalar tensor or a non-numeric value, naming the metric.
@@ -252,6 +255,7 @@ class TaskModule(DataHooks, nn.Module):
             logger=logger,
             batch_size=batch_size,
             reduce_fx=reduce_fx,
+            rank_zero_only=rank_zero_only,
         )
 
     def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:

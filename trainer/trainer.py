@@ -30,7 +30,7 @@ from trainer.loggers import Logger, default_loggers
 from trainer.metrics import MetricCollector
 from trainer.module import DataModule, TaskModule
 from trainer.optim import SchedulerConfig, parse_optimizers
-from trainer.options import TrainerOptions
+from trainer.options import TrainerOptions, check_lightning_keywords
 from trainer.precision import Precision
 from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher
 from trainer.rank_zero import configure_logging
@@ -108,6 +108,7 @@ class Trainer:
         self.options = TrainerOptions.from_kwargs(options)
         opts = self.options
         self.env = dist.detect_env()
+        check_lightning_keywords(opts, self.env)  # devices / num_nodes / strategy against the launcher
         configure_logging(self.env.rank)
         self.device = dist.select_device(opts.accelerator, self.env)  # type: ignore[arg-type]
         self._precision = Precision(opts.precision, self.device)
@@ -271,42 +272,43 @@ class Trainer:
     # ------------------------------------------------------------------ public entry points
     def fit(
         self,
-        task: TaskModule,
+        model: TaskModule,
         train_dataloaders: Iterable | None = None,
         val_dataloaders: Iterable | Sequence[Iterable] | None = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | None = None,
     ) -> None:
-        """Train ``task``. ``ckpt_path`` resumes from a checkpoint file, or ``"last"`` / ``"best"``."""
-        self._run("fit", task, datamodule, lambda: self._fit(train_dataloaders, val_dataloaders, ckpt_path),
+        """Train ``model`` (a TaskModule; Lightning's parameter name). ``ckpt_path`` resumes from a checkpoint
+        file, or ``"last"`` / ``"best"``."""
+        self._run("fit", model, datamodule, lambda: self._fit(train_dataloaders, val_dataloaders, ckpt_path),
                   loaders=(train_dataloaders, val_dataloaders))
 
     def validate(
         self,
-        task: TaskModule | None = None,
+        model: TaskModule | None = None,
         dataloaders: Iterable | Sequence[Iterable] | None = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | None = None,
     ) -> list[dict[str, float]]:
         """Run the validation loop once. Returns one dict of epoch metrics per dataloader (reduced over
         all ranks: means weighted by batch size), the same on every rank."""
-        return self._run("validate", task, datamodule, lambda: self._evaluate_stage("validate", dataloaders, ckpt_path),
+        return self._run("validate", model, datamodule, lambda: self._evaluate_stage("validate", dataloaders, ckpt_path),
                          loaders=(dataloaders,))
 
     def test(
         self,
-        task: TaskModule | None = None,
+        model: TaskModule | None = None,
         dataloaders: Iterable | Sequence[Iterable] | None = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | None = None,
     ) -> list[dict[str, float]]:
         """Run the test loop once; returns metrics like :meth:`validate`."""
-        return self._run("test", task, datamodule, lambda: self._evaluate_stage("test", dataloaders, ckpt_path),
+        return self._run("test", model, datamodule, lambda: self._evaluate_stage("test", dataloaders, ckpt_path),
                          loaders=(dataloaders,))
 
     def predict(
         self,
-        task: TaskModule | None = None,
+        model: TaskModule | None = None,
         dataloaders: Iterable | Sequence[Iterable] | None = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | None = None,
@@ -318,7 +320,7 @@ class Trainer:
         with ``"rank_zero"`` rank 0 returns it and other ranks return None. With several dataloaders the
         result is a list of such lists.
         """
-        return self._run("predict", task, datamodule, lambda: self._predict(dataloaders, ckpt_path), loaders=(dataloaders,))
+        return self._run("predict", model, datamodule, lambda: self._predict(dataloaders, ckpt_path), loaders=(dataloaders,))
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Write a checkpoint of the whole run state to ``path`` (rank 0 writes; all ranks must call).
