@@ -214,3 +214,15 @@ def test_checkpoint_from_two_ranks_resumes_on_one_at_the_global_cursor(tmp_path:
     consumed_before = before[0][1] + before[1][1]
     assert len(consumed_before) == 16
     assert sorted(consumed_before + after[1]) == list(range(48))
+
+
+def test_forced_save_before_the_monitored_metric_exists(tmp_path: Path) -> None:
+    """Preemption before the first validation: saved as `last`, outside the top-k, name marks the gap."""
+    cb = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{val/loss:.3f}", monitor="val/loss")
+    trainer = Trainer(**quiet(max_steps=2, enable_checkpointing=True, callbacks=[cb]))
+    trainer.fit(Regression(), loader(regression_data(), 16))  # no validation data: val/loss never logged
+    path = cb.save(trainer, suffix="-preempted", force=True)
+    assert path is not None and Path(path).exists() and "val_loss=na" in path
+    assert read_pointer(tmp_path)[0] == Path(path).name and cb.best_k_models == {}
+    with pytest.raises(KeyError, match="val/loss"):
+        cb.save(trainer)

@@ -15,6 +15,7 @@ import csv
 import importlib.util
 import logging
 import os
+import socket
 import re
 from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any
@@ -40,11 +41,26 @@ def run_identity() -> str | None:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id and run_id != "none":
         return f"torchrun:{run_id}"
+    if run_id == "none":  # torchrun without --rdzv-id: its agent (our parent) lives across restarts
+        agent = _agent_identity()
+        if agent is not None:
+            return f"torchrun-agent:{agent}"
     job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
     if not job_id:
         return None
     # The step id tells apart two srun steps in one allocation; a requeued job starts again at step 0.
     return f"slurm:{job_id}.{os.environ.get('SLURM_STEP_ID', os.environ.get('SLURM_STEPID', 'batch'))}"
+
+
+def _agent_identity() -> str | None:
+    """Host, pid and start time of the parent process (the torchrun agent), stable across restarts."""
+    agent = os.getppid()
+    try:
+        with open(f"/proc/{agent}/stat") as handle:
+            start_time = handle.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+    return f"{socket.gethostname()}:{agent}:{start_time}"
 
 
 class Logger:

@@ -156,12 +156,16 @@ class ModelCheckpoint(Callback):
         self.last_model_path = state.get("last_model_path", "")
 
     # ------------------------------------------------------------------ saving
-    def format_name(self, metrics: dict[str, float], epoch: int, step: int, suffix: str = "") -> str:
+    def format_name(
+        self, metrics: dict[str, float], epoch: int, step: int, suffix: str = "", *, missing_ok: bool = False
+    ) -> str:
         values = dict(metrics, epoch=epoch, step=step)
 
         def render(match: re.Match[str]) -> str:
             key, fmt = match.group(1), match.group(2) or ""
             if key not in values:
+                if missing_ok:  # a forced save (preemption, exception) before the metric exists
+                    return f"{key}=na"
                 raise KeyError(
                     f"ModelCheckpoint filename {self.filename!r} uses {key!r}, which was not logged; "
                     f"available: {sorted(values)}."
@@ -180,13 +184,16 @@ class ModelCheckpoint(Callback):
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         score = None
         if self.monitor is not None:
-            if self.monitor not in metrics:
+            if self.monitor in metrics:
+                score = metrics[self.monitor]
+            elif not force:
                 raise KeyError(
                     f"ModelCheckpoint(monitor={self.monitor!r}): no such metric was logged; available: {sorted(metrics)}."
                 )
-            score = metrics[self.monitor]
-        path = os.path.join(self.dirpath, self.format_name(metrics, trainer.current_epoch, trainer.global_step, suffix))
-        keep = self._admits(score)
+        name = self.format_name(metrics, trainer.current_epoch, trainer.global_step, suffix, missing_ok=force)
+        path = os.path.join(self.dirpath, name)
+        # A forced save without the monitored value is kept as `last` only, outside the top-k.
+        keep = self._admits(score) and (self.monitor is None or score is not None)
         if not keep and not self.save_last and not force:
             return None
         # Bookkeeping first, so the state saved inside this checkpoint already lists this file.
