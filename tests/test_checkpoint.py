@@ -218,7 +218,7 @@ def test_checkpoint_from_two_ranks_resumes_on_one_at_the_global_cursor(tmp_path:
 
 def test_forced_save_before_the_monitored_metric_exists(tmp_path: Path) -> None:
     """Preemption before the first validation: saved as `last`, outside the top-k, name marks the gap."""
-    cb = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{val/loss:.3f}", monitor="val/loss")
+    cb = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{val/loss:.3f}", monitor="val/loss", every_n_train_steps=100)
     trainer = Trainer(**quiet(max_steps=2, enable_checkpointing=True, callbacks=[cb]))
     trainer.fit(Regression(), loader(regression_data(), 16))  # no validation data: val/loss never logged
     path = cb.save(trainer, suffix="-preempted", force=True)
