@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -398,7 +399,23 @@ def torchrun(
     if _has_local_addr():
         cmd += ["--local-addr", LOOPBACK]  # MASTER_ADDR of the workers = 127.0.0.1, not the FQDN
     cmd += _target(script, args, module)
-    return _run([cmd], what="torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=False)[0]
+    return _retry_known_abort(lambda: _run([cmd], what="torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=False))[0]
+
+
+# A rare SIGABRT of one gloo worker with this text from C++ (std::terminate), seen about once per full
+# suite on a loaded 2-core machine and never reproduced in targeted loops (see the note on issue 2).
+# A launch that dies with it is run once more, and the retry is written at the top of its output.
+KNOWN_ABORT = "terminate called without an active exception"
+
+
+def _retry_known_abort(launch: Callable[[], list[LaunchResult]]) -> list[LaunchResult]:
+    results = launch()
+    if any(r.returncode != 0 and KNOWN_ABORT in r.stdout for r in results):
+        retried = launch()
+        for r in retried:
+            r.stdout = f"[launch] first attempt hit {KNOWN_ABORT!r}; retried once\n" + r.stdout
+        return retried
+    return results
 
 
 def two_nodes(
@@ -436,7 +453,8 @@ def two_nodes(
         if _has_local_addr():
             cmd += ["--local-addr", LOOPBACK]
         cmds.append(cmd + _target(script, args, module))
-    return _run(cmds, what="two_nodes torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=True)
+    return _retry_known_abort(lambda: _run(cmds, what="two_nodes torchrun", timeout=timeout, env=env, cwd=cwd,
+                                           fail_fast=True))
 
 
 def python(
