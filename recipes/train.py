@@ -144,7 +144,7 @@ def _warn_about_restarts() -> None:
     """torchrun without ``--standalone`` or ``--rdzv-id`` gives its workers the run id ``none``: a
     restart then cannot find this run's directory and starts a new one from scratch."""
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    if os.environ.get("TORCHELASTIC_RUN_ID") == "none" and restarts > 0:
+    if os.environ.get("TORCHELASTIC_RUN_ID") == "none" and restarts > 0 and run_identity() is None:
         log.warning(
             "torchrun --max-restarts %d without --standalone or --rdzv-id: the job has no run id, so a "
             "restart starts a NEW run directory instead of resuming this one. Launch with "
