@@ -845,13 +845,18 @@ class Trainer:
         task.on_before_optimizer_step(optimizer)
         for cb in self.callbacks:
             cb.on_before_optimizer_step(self, task, optimizer)
-        if self.options.gradient_clip_val is not None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            if self.options.gradient_clip_algorithm == "norm":
-                nn.utils.clip_grad_norm_(params, self.options.gradient_clip_val, foreach=True)
-            else:
-                nn.utils.clip_grad_value_(params, self.options.gradient_clip_val, foreach=True)
+        self._clip([p for group in optimizer.param_groups for p in group["params"]])
         self._precision.optimizer_step(optimizer)
+
+    def _clip(self, params: list[torch.Tensor]) -> None:
+        """``gradient_clip_val`` by norm or value (foreach kernels; the norm stays on the device)."""
+        value = self.options.gradient_clip_val
+        if value is None:
+            return
+        if self.options.gradient_clip_algorithm == "norm":
+            nn.utils.clip_grad_norm_(params, value, foreach=True)
+        else:
+            nn.utils.clip_grad_value_(params, value, foreach=True)
 
     def _optimizer_step(self, normaliser: StepNormaliser) -> bool:
         """Complete the step: normalise, unscale, hook, clip, step, schedule, zero. False if skipped."""
@@ -882,11 +887,7 @@ class Trainer:
             task.on_before_optimizer_step(optimizer)
             for cb in self.callbacks:
                 cb.on_before_optimizer_step(self, task, optimizer)
-        if opts.gradient_clip_val is not None:
-            if opts.gradient_clip_algorithm == "norm":
-                nn.utils.clip_grad_norm_(params, opts.gradient_clip_val, foreach=True)
-            else:
-                nn.utils.clip_grad_value_(params, opts.gradient_clip_val, foreach=True)
+        self._clip(params)
         for optimizer in self.optimizers:
             self._precision.optimizer_step(optimizer)
         self._precision.update()
