@@ -121,6 +121,8 @@ class CharDataModule(DataModule):
         split_seed: Seed of the file permutation.
         train_stride: Distance between training window starts (default ``block_size``).
         num_workers: DataLoader worker processes (0: the data is a few MB in memory).
+        root: A folder of ``*.py`` files to read instead of the standard library (None: the stdlib; tests
+            use a small generated folder).
     """
 
     def __init__(
