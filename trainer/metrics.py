@@ -127,7 +127,8 @@ def _to_scalar(name: str, value: Any) -> torch.Tensor | float:
                 f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; log a scalar "
                 "(e.g. value.mean()) or one metric per element."
             )
-        return value.detach().reshape(())
+        value = value.detach()
+        return value if value.dim() == 0 else value.reshape(())
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         try:
             return float(value)  # numpy scalars and other number-likes
