@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LaunchResult", "free_port", "torchrun", "two_nodes", "python", "REPO_ROOT"]
+__all__ = ["LaunchResult", "free_port", "torchrun", "two_nodes", "elastic_agents", "python", "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -233,31 +233,40 @@ class _Launch:
     def __init__(self, cmds: list[list[str]], env: dict[str, str], cwd, marker: str):
         _become_subreaper()
         self.marker = marker
-        self.cmds = cmds
+        self.env = env
+        self.cwd = cwd
+        self.cmds: list[list[str]] = []
         self.tracked: set[int] = set()
         self.outs = []
         self.procs: list[subprocess.Popen] = []
-        self.notes: list[list[str]] = [[] for _ in cmds]
+        self.notes: list[list[str]] = []
         self.start = time.monotonic()
-        try:
-            for cmd in cmds:
-                out = tempfile.TemporaryFile()
-                try:
-                    import fcntl
+        for cmd in cmds:
+            self.add(cmd)
 
-                    fcntl.fcntl(out.fileno(), fcntl.F_SETFL, fcntl.fcntl(out.fileno(), fcntl.F_GETFL) | os.O_APPEND)
-                except Exception:
-                    pass
-                self.outs.append(out)
-                self.procs.append(
-                    subprocess.Popen(
-                        cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                        env=env, cwd=cwd, start_new_session=True,
-                    )
-                )
+    def add(self, cmd: list[str], extra_env: dict[str, str] | None = None) -> None:
+        """Start one more launcher of this launch (same marker), e.g. a node that joins later."""
+        out = tempfile.TemporaryFile()
+        try:
+            import fcntl
+
+            fcntl.fcntl(out.fileno(), fcntl.F_SETFL, fcntl.fcntl(out.fileno(), fcntl.F_GETFL) | os.O_APPEND)
+        except Exception:
+            pass
+        env = dict(self.env, **(extra_env or {}))
+        try:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=env, cwd=self.cwd, start_new_session=True,
+            )
         except BaseException:
+            out.close()
             self.kill()
             raise
+        self.cmds.append(cmd)
+        self.outs.append(out)
+        self.notes.append([])
+        self.procs.append(proc)
 
     def _track(self) -> None:
         self.tracked |= _marked_pids(self.marker)
@@ -455,6 +464,82 @@ def two_nodes(
         cmds.append(cmd + _target(script, args, module))
     return _retry_known_abort(lambda: _run(cmds, what="two_nodes torchrun", timeout=timeout, env=env, cwd=cwd,
                                            fail_fast=True))
+
+
+def elastic_agents(
+    script: str | os.PathLike,
+    *args: str,
+    join_when: Callable[[], bool] | None = None,
+    max_restarts: int = 2,
+    rdzv_conf: dict[str, int] | None = None,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> list[LaunchResult]:
+    """Two elastic torchrun agents (``--nnodes 1:2``, one worker each) joined by a c10d rendezvous on 127.0.0.1.
+
+    Agent 0 hosts the rendezvous store and starts at once. Agent 1 starts at once too, or, with
+    ``join_when``, as soon as ``join_when()`` returns True (polled every 50 ms): a node that joins a
+    running job. Each agent's environment holds ``KEEL_NODE=<index>`` so a worker knows its node. An
+    agent that dies (a lost node) does not stop the other: the launch ends when every started agent has
+    exited, or at ``timeout`` (everything is killed and AssertionError raised, with both output tails).
+    ``rdzv_conf`` adds ``--rdzv-conf`` keys (seconds), e.g. ``last_call_timeout``. Returns one
+    LaunchResult per agent started, agent 0 first. The known gloo exit abort is retried once.
+    """
+    conf = {"join_timeout": 60, "last_call_timeout": 2, "close_timeout": 5, **(rdzv_conf or {})}
+
+    def command(node: int, endpoint: str, rdzv_id: str) -> list[str]:
+        text = ",".join(f"{key}={value}" for key, value in conf.items())
+        if _c10d_supports_is_host():
+            text += ",is_host=" + ("true" if node == 0 else "false")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "1:2",
+            "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint,
+            "--rdzv-id", rdzv_id,
+            "--rdzv-conf", text,
+            "--max-restarts", str(max_restarts),
+            "--monitor-interval", "0.5",
+        ]
+        if _has_local_addr():
+            cmd += ["--local-addr", LOOPBACK]
+        return cmd + _target(script, args, False)
+
+    def once() -> list[LaunchResult]:
+        endpoint, rdzv_id, marker = f"{LOOPBACK}:{free_port()}", f"keel-{uuid.uuid4().hex[:12]}", uuid.uuid4().hex
+        launch = _Launch([], _make_env(env, marker), os.fspath(cwd) if cwd is not None else None, marker)
+        try:
+            launch.add(command(0, endpoint, rdzv_id), {"KEEL_NODE": "0"})
+            if join_when is None:
+                launch.add(command(1, endpoint, rdzv_id), {"KEEL_NODE": "1"})
+            else:
+                deadline = launch.start + timeout
+                while not join_when():
+                    if time.monotonic() > deadline or launch.procs[0].poll() is not None:
+                        break
+                    launch._track()
+                    time.sleep(0.05)
+                else:
+                    launch.add(command(1, endpoint, rdzv_id), {"KEEL_NODE": "1"})
+            finished = launch.wait(max(0.0, timeout - (time.monotonic() - launch.start)), fail_fast=False)
+        except BaseException:
+            launch.kill()
+            launch.finish()
+            raise
+        if not finished:
+            launch.kill()
+        results = launch.finish()
+        if not finished:
+            parts = [f"elastic torchrun agents timed out after {timeout:g}s (all their processes were killed)"]
+            for i, r in enumerate(results):
+                parts.append(f"command of agent {i}: {' '.join(r.cmd)}")
+                parts.append(f"--- last {TAIL_LINES} lines of output of agent {i} ---\n{r.tail()}")
+            raise AssertionError("\n".join(parts))
+        return results
+
+    return _retry_known_abort(once)
 
 
 def python(
