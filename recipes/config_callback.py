@@ -3,7 +3,8 @@
 :class:`SaveConfig` is the callback ``recipes.train`` adds to every run built from config:
 
 * at ``setup`` of the first ``fit`` (the loggers have resolved the run directory by then, on every rank)
-  rank 0 writes ``<run dir>/config.yaml``, headed by the command that composed it;
+  rank 0 writes ``<run dir>/config.yaml``, headed by the command that composed it, and hands the config to
+  every logger's ``log_config`` (W&B and MLflow record it in the tracked run);
 * every checkpoint gets ``checkpoint["config"]``: the same config as plain containers, which
   ``torch.load(weights_only=True)`` reads back;
 * when ``fit`` resumes from a checkpoint whose config differs from the current one, rank 0 logs one
@@ -96,6 +97,8 @@ class SaveConfig(Callback):
         self.path = os.path.join(trainer.log_dir, CONFIG_FILE)
         if trainer.is_global_zero:
             self._write(self.path)
+            for logger in trainer.loggers:  # trackers outside the run directory (W&B, MLflow) record it too
+                logger.log_config(self.config)
 
     def _write(self, path: str) -> None:
         text = f"# {self.command}\n" + OmegaConf.to_yaml(OmegaConf.create(self.config))

@@ -79,10 +79,24 @@ def build(cfg: DictConfig, *, command: str = COMMAND) -> tuple[Trainer, TaskModu
     ]
     config = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
     callbacks.append(SaveConfig(config, command))
-    logger_cfg = cfg.get("logger")
-    logger: Logger | bool = _instantiate(logger_cfg) if logger_cfg is not None else False
-    trainer = Trainer(**options, callbacks=callbacks, logger=logger)
+    trainer = Trainer(**options, callbacks=callbacks, logger=_loggers(cfg))
     return trainer, task, datamodule
+
+
+def _loggers(cfg: DictConfig) -> list[Logger] | bool:
+    """``logger`` (the first: its folder is the run directory), then each of ``loggers`` (added with
+    ``+logger@loggers.<name>=<option>``, e.g. ``+logger@loggers.wandb=wandb``), null entries skipped.
+
+    An extra logger whose version is unset shares the first one's pinned version (``logger.version=N``),
+    so that every logger reopens the same run directory; unpinned, they all resolve the same
+    ``version_N`` because they share ``save_dir/name`` (``resolve_version`` runs for all before any writes).
+    """
+    nodes = [cfg.get("logger"), *(cfg.get("loggers") or {}).values()]
+    built: list[Logger] = [_instantiate(node) for node in nodes if node is not None]
+    for extra in built[1:]:
+        if extra.version is None and built[0].version is not None and extra.root_dir == built[0].root_dir:
+            extra.version = built[0].version
+    return built or False
 
 
 def run(cfg: DictConfig, *, command: str = COMMAND) -> dict[str, Any]:
@@ -192,11 +206,29 @@ def _check_sweep_launcher() -> None:
         )
 
 
+def _check_submitit_local_tasks() -> None:
+    """Refuses Hydra's ``submitit_local`` launcher with ``tasks_per_node`` > 1.
+
+    That launcher starts the job's tasks as independent copies with submitit's own variables
+    (``SUBMITIT_LOCAL_NTASKS``...), not torchrun's or SLURM's: keel would run each copy as a single
+    process, all writing to one run directory.
+    """
+    ntasks = os.environ.get("SUBMITIT_LOCAL_NTASKS", "1").strip() or "1"
+    if ntasks.isdigit() and int(ntasks) > 1:
+        raise SystemExit(
+            f"keel: hydra/launcher=submitit_local with tasks_per_node={ntasks} starts {ntasks} independent "
+            "copies of this job (keel reads torchrun's or SLURM's variables, not submitit's local ones). Use "
+            "tasks_per_node=1 with submitit_local, torchrun for several processes on one machine, or "
+            "hydra/launcher=submitit_slurm."
+        )
+
+
 @hydra.main(config_path=config_dir(), config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     _check_sweep_launcher()
+    _check_submitit_local_tasks()
     overrides = list(HydraConfig.get().overrides.task)
     run(cfg, command=shlex.join([*COMMAND.split(), *overrides]))
 

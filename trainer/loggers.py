@@ -6,7 +6,8 @@ so that all ranks agree on ``N`` (DESIGN.md section 9). Everything else writes f
 the Trainer on global rank 0 only (DESIGN.md section 7).
 
 tensorboard (and omegaconf, for YAML) are imported where they are used, so ``import trainer`` stays
-cheap (DESIGN.md section 11).
+cheap (DESIGN.md section 11). :class:`WandbLogger` and :class:`MLFlowLogger` live in their own modules
+(re-exported here) and import ``wandb`` / ``mlflow`` only when they first write.
 """
 
 from __future__ import annotations
@@ -190,6 +191,16 @@ class Logger:
             params: A possibly nested mapping (a dict or an omegaconf ``DictConfig``).
         """
         raise NotImplementedError
+
+    def log_config(self, config: dict[str, Any]) -> None:
+        """Records the run's resolved config once (``recipes.train`` calls it at the start of ``fit``, rank 0).
+
+        The default does nothing: the run directory's ``config.yaml`` already holds it. Trackers that
+        live outside the run directory (W&B, MLflow) override it.
+
+        Args:
+            config: The composed config as plain nested dicts and lists.
+        """
 
     def finalize(self, status: str) -> None:
         """Flushes and closes open files. Safe to call several times; a later ``log_*`` reopens them.
@@ -454,3 +465,9 @@ def default_loggers(option: Any, default_root_dir: str | None) -> list[Logger]:
     if isinstance(option, (list, tuple)) and all(isinstance(item, Logger) for item in option):
         return list(option)
     raise ValueError(f"Invalid Trainer option logger={option!r}; expected {_VALID_LOGGER_CHOICES}.")
+
+
+# Trackers with their own modules, re-exported so that `from trainer.loggers import WandbLogger` works. Imported
+# last: they subclass Logger. Neither imports its library until it first writes.
+from trainer.mlflow_logger import MLFlowLogger  # noqa: E402,F401
+from trainer.wandb_logger import WandbLogger  # noqa: E402,F401

@@ -1,0 +1,75 @@
+"""A fit that logs every step to MLflow (SQLite) and W&B (offline) under any launcher, checkpointing every
+step and always starting with ckpt_path="last".
+
+  tracking_fit.py ROOT [--steps N] [--kill-at S] [--kill-rank R]
+
+Writes runs under ROOT/runs (run directory ROOT/runs/exp/version_N, MLflow store ROOT/runs/mlflow.db).
+--kill-at S SIGKILLs rank R at step S on the first attempt (TORCHELASTIC_RESTART_COUNT 0), after that
+step was logged and before its checkpoint, so the restart re-runs step S. It waits --kill-delay seconds
+first (default 2.5): longer than W&B's flush interval of its run file (trainer.wandb_logger.FLUSH_INTERVAL),
+so that the W&B file holds the steps before S, as it would in a run killed mid-training. Step S itself is
+still in W&B's memory (a row is written once a later step is logged) and dies with the process. At the
+end rank 0 writes ROOT/result-attempt<K>.json: the run ids and the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/scripts
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from resume_fit import Classifier, data  # noqa: E402
+from trainer import Callback, Trainer  # noqa: E402
+from trainer.loggers import MLFlowLogger, WandbLogger  # noqa: E402
+from trainer.model_checkpoint import ModelCheckpoint  # noqa: E402
+
+
+class KillAt(Callback):
+    def __init__(self, step: int, rank: int, delay: float) -> None:
+        self.step, self.rank, self.delay = step, rank, delay
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first and trainer.optimizer_stepped and trainer.global_step == self.step and trainer.global_rank == self.rank:
+            time.sleep(self.delay)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--kill-rank", type=int, default=0)
+    parser.add_argument("--kill-delay", type=float, default=2.5)
+    args = parser.parse_args()
+    root = Path(args.root)
+    loggers = [
+        MLFlowLogger(experiment_name="exp", save_dir=root / "runs"),
+        WandbLogger(project="exp", save_dir=root / "runs", offline=True),
+    ]
+    callbacks = [KillAt(args.kill_at, args.kill_rank, args.kill_delay), ModelCheckpoint(every_n_train_steps=1, save_top_k=1)]
+    trainer = Trainer(max_steps=args.steps, logger=loggers, enable_progress_bar=False, num_sanity_val_steps=0,
+                      log_every_n_steps=1, callbacks=callbacks, seed=7)
+    task = Classifier()
+    torch.manual_seed(0)
+    trainer.fit(task, DataLoader(data(32), batch_size=4, shuffle=True), DataLoader(data(8, 1), batch_size=4),
+                ckpt_path="last")
+    if trainer.is_global_zero:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        result = {"mlflow": loggers[0].run_id, "wandb": loggers[1].run_id, "run_dir": trainer.log_dir,
+                  "tracking_uri": loggers[0].tracking_uri, "world_size": trainer.world_size}
+        (root / f"result-attempt{attempt}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
