@@ -220,3 +220,57 @@ def test_pytorch_trace_loads_in_tensorboard_profile_plugin(tmp_path: Path) -> No
     data = RunProfileData.parse(match.group(1), 1, str(tmp_path / "profiler" / name), str(tmp_path / "cache"))
     profile = RunGenerator(match.group(1), 1, data).generate_run_profile()
     assert profile.views and profile.overview  # the Overview / Operator views it would show
+
+
+# ---------------------------------------------------------------------------------------------- phase clock
+def test_transition_partitions_the_stage_into_phases(tmp_path: Path) -> None:
+    profiler, clock = _simple_with_clock()
+    profiler.setup("fit", run_dir=str(tmp_path))
+    for phase, seconds in [("setup", 0.5), ("data", 0.01), ("training_step", 0.02), ("backward", 0.03),
+                           ("optimizer_step", 0.004), ("data", 0.01), ("data", 0.01), ("training_step", 0.02),
+                           ("my_phase", 0.1)]:
+        profiler.transition(phase)
+        clock.now += seconds
+    profiler._end_phase()
+    recorded = {name: (int(stats[0]), stats[1]) for name, stats in profiler.recorded.items()}
+    assert recorded == {
+        "setup": (1, pytest.approx(0.5)), "data_wait": (2, pytest.approx(0.03)),  # data, data: one phase
+        "forward": (2, pytest.approx(0.04)), "backward": (1, pytest.approx(0.03)),
+        "optimizer_step": (1, pytest.approx(0.004)), "my_phase": (1, pytest.approx(0.1)),
+    }
+    assert sum(total for _, total in recorded.values()) == pytest.approx(clock.now)  # nothing counted twice
+
+
+def test_teardown_ends_the_phase_in_progress(tmp_path: Path) -> None:
+    profiler, clock = _simple_with_clock()
+    profiler.setup("fit", run_dir=str(tmp_path))
+    profiler.transition("optimizer_step")
+    clock.now += 1.0
+    profiler.teardown("fit")
+    assert profiler._phase is None and profiler._started == {}
+    off = PassThroughProfiler()
+    off.transition("data")
+    off.teardown("fit")
+
+
+def test_pytorch_profiler_steps_its_schedule_on_the_phase_clock(tmp_path: Path) -> None:
+    profiler = PyTorchProfiler()
+    profiler.setup("fit", run_dir=str(tmp_path), rank=0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(6):
+        profiler.transition("data")
+        batch = torch.randn(16, 8)
+        profiler.transition("training_step")
+        loss = model(batch).square().mean()
+        profiler.transition("backward")
+        loss.backward()
+        profiler.transition("optimizer_step")
+        opt.step()
+        opt.zero_grad()
+    profiler.teardown("fit")
+    (name,) = [n for n in os.listdir(tmp_path / "profiler") if _TRACE.match(n)]
+    names = {event.get("name") for event in json.loads((tmp_path / "profiler" / name).read_text())["traceEvents"]}
+    assert {"data_wait", "forward", "backward", "optimizer_step"} <= names
+    assert {n for n in names if str(n).startswith("ProfilerStep#")} == {"ProfilerStep#2", "ProfilerStep#3",
+                                                                        "ProfilerStep#4"}

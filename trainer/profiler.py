@@ -1,16 +1,18 @@
 """Profilers: where a step's time goes (``Trainer(profiler="simple" | "pytorch")``), with Lightning's API.
 
-A profiler times named *actions*. The Trainer brackets the phases of its loop with
-:meth:`Profiler.start` / :meth:`Profiler.stop` (user code may use the :meth:`Profiler.profile` context
-manager too)::
+A profiler times named *actions* (:meth:`Profiler.start` / :meth:`Profiler.stop`, or the
+:meth:`Profiler.profile` context manager in user code). The Trainer drives it as a phase clock: at every
+phase boundary of its loop it calls :meth:`Profiler.transition`, which ends the phase in progress and
+starts the next, so the phases partition the stage's time (each moment counted once)::
 
-    data_wait          next(batch) from the training loader (the loader's time, seen by the loop)
-    forward_backward   one micro-batch: forward, training_step, loss normalisation and backward
-    optimizer_step     unscale, clip, optimizer.step, scheduler and zero_grad of one optimizer step
-    callbacks.<hook>   every callback's (and the task's) hook of one kind, e.g. callbacks.on_train_batch_end
-    logging            reading, reducing and writing the metrics of a logging step
-    checkpoint         assembling and writing one checkpoint
-    validation         one validation loop
+    data_wait          fetching the next training batch (the loader's time as the loop sees it)
+    forward            moving the batch to the device, on_train_batch_start hooks, training_step, the loss
+    backward           on_before_backward hooks, backward (DDP's gradient all-reduce overlaps it), on_after_backward
+    optimizer_step     unscale, on_before_optimizer_step hooks, clip, optimizer.step, schedulers, zero_grad
+    logging            reading and reducing a logging step's metrics and writing them to the loggers
+    callbacks          on_train_batch_end hooks (callbacks and the task)
+    checkpoint         assembling and writing a checkpoint (ModelCheckpoint, preemption saves)
+    validation         validation batches (their data, validation_step and hooks)
 
 Contract (who calls what, on which rank):
 
@@ -34,6 +36,23 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PROFILER_CHOICES = ("simple", "pytorch", "passthrough")
+# The loop's phase names (trainer/watchdog.py PHASE_*) as profiler actions.
+PHASE_ACTIONS: dict[str, str] = {
+    "data": "data_wait",
+    "training_step": "forward",
+    "backward": "backward",
+    "optimizer_step": "optimizer_step",
+    "metrics_reduction": "logging",
+    "checkpoint": "checkpoint",
+    "validation_step": "validation",
+    "test_step": "test",
+    "predict_step": "predict",
+    "preemption_check": "preemption_check",
+    "callbacks": "callbacks",
+    "setup": "setup",
+    "barrier": "barrier",
+    "teardown": "teardown",
+}
 # PyTorchProfiler advances torch.profiler's schedule when one of these actions stops (one optimizer step).
 STEP_ACTION = "optimizer_step"
 
@@ -58,6 +77,7 @@ class Profiler:
         self.filename = filename
         self.stage: str | None = None
         self.rank = 0
+        self._phase: str | None = None  # the phase in progress (see transition)
 
     def setup(self, stage: str, run_dir: str | None = None, rank: int = 0) -> None:
         """Called by the Trainer at the start of ``stage`` on every rank, after the run directory exists.
@@ -88,6 +108,28 @@ class Profiler:
             yield
         finally:
             self.stop(action_name)
+
+    def transition(self, phase: str) -> None:
+        """Ends the phase in progress (if any) and starts ``phase``: the loop's phase clock.
+
+        The Trainer calls it at every phase boundary of its loop (the same points at which it reports
+        progress to the hang watchdog), so the phases partition the stage's time: each moment is counted
+        once, in the phase the loop was in. Loop phase names map to action names through
+        :data:`PHASE_ACTIONS` (``"data"`` -> ``"data_wait"``); other names are used as they are.
+        """
+        action = PHASE_ACTIONS.get(phase, phase)
+        current = self._phase
+        if current == action:
+            return
+        if current is not None:
+            self.stop(current)
+        self._phase = action
+        self.start(action)
+
+    def _end_phase(self) -> None:
+        if self._phase is not None:
+            self.stop(self._phase)
+            self._phase = None
 
     def profile_iterable(self, iterable: Any, action_name: str) -> Iterator[Any]:
         """Yields from ``iterable``, timing each ``next()`` as ``action_name`` (e.g. ``data_wait``)."""
@@ -120,7 +162,9 @@ class Profiler:
                 handle.write(text + "\n")
 
     def teardown(self, stage: str | None = None) -> None:
-        """Called by the Trainer at the end of each stage on every rank: describes, then resets."""
+        """Called by the Trainer at the end of each stage on every rank: ends the phase in progress,
+        describes, then resets."""
+        self._end_phase()
         self.describe()
 
     def __repr__(self) -> str:
@@ -131,6 +175,9 @@ class PassThroughProfiler(Profiler):
     """The default: measures nothing. ``enabled`` is False, so the Trainer does not even call it."""
 
     enabled = False
+
+    def transition(self, phase: str) -> None:
+        pass
 
     def start(self, action_name: str) -> None:
         pass
@@ -326,6 +373,7 @@ class PyTorchProfiler(Profiler):
         return self._summary
 
     def teardown(self, stage: str | None = None) -> None:
+        self._end_phase()  # closes its range (and steps the schedule after an optimizer_step phase)
         for scope in reversed(list(self._ranges.values())):
             scope.__exit__(None, None, None)
         self._ranges = {}
