@@ -18,6 +18,7 @@ Loss normalisation is the only maths the loop owns (DESIGN.md section 5) and it 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -216,3 +217,76 @@ def _check_num_items(num_items: Any, device: torch.device) -> torch.Tensor:
             "(an int, or an integer scalar tensor)."
         )
     return torch.tensor(num_items, device=device)
+
+
+def split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any], Any]:
+    """``(loss, detached outputs for callbacks, num_items)`` from what ``training_step`` returned.
+
+    Raises:
+        ValueError: naming what was returned and what is expected.
+    """
+    if isinstance(output, torch.Tensor):
+        loss, extras, num_items = output, {}, None
+    elif isinstance(output, dict):
+        if "loss" not in output:
+            raise ValueError(
+                f"training_step returned a dict without 'loss' (keys: {sorted(output)}); include the loss tensor."
+            )
+        loss, num_items = output["loss"], output.get("num_items")
+        extras = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in output.items() if k not in ("loss",)}
+    else:
+        raise ValueError(
+            f"training_step returned {type(output).__name__}; return a scalar loss tensor or a dict with 'loss'."
+        )
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(
+            f"training_step's loss must be a scalar tensor; got "
+            f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}."
+        )
+    if not loss.requires_grad:
+        raise ValueError("training_step's loss does not require grad: it was computed without the task's parameters "
+                         "(or under torch.no_grad()).")
+    return (loss if loss.dim() == 0 else loss.reshape(())), dict(extras, loss=loss.detach()), num_items
+
+
+def estimate_stepping_batches(
+    schedule: AccumulationSchedule, *, batches: int | None, epochs: int | None, max_steps: int,
+    drop_incomplete: bool,
+) -> int | float:
+    """Optimizer steps a fit will take: ``batches`` per epoch (None: unknown) for ``epochs`` epochs (None
+    or -1: unbounded) under ``schedule``, capped by ``max_steps`` (-1: none). ``inf`` when unbounded."""
+    limit = max_steps if max_steps != -1 else float("inf")
+    if batches is None or epochs in (None, -1):
+        return limit
+    total = 0
+    for epoch in range(epochs):
+        k = schedule.k(epoch=epoch, global_step=total)
+        total += batches // k if drop_incomplete else -(-batches // k)
+        if total >= limit:
+            return max_steps
+    return total
+
+
+def finite_on_all_ranks(step_loss: torch.Tensor | None, world_size: int) -> bool:
+    """``on_nonfinite='skip'``: whether the step's loss is finite on every rank (one host read per step,
+    and one all-reduce when ``world_size > 1``, so that all ranks agree). None counts as finite."""
+    if step_loss is None:
+        return True
+    flag = torch.isfinite(step_loss).to(torch.float32).reshape(1)
+    if world_size > 1:
+        dist.all_reduce(flag, "min")
+    return bool(flag.item() > 0)
+
+
+def check_finite_loss(loss: float | None, *, step: int, every: int) -> None:
+    """``on_nonfinite='error'`` on a logging step: raise when the (rank-reduced) step loss is NaN or inf.
+
+    Raises:
+        FloatingPointError: naming the step and the usual fixes.
+    """
+    if loss is not None and not math.isfinite(loss):
+        raise FloatingPointError(
+            f"Non-finite training loss ({loss}) at step {step} (checked on logging steps, every {every}): "
+            "training stops on all ranks. Lower the learning rate, clip gradients (gradient_clip_val), check the "
+            "data, or pass on_nonfinite='skip' to skip such steps."
+        )

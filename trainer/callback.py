@@ -7,7 +7,7 @@ lacks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -100,3 +100,28 @@ class Callback:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def check_callbacks(callbacks: Sequence[Any]) -> list[Callback]:
+    """The ``callbacks`` option as a list, checked: every entry a :class:`Callback`, and stateful
+    callbacks with distinct ``state_key`` s (their checkpoint entries would collide).
+
+    Raises:
+        ValueError: naming the offending entry and the fix.
+    """
+    keys: dict[str, Callback] = {}
+    for cb in callbacks:
+        if not isinstance(cb, Callback):
+            raise ValueError(
+                f"Trainer option callbacks contains {cb!r} ({type(cb).__name__}); expected "
+                "callbacks.Callback instances."
+            )
+        if cb.state_dict():
+            if cb.state_key in keys:
+                raise ValueError(
+                    f"Two stateful callbacks share state_key {cb.state_key!r} ({type(keys[cb.state_key]).__name__} "
+                    f"and {type(cb).__name__}); give each a distinct state_key."
+                )
+            keys[cb.state_key] = cb
+    return list(callbacks)
+

@@ -8,6 +8,7 @@ one. Loading always uses ``torch.load(weights_only=True)``: a checkpoint can nev
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -42,6 +43,9 @@ K_OPTIONS = "trainer_options"
 K_DATAMODULE = "datamodule"
 K_HPARAMS = "hyper_parameters"
 REQUIRED_KEYS = (K_FORMAT, K_STATE_DICT)
+
+
+POINTER_NAME = "last"  # JSON in the checkpoint folder: {"last": name, "history": [names, newest first]}
 
 
 class CheckpointError(RuntimeError):
@@ -129,6 +133,30 @@ def with_suppressed_unlink(name: str) -> None:
         pass
 
 
+# ---------------------------------------------------------------------- the ``last`` pointer
+def read_pointer(directory: str | os.PathLike) -> list[str]:
+    """Checkpoint file names recorded by the ``last`` pointer in ``directory``, newest first."""
+    pointer = Path(directory) / POINTER_NAME
+    try:
+        data = json.loads(pointer.read_text())
+        return [str(n) for n in data.get("history", [data["last"]])]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def write_pointer(path: str | os.PathLike) -> None:
+    """Record the committed checkpoint ``path`` as the newest in its folder's ``last`` pointer (kept
+    history: 20). Swapped atomically (temporary file, fsync, rename): a crash leaves the old pointer."""
+    directory = Path(path).parent
+    history = [Path(path).name] + [n for n in read_pointer(directory) if n != Path(path).name]
+    fd, tmp = tempfile.mkstemp(prefix=".last.", dir=directory)
+    with os.fdopen(fd, "w") as handle:
+        json.dump({"last": history[0], "history": history[:20]}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, directory / POINTER_NAME)
+
+
 # ---------------------------------------------------------------------- RNG states
 def _rng_state(device: torch.device) -> dict[str, Any]:
     state: dict[str, Any] = {"python": _python_state_to_safe(random.getstate()), "torch": torch.get_rng_state()}
@@ -182,8 +210,8 @@ def assemble(trainer: Trainer) -> dict[str, Any]:
         K_FORMAT: FORMAT_VERSION,
         K_KEEL_VERSION: KEEL_VERSION,
         K_WORLD_SIZE: trainer.world_size,
-        K_STATE_DICT: task.state_dict(),
-        K_OPTIMIZERS: [o.state_dict() for o in trainer.optimizers],
+        K_STATE_DICT: trainer.strategy.model_state_dict(task),
+        K_OPTIMIZERS: [trainer.strategy.optimizer_state_dict(o) for o in trainer.optimizers],
         K_SCHEDULERS: [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
         K_SCALER: trainer._precision.state_dict(),
         K_LOOP: loop,
@@ -204,6 +232,26 @@ def assemble(trainer: Trainer) -> dict[str, Any]:
     for cb in trainer.callbacks:
         cb.on_save_checkpoint(trainer, task, state)
     return state
+
+
+def save(trainer: Trainer, path: str | os.PathLike) -> None:
+    """``Trainer.save_checkpoint``: refuse non-finite weights, assemble (collective), write on rank 0,
+    then a barrier so no rank runs ahead of the commit.
+
+    Raises:
+        FloatingPointError: the weights hold NaN or inf; such a checkpoint is never written.
+    """
+    task = trainer.task
+    if task is not None:
+        params = [p.detach() for p in task.parameters()]
+        if params and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+            raise FloatingPointError(
+                f"Refusing to write checkpoint {os.fspath(path)!r} at step {trainer.global_step}: the weights hold "
+                "NaN or inf (a non-finite step got through). The last good checkpoint is kept."
+            )
+    state = assemble(trainer)
+    trainer._checkpoint_io.save(state, path, is_writer=trainer.is_global_zero)
+    dist.barrier(trainer.device)
 
 
 def _plain(value: Any) -> Any:
@@ -259,7 +307,7 @@ def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
     task.on_load_checkpoint(state)
     for cb in trainer.callbacks:
         cb.on_load_checkpoint(trainer, task, state)
-    task.load_state_dict(state[K_STATE_DICT], strict=True)
+    trainer.strategy.load_model_state_dict(task, state[K_STATE_DICT], strict=True)
     log.info("Restored weights from %s.", path)
     if not full:
         return
@@ -272,7 +320,7 @@ def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
             f"returned {len(trainer.optimizers)}."
         )
     for optimizer, opt_state in zip(trainer.optimizers, state[K_OPTIMIZERS]):
-        optimizer.load_state_dict(opt_state)
+        trainer.strategy.load_optimizer_state_dict(optimizer, opt_state)
     if len(state[K_SCHEDULERS]) != len(trainer.lr_scheduler_configs):
         raise CheckpointError(
             f"Checkpoint {path!r} holds {len(state[K_SCHEDULERS])} scheduler state(s) but configure_optimizers "
@@ -331,8 +379,6 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str) -> str | None:
     ``"last"`` is a no-op on a first run (nothing saved yet) and skips unreadable files with a warning,
     falling back to the previous checkpoint recorded in the ``last`` pointer.
     """
-    from trainer.model_checkpoint import read_pointer
-
     if ckpt_path not in ("last", "best"):
         return str(ckpt_path)
     callback = trainer.checkpoint_callback

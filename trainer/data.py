@@ -3,7 +3,9 @@
 Only a plain ``torch.utils.data.DataLoader`` with the stock samplers is rebuilt, from its
 documented public attributes (no constructor introspection); anything else is used as-is
 with a warning saying what is lost and what to pass instead. Rank and world size are
-arguments: this module never imports ``torch.distributed``.
+arguments: this module never imports ``torch.distributed``; the few agreements between ranks about
+data a loader keel does not shard (:func:`agree_on_batches`, :func:`all_ranks_have_data`,
+:func:`warn_if_unsharded`) are collectives through :mod:`trainer.dist`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from torch.utils.data import (
     Sampler,
     SequentialSampler,
 )
+
+from trainer import dist
 
 logger = logging.getLogger(__name__)
 
@@ -481,3 +485,129 @@ class ShardedIterable(torch.utils.data.IterableDataset):
 def shard_iterable(source: Iterable[Any], *, rank: int | None = None, world_size: int | None = None) -> ShardedIterable:
     """Wrap ``source`` so that each (rank, worker) yields a disjoint share; see :class:`ShardedIterable`."""
     return ShardedIterable(source, rank=rank, world_size=world_size)
+
+
+def limit_batches(loader: Any, limit: int | float, name: str, *, fast_dev_run: bool | int = False) -> int | None:
+    """Number of batches to run from ``loader`` after the ``limit_*_batches`` option ``name`` and
+    ``fast_dev_run``; None when the loader has no ``len()`` and no limit applies.
+
+    Raises:
+        ValueError: ``limit`` is a fraction but the loader has no ``len()``.
+    """
+    if fast_dev_run:
+        limit = 1 if fast_dev_run is True else int(fast_dev_run)
+    try:
+        length = len(loader)
+    except TypeError:
+        length = None
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        return limit if length is None else min(limit, length)
+    if length is None:
+        if limit == 1.0:
+            return None
+        raise ValueError(
+            f"Trainer option {name}={limit} is a fraction, but the loader has no len(); pass an int "
+            "number of batches instead."
+        )
+    return int(length * limit)
+
+
+def resolve_loaders(source: Any, stage: str, given: Any) -> list[Any]:
+    """The loaders of ``stage``: ``given`` (one loader or a list), else ``source``'s ``*_dataloader()``
+    hook (the datamodule's, or the task's)."""
+    if given is None:
+        given = {
+            "train": source.train_dataloader,
+            "validate": source.val_dataloader,
+            "test": source.test_dataloader,
+            "predict": source.predict_dataloader,
+        }[stage]()
+    if given is None:
+        return []
+    if isinstance(given, (list, tuple)):
+        return list(given)
+    return [given]
+
+
+def agree_on_batches(num_batches: int, device: torch.device, *, uneven: Literal["error", "truncate"]) -> int:
+    """A loader keel does not shard may hold different amounts of data per rank: one collective per
+    epoch so that every rank runs the same number of batches (``uneven_batches``).
+
+    Raises:
+        ValueError: the counts differ and ``uneven="error"``.
+    """
+    counts = torch.tensor([num_batches, -num_batches], device=device)
+    dist.all_reduce(counts, "min")
+    low, high = int(counts[0].item()), -int(counts[1].item())
+    if low == high:
+        return num_batches
+    message = (f"Ranks have different numbers of training batches this epoch (min {low}, max {high}; this rank "
+               f"{num_batches}), from a loader keel does not shard.")
+    if uneven == "error":
+        raise ValueError(message + " Pass a plain DataLoader so keel shards it evenly, or "
+                         "uneven_batches='truncate'.")
+    logger.warning("%s Every rank runs %d (uneven_batches='truncate').", message, low)
+    return low
+
+
+def all_ranks_have_data(has_data: bool, device: torch.device) -> bool:
+    """Loader without len() in DDP: one tiny all-reduce per optimizer step (documented cost)."""
+    flag = torch.tensor([1.0 if has_data else 0.0], device=device)
+    dist.all_reduce(flag, "min")
+    return bool(flag.item() > 0)
+
+
+def warn_if_unsharded(batch: Any, loader: Any) -> None:
+    """First batch of a fit from an unsharded loader in DDP: warn if every rank got the same one
+    (a collective: one object gather)."""
+    tensors = [t for t in (batch if isinstance(batch, (list, tuple)) else [batch]) if isinstance(t, torch.Tensor)]
+    fingerprint = hash(tuple(t.detach().cpu().contiguous().view(-1)[:4096].numpy().tobytes() for t in tensors))
+    if len(set(dist.all_gather_object(fingerprint))) == 1:
+        logger.warning(
+            "Every rank got the same first batch from %s: the data is probably not sharded by rank, so each "
+            "rank trains on the same samples. Shard it (trainer.data.shard_iterable) or pass a plain "
+            "DataLoader over a map-style dataset.", type(loader).__name__)
+
+
+@dataclass
+class EpochPlan:
+    """Where one training epoch starts and how its ranks stay in step (see :func:`plan_epoch`)."""
+
+    start: int  # first batch index (a resume cursor), 0 for a fresh epoch
+    samples_done: int  # global samples of the epoch already consumed (all ranks together)
+    num_batches: int | None  # batches of the whole epoch after limits and agreement; None: unknown
+    agree: Callable[[bool], bool] | None  # per-step "every rank still has data" (loader without len())
+    samples_per_batch: int  # global samples one micro-batch consumes; 0 when keel does not shard
+
+
+def plan_epoch(train: AdaptedLoader, *, epoch: int, batches_done: int, samples_done: int,
+               limit: Callable[[Iterable[Any]], int | None], world_size: int, device: torch.device,
+               uneven: Literal["error", "truncate"]) -> EpochPlan:
+    """Set the sampler to ``epoch`` and the resume cursor, and make every rank run the same batches.
+
+    ``limit(loader)`` gives the epoch's length after ``limit_train_batches``; it is read after the
+    sampler is rewound to the epoch's start and before the cursor shortens it. A loader keel shards
+    resumes at the global sample cursor, so nothing is re-read; one it cannot adapt restarts the epoch
+    (with a warning). Collective when a loader keel does not shard runs on several ranks
+    (:func:`agree_on_batches` once, or :func:`all_ranks_have_data` per step).
+    """
+    sampler = train.sampler if isinstance(train.sampler, ResumableDistributedSampler) else None
+    if sampler is not None:
+        sampler.set_epoch(epoch)  # also rewinds the cursor to 0
+    num_batches = limit(train.loader)  # the whole epoch, before a resume cursor shortens the sampler
+    agree = None
+    if world_size > 1 and sampler is None:
+        # A loader keel does not shard may hold different amounts of data per rank: agree first.
+        if num_batches is not None:
+            num_batches = agree_on_batches(num_batches, device, uneven=uneven)
+        else:
+            agree = lambda has_data: all_ranks_have_data(has_data, device)  # noqa: E731
+    start = batches_done
+    if start and sampler is not None:
+        sampler.set_cursor(samples_done)  # resume at the global sample cursor: nothing is re-read
+    elif start:
+        logger.warning("Resuming mid-epoch with a loader keel cannot adapt (%s): the epoch restarts from its "
+                       "first batch.", train.reason)
+        start = samples_done = 0
+    samples_per_batch = (train.loader.batch_size or 0) * world_size if sampler is not None else 0
+    return EpochPlan(start, samples_done, num_batches, agree, samples_per_batch)

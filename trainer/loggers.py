@@ -431,6 +431,23 @@ def _tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
+def log_fit_start(loggers: list[Logger], task: Any, options: dict[str, Any], *, summary: bool) -> None:
+    """Rank 0, at the start of ``fit``: the model summary line (when ``summary``) and the hyperparameters
+    (the resolved Trainer options, and the task's ``hparams`` unless ``save_hyperparameters(logger=False)``)."""
+    if summary:
+        params = list(task.parameters())
+        total = sum(p.numel() for p in params)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        size_mb = sum(p.numel() * p.element_size() for p in params) / 2**20
+        log.info("%s: %s parameters (%s trainable), %.2f MB.", type(task).__name__, f"{total:,}",
+                 f"{trainable:,}", size_mb)
+    hparams: dict[str, Any] = {"trainer": options}
+    if task.hparams and task._log_hyperparams:
+        hparams["task"] = dict(task.hparams)
+    for logger in loggers:
+        logger.log_hyperparams(hparams)
+
+
 def default_loggers(option: Any, default_root_dir: str | None) -> list[Logger]:
     """Turns the Trainer's ``logger`` option into a list of loggers.
 

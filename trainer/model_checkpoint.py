@@ -10,17 +10,15 @@ after each commit. Old files are pruned only after the new one and the pointer a
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import re
-import tempfile
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.callback import Callback
+from trainer.checkpoint import POINTER_NAME, read_pointer, write_pointer  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.module import TaskModule
@@ -28,7 +26,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-POINTER_NAME = "last"
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 
 
@@ -208,7 +205,7 @@ class ModelCheckpoint(Callback):
         self._last_time = time.monotonic()
         if trainer.is_global_zero:
             # Only after the commit: point `last` at the new file, then prune what it replaces.
-            self._write_pointer(path)
+            write_pointer(path)
             candidates = removed + ([old_last] if old_last and old_last != path else [])
             for victim in candidates:
                 if victim != path and victim not in self.best_k_models and os.path.exists(victim):
@@ -247,24 +244,3 @@ class ModelCheckpoint(Callback):
             self.best_model_path = best
             self.best_model_score = self.best_k_models[best] if self.monitor is not None else None
         return removed
-
-    def _write_pointer(self, path: str) -> None:
-        directory = Path(path).parent
-        pointer = directory / POINTER_NAME
-        history = [Path(path).name] + [n for n in read_pointer(directory) if n != Path(path).name]
-        fd, tmp = tempfile.mkstemp(prefix=".last.", dir=directory)
-        with os.fdopen(fd, "w") as handle:
-            json.dump({"last": history[0], "history": history[:20]}, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, pointer)
-
-
-def read_pointer(directory: str | os.PathLike) -> list[str]:
-    """Checkpoint file names recorded by the ``last`` pointer in ``directory``, newest first."""
-    pointer = Path(directory) / POINTER_NAME
-    try:
-        data = json.loads(pointer.read_text())
-        return [str(n) for n in data.get("history", [data["last"]])]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []

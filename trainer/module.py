@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from trainer.optim import ManualOptimizer
+
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.trainer import Trainer
 
@@ -123,7 +125,7 @@ class TaskModule(DataHooks, nn.Module):
         """The optimizers from ``configure_optimizers``, wrapped so that ``step()`` is precision-aware
         (GradScaler under 16-mixed) and runs ``on_before_optimizer_step`` hooks. One optimizer is returned
         bare, several as a list (Lightning's convention)."""
-        wrapped = [ManualOptimizer(o, self.trainer) for o in self.trainer.optimizers]
+        wrapped = [ManualOptimizer(o, self.trainer._manual) for o in self.trainer.optimizers]
         return wrapped[0] if len(wrapped) == 1 else wrapped
 
     def lr_schedulers(self) -> Any:
@@ -138,7 +140,7 @@ class TaskModule(DataHooks, nn.Module):
         """``loss.backward()`` for manual optimization: scaled under 16-mixed, and in DDP the gradients are
         averaged over ranks on the last micro-batch of each ``accumulate_grad_batches`` window (no sync on
         the others, like DDP's ``no_sync``)."""
-        self.trainer._manual_backward(loss)
+        self.trainer._manual.backward(loss)
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Freeze every parameter that ``optimizer`` does not own (``requires_grad=False``) until
@@ -344,36 +346,20 @@ class DataModule(DataHooks):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class ManualOptimizer:
-    """An optimizer as seen from ``TaskModule.optimizers()`` under manual optimization.
+def check_stage_inputs(stage: str, task: Any, datamodule: Any, loaders: tuple[Any, ...]) -> TaskModule:
+    """The arguments of ``Trainer.fit/validate/test/predict``, checked before anything runs.
 
-    ``step()`` runs the task's and callbacks' ``on_before_optimizer_step`` hooks, then the optimizer step
-    through the precision plugin (``GradScaler.step`` under 16-mixed). Everything else is the wrapped
-    optimizer's own: use ``.optimizer`` for anything not listed here.
+    Raises:
+        ValueError: no task, or both dataloaders and a datamodule.
+        TypeError: ``task`` is not a TaskModule, or ``datamodule`` not a DataModule.
     """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, trainer: "Trainer") -> None:
-        self.optimizer = optimizer
-        self._trainer = trainer
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure: Any = None) -> None:
-        if closure is not None:
-            closure()
-        self._trainer._manual_optimizer_step(self.optimizer)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
+    if task is None:
+        raise ValueError(f"Trainer.{stage}() needs a task: pass the TaskModule as the first argument.")
+    if not isinstance(task, TaskModule):
+        raise TypeError(f"Trainer.{stage}() expects a TaskModule, got {type(task).__name__}.")
+    if datamodule is not None:
+        if not isinstance(datamodule, DataModule):
+            raise TypeError(f"datamodule must be a trainer.DataModule, got {type(datamodule).__name__}.")
+        if any(loader is not None for loader in loaders):
+            raise ValueError(f"Trainer.{stage}(): pass either dataloaders or a datamodule, not both.")
+    return task

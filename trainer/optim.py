@@ -9,14 +9,22 @@ Accepted forms (Lightning's):
 
 where a scheduler config is ``{"scheduler": s, "interval": "step" | "epoch", "frequency": n,
 "monitor": key, "strict": bool, "name": str}``. Bare schedulers step every epoch, like Lightning.
+
+Also here: stepping the schedulers on the step clock (:func:`step_schedulers`), and what manual
+optimization needs (:class:`ManualOptimization`, :class:`ManualOptimizer`). The automatic optimizer
+step itself is visible in ``Trainer._optimizer_step`` (DESIGN.md section 5).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
+
+from trainer import watchdog as wd
+from trainer.parallel import Strategy
+from trainer.precision import Precision
 
 _SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
 _OPTIMIZER_DICT_KEYS = {"optimizer", "lr_scheduler", "monitor"}
@@ -126,3 +134,118 @@ def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[Sch
                 schedulers.extend(entry_schedulers)
             return optimizers, schedulers
     raise ValueError(f"configure_optimizers returned {type(result).__name__}; return {forms}.")
+
+
+def step_schedulers(configs: Sequence[SchedulerConfig], interval: str, count: int,
+                    metrics: Mapping[str, torch.Tensor]) -> None:
+    """Step the schedulers of ``interval`` ("step" or "epoch") whose ``frequency`` divides ``count``;
+    a scheduler with ``monitor`` gets that metric (a host read: monitored schedulers only).
+
+    Raises:
+        KeyError: a strict scheduler monitors a metric that was not logged.
+    """
+    for config in configs:
+        if config.interval != interval or count % config.frequency != 0:
+            continue
+        if config.monitor is not None:
+            if config.monitor not in metrics:
+                if not config.strict:
+                    continue
+                raise KeyError(
+                    f"lr_scheduler monitors {config.monitor!r}, which was not logged; available metrics: "
+                    f"{sorted(metrics)}."
+                )
+            config.scheduler.step(float(metrics[config.monitor]))
+        else:
+            config.scheduler.step()
+
+
+class ManualOptimization:
+    """What keel does for a task with ``automatic_optimization = False``: ``training_step`` calls
+    ``self.manual_backward(loss)`` and ``opt.step()`` itself; keel keeps the step clock (one training
+    iteration is one step), precision (GradScaler), clipping, the hooks and the gradient sync.
+
+    Built by the Trainer once per ``fit``; ``trainer`` is only handed to callbacks. On every rank.
+    Gradients are averaged over ranks by ``strategy.average_gradients`` in the ``manual_backward`` of
+    the last micro-batch of each ``accumulate_grad_batches`` window (like DDP's ``no_sync`` on the others).
+    """
+
+    def __init__(self, *, trainer: Any, task: Any, callbacks: Sequence[Any], strategy: Strategy,
+                 precision: Precision, clip_val: float | None, clip_algorithm: str,
+                 beat: Callable[[str], None]) -> None:
+        self.trainer, self.task, self.callbacks = trainer, task, callbacks
+        self.strategy, self.precision, self.beat = strategy, precision, beat
+        self.clip_val, self.clip_algorithm = clip_val, clip_algorithm
+        self.sync = True  # manual_backward of this micro-batch averages gradients over ranks
+
+    def training_step(self, model: torch.nn.Module, batch: Any, batch_idx: int, *,
+                      sync: bool) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """Run one micro-batch (the task steps inside); ``(detached outputs, loss or None)``."""
+        self.sync = sync
+        with self.precision.autocast():
+            output = model(batch, batch_idx)
+        if isinstance(output, torch.Tensor):
+            output = {"loss": output}
+        outputs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in (output or {}).items()}
+        loss = outputs.get("loss")
+        return outputs, (loss if isinstance(loss, torch.Tensor) else None)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``TaskModule.manual_backward``: hooks, (scaled) backward, gradient sync on the window's last."""
+        task = self.task
+        task.on_before_backward(loss)
+        for cb in self.callbacks:
+            cb.on_before_backward(self.trainer, task, loss)
+        self.beat(wd.PHASE_BACKWARD)
+        self.precision.backward(loss)
+        if self.sync:
+            self.strategy.average_gradients([p for p in task.parameters()])
+        task.on_after_backward()
+        for cb in self.callbacks:
+            cb.on_after_backward(self.trainer, task)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``opt.step()`` from the task: unscale, hooks, clip, (scaler-aware) step."""
+        task = self.task
+        self.precision.unscale(optimizer)
+        task.on_before_optimizer_step(optimizer)
+        for cb in self.callbacks:
+            cb.on_before_optimizer_step(self.trainer, task, optimizer)
+        self.strategy.clip_gradients([p for group in optimizer.param_groups for p in group["params"]],
+                                     self.clip_val, self.clip_algorithm)
+        self.precision.optimizer_step(optimizer)
+
+
+class ManualOptimizer:
+    """An optimizer as seen from ``TaskModule.optimizers()`` under manual optimization.
+
+    ``step()`` runs the task's and callbacks' ``on_before_optimizer_step`` hooks, then the optimizer step
+    through the precision plugin (``GradScaler.step`` under 16-mixed). Everything else is the wrapped
+    optimizer's own: use ``.optimizer`` for anything not listed here.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, manual: ManualOptimization) -> None:
+        self.optimizer = optimizer
+        self._manual = manual
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            closure()
+        self._manual.optimizer_step(self.optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)

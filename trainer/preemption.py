@@ -11,6 +11,7 @@ distributed run on logging steps, where a collective happens anyway, or every
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from types import FrameType
@@ -50,6 +51,15 @@ class PreemptionWatcher:
             signal.signal(signum, handler)
         self._previous.clear()
 
+    def due(self, global_step: int, *, interval: int, device: torch.device, world_size: int) -> bool:
+        """Checked after every optimizer step: every step in one process (no collective); in a
+        distributed run only every ``interval`` steps, where all ranks check together."""
+        if world_size == 1:
+            return self.requested
+        if global_step % interval != 0:
+            return False
+        return self.agreed(device, world_size=world_size)
+
     def agreed(self, device: torch.device, *, world_size: int) -> bool:
         """True when any rank got a signal. Collective when ``world_size > 1``: all ranks call it at the same step."""
         if world_size == 1:
@@ -57,3 +67,23 @@ class PreemptionWatcher:
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
         dist.all_reduce(flag, "max")
         return bool(flag.item() > 0)
+
+
+def save_and_exit(trainer: Any, watcher: PreemptionWatcher) -> None:
+    """At the step boundary where the ranks agreed on preemption: save (the ModelCheckpoint's forced
+    save, or a plain checkpoint in the run directory) and exit with :data:`PREEMPTED_EXIT_CODE` so
+    that the launcher restarts the job. Every rank calls it (saving is collective).
+
+    Raises:
+        SystemExit: always, with :data:`PREEMPTED_EXIT_CODE`.
+    """
+    callback = trainer.checkpoint_callback
+    if callback is not None:
+        path = callback.save(trainer, suffix="-preempted", force=True)
+    else:
+        path = os.path.join(trainer.log_dir, "checkpoints", f"preempted-step={trainer.global_step}.ckpt")
+        trainer.save_checkpoint(path)
+    log.warning("Preempted (%s) at step %d: saved %s; exiting with code %d so the launcher restarts the "
+                "job (resume with ckpt_path='last').", watcher.signal_name or "signal on another rank",
+                trainer.global_step, path, PREEMPTED_EXIT_CODE)
+    raise SystemExit(PREEMPTED_EXIT_CODE)

@@ -1,90 +1,50 @@
-"""The Trainer: owns the DDP-wrapped task, the loops, precision, accumulation, data sharding and state.
+"""The Trainer: the fit loop and the optimizer step, over one parallelism seam.
 
-Read :meth:`Trainer._train_epoch` and :meth:`Trainer._optimizer_step` for the whole training step:
-``loss.backward()`` and ``optimizer.step()`` are visible there (DESIGN.md section 5).
+Read :meth:`Trainer._train_epoch` (the fit loop) and :meth:`Trainer._training_micro_batch` /
+:meth:`Trainer._optimizer_step` (one step): ``backward`` and ``optimizer.step`` are visible there,
+through the precision plugin (DESIGN.md section 5). How the task is replicated or sharded is the
+:class:`~trainer.parallel.Strategy`'s business; the loop never asks which one runs. Evaluation and
+predict loops are in :mod:`trainer.evaluation`, manual optimization in :mod:`trainer.optim`, checkpoint
+content in :mod:`trainer.checkpoint`.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import datetime
-import gc
-import inspect
 import logging
-import math
 import os
-import random
-import re
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from torch import nn
 
+from trainer import checkpoint as ckpt
 from trainer import dist
-from trainer.accumulation import AccumulationSchedule, MicroBatch, StepNormaliser, micro_batches
-from trainer.callback import Callback
+from trainer import watchdog as wd
+from trainer.accumulation import (
+    AccumulationSchedule, MicroBatch, StepNormaliser, check_finite_loss, estimate_stepping_batches, finite_on_all_ranks,
+    micro_batches, split_step_output,
+)
+from trainer.callback import Callback, check_callbacks
 from trainer.checkpoint import CheckpointIO
-from trainer.data import AdaptedLoader, ResumableDistributedSampler, adapt_eval_loader, adapt_train_loader
-from trainer.loggers import Logger, default_loggers
+from trainer.data import (
+    AdaptedLoader, adapt_eval_loader, adapt_train_loader, limit_batches, plan_epoch, resolve_loaders, warn_if_unsharded,
+)
+from trainer.evaluation import EvaluationLoop
+from trainer.lifecycle import seed_everything, setup_stage, teardown_stage, with_default_callbacks  # noqa: F401 - re-exported
+from trainer.loggers import Logger, default_loggers, log_fit_start
 from trainer.metrics import MetricCollector
-from trainer.module import DataModule, TaskModule
-from trainer.optim import SchedulerConfig, parse_optimizers
+from trainer.model_checkpoint import ModelCheckpoint
+from trainer.module import DataModule, TaskModule, check_stage_inputs
+from trainer.optim import ManualOptimization, SchedulerConfig, parse_optimizers, step_schedulers
 from trainer.options import TrainerOptions, check_lightning_keywords
+from trainer.parallel import Strategy, select_strategy
 from trainer.precision import Precision
-from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher
+from trainer.progress import ProgressBar
+from trainer.preemption import PreemptionWatcher, save_and_exit
 from trainer.rank_zero import configure_logging
 from trainer.transfer import infer_batch_size, move_to_device
-from trainer import watchdog as wd
 
 log = logging.getLogger(__name__)
-
-
-class _StepAdapter(nn.Module):
-    """What DDP wraps: its ``forward`` is the task's ``training_step``, so DDP's gradient hooks see the
-    parameters the step used, while the user's ``forward`` stays untouched (DESIGN.md section 3)."""
-
-    def __init__(self, task: TaskModule) -> None:
-        super().__init__()
-        self.task = task
-
-    def forward(self, batch: Any, batch_idx: int) -> Any:
-        return self.task.training_step(batch, batch_idx)
-
-
-_DDP_BUFFER_SYNC_ARG = (
-    "forward_sync_buffers"
-    if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
-    else "broadcast_buffers"
-)
-
-_OWNED_GROUP_EXIT_HOOK = False
-
-
-def _destroy_owned_group_at_exit() -> None:
-    global _OWNED_GROUP_EXIT_HOOK
-    if not _OWNED_GROUP_EXIT_HOOK:
-        atexit.register(_exit_teardown)
-        _OWNED_GROUP_EXIT_HOOK = True
-
-
-def _exit_teardown() -> None:
-    """Destroy the group while the interpreter is fully alive, then collect the objects that still hold
-    it (DDP reducers, pending work), so no backend thread outlives them into interpreter shutdown."""
-    dist.destroy_process_group()
-    gc.collect()
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's (when installed) and torch's global generators (CPU and CUDA)."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:  # pragma: no cover - numpy is optional
-        pass
 
 
 class Trainer:
@@ -112,17 +72,12 @@ class Trainer:
         configure_logging(self.env.rank)
         self.device = dist.select_device(opts.accelerator, self.env)  # type: ignore[arg-type]
         self._precision = Precision(opts.precision, self.device)
-        self.callbacks: list[Callback] = self._check_callbacks(opts.callbacks)
+        # How the task is replicated or sharded (trainer/parallel.py); chosen before any process group.
+        self.strategy: Strategy = select_strategy(opts, self.env, self.device)
+        self.callbacks: list[Callback] = check_callbacks(with_default_callbacks(
+            check_callbacks(opts.callbacks), progress_bar=ProgressBar if opts.enable_progress_bar else None,
+            checkpoint=ModelCheckpoint if opts.enable_checkpointing else None))
         self.loggers: list[Logger] = default_loggers(opts.logger, opts.default_root_dir)
-        if opts.enable_progress_bar and not any(getattr(cb, "is_progress_bar", False) for cb in self.callbacks):
-            from trainer.progress import ProgressBar
-
-            self.callbacks.append(ProgressBar())
-        if opts.enable_checkpointing and not any(getattr(cb, "is_model_checkpoint", False) for cb in self.callbacks):
-            from trainer.model_checkpoint import ModelCheckpoint
-
-            self.callbacks.append(ModelCheckpoint())
-        self._check_callbacks(self.callbacks)
         # Run state: the step clock, the epoch, the data cursor.
         self.global_step = 0
         self.current_epoch = 0
@@ -139,8 +94,7 @@ class Trainer:
         self.optimizers: list[torch.optim.Optimizer] = []
         self._params: list[torch.Tensor] = []
         self.lr_scheduler_configs: list[SchedulerConfig] = []
-        self._model: nn.Module | None = None  # the adapter, or DDP(adapter)
-        self._ddp: nn.parallel.DistributedDataParallel | None = None
+        self._model: torch.nn.Module | None = None  # what strategy.setup returned: runs training_step
         self._train: AdaptedLoader | None = None
         self.num_training_batches: int | None = None
         self.num_val_batches: list[int | None] = []  # per validation loader of the current fit
@@ -154,11 +108,13 @@ class Trainer:
         self._owns_group = False
         self._preemption = PreemptionWatcher()
         self._watchdog: wd.Watchdog | None = None
-        self._manual = False  # task.automatic_optimization is False for this fit
-        self._manual_sync = True  # manual_backward all-reduces on this micro-batch
+        self._manual: ManualOptimization | None = None  # built per fit (TaskModule.optimizers() wraps with it)
+        self._manual_mode = False  # task.automatic_optimization is False for this fit
         self._check_sharding = False
         self._checkpoint_io = CheckpointIO()
         self._logged_options = False
+        self._eval_loop = EvaluationLoop(device=self.device, precision=self._precision, metrics=self._metrics,
+                                         beat=self._beat)
 
     # ------------------------------------------------------------------ public properties
     @property
@@ -221,18 +177,11 @@ class Trainer:
         if self._train is None:
             raise RuntimeError("estimated_stepping_batches is known once fit() has its training dataloader.")
         opts = self.options
-        max_steps = opts.max_steps if opts.max_steps != -1 else math.inf
-        batches = self._limit(self._train.loader, opts.limit_train_batches, "limit_train_batches")
-        epochs = 1 if opts.fast_dev_run else opts.max_epochs
-        if batches is None or epochs in (None, -1):
-            return max_steps
-        total = 0
-        for epoch in range(epochs):
-            k = self.accumulation_schedule.k(epoch=epoch, global_step=total)
-            total += batches // k if opts.drop_incomplete_accumulation else -(-batches // k)
-            if total >= max_steps:
-                return max_steps
-        return total
+        return estimate_stepping_batches(
+            self.accumulation_schedule, batches=self._limit(self._train.loader, "limit_train_batches"),
+            epochs=1 if opts.fast_dev_run else opts.max_epochs, max_steps=opts.max_steps,
+            drop_incomplete=opts.drop_incomplete_accumulation,
+        )
 
     @property
     def checkpoint_callback(self) -> Callback | None:
@@ -292,8 +241,8 @@ class Trainer:
     ) -> list[dict[str, float]]:
         """Run the validation loop once. Returns one dict of epoch metrics per dataloader (reduced over
         all ranks: means weighted by batch size), the same on every rank."""
-        return self._run("validate", model, datamodule, lambda: self._evaluate_stage("validate", dataloaders, ckpt_path),
-                         loaders=(dataloaders,))
+        body = lambda: self._evaluate("validate", self._stage_loaders("validate", dataloaders, ckpt_path))  # noqa: E731
+        return self._run("validate", model, datamodule, body, loaders=(dataloaders,))
 
     def test(
         self,
@@ -303,8 +252,8 @@ class Trainer:
         ckpt_path: str | None = None,
     ) -> list[dict[str, float]]:
         """Run the test loop once; returns metrics like :meth:`validate`."""
-        return self._run("test", model, datamodule, lambda: self._evaluate_stage("test", dataloaders, ckpt_path),
-                         loaders=(dataloaders,))
+        body = lambda: self._evaluate("test", self._stage_loaders("test", dataloaders, ckpt_path))  # noqa: E731
+        return self._run("test", model, datamodule, body, loaders=(dataloaders,))
 
     def predict(
         self,
@@ -329,17 +278,7 @@ class Trainer:
             FloatingPointError: the weights hold NaN or inf; such a checkpoint is never written.
         """
         self._beat(wd.PHASE_CHECKPOINT)
-        task = self.task
-        if task is not None:
-            params = [p.detach() for p in task.parameters()]
-            if params and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
-                raise FloatingPointError(
-                    f"Refusing to write checkpoint {os.fspath(path)!r} at step {self.global_step}: the weights hold "
-                    "NaN or inf (a non-finite step got through). The last good checkpoint is kept."
-                )
-        state = self._checkpoint_state()
-        self._checkpoint_io.save(state, path, is_writer=self.is_global_zero)
-        dist.barrier(self.device)
+        ckpt.save(self, path)
 
     # ------------------------------------------------------------------ stage plumbing
     def _run(
@@ -351,19 +290,7 @@ class Trainer:
         *,
         loaders: tuple[Any, ...],
     ) -> Any:
-        if task is None:
-            task = self.task
-            if task is None:
-                raise ValueError(f"Trainer.{stage}() needs a task: pass the TaskModule as the first argument.")
-        if not isinstance(task, TaskModule):
-            raise TypeError(f"Trainer.{stage}() expects a TaskModule, got {type(task).__name__}.")
-        if datamodule is not None:
-            if not isinstance(datamodule, DataModule):
-                raise TypeError(f"datamodule must be a trainer.DataModule, got {type(datamodule).__name__}.")
-            if any(loader is not None for loader in loaders):
-                raise ValueError(
-                    f"Trainer.{stage}(): pass either dataloaders or a datamodule, not both."
-                )
+        task = check_stage_inputs(stage, task if task is not None else self.task, datamodule, loaders)
         self._init_distributed()
         self.task, self.datamodule, self.state_stage = task, datamodule, stage
         task._trainer = self
@@ -372,7 +299,11 @@ class Trainer:
         self._metrics.reset()
         try:
             self._setup_stage(stage)
-            self._start_watchdog()
+            # A daemon thread that dumps this rank's stacks and exits if no beat arrives in time.
+            self._watchdog = wd.start_for_run(
+                self.options.watchdog_timeout, world_size=self.world_size, rank=self.global_rank,
+                process_group_timeout=self.options.process_group_timeout, run_dir=self.log_dir)
+            self._beat(wd.PHASE_SETUP)
             result = body()
         except BaseException as exc:
             for cb in self.callbacks:
@@ -380,26 +311,11 @@ class Trainer:
             self._teardown_stage(stage, failed=True)
             raise
         finally:
-            self._stop_watchdog()
+            if self._watchdog is not None:
+                self._watchdog.stop()
+                self._watchdog = None
         self._teardown_stage(stage, failed=False)
         return result
-
-    def _start_watchdog(self) -> None:
-        """A daemon thread that dumps this rank's stacks and exits if no beat arrives in time
-        (``watchdog_timeout``; default 600 s in a distributed run, off in a single process)."""
-        timeout = self.options.watchdog_timeout
-        if timeout is None and self.world_size > 1:
-            timeout = min(600.0, self.options.process_group_timeout)
-        if timeout is None:
-            return
-        self._watchdog = wd.Watchdog(timeout, run_dir=self.log_dir, rank=self.global_rank)
-        self._watchdog.start()
-        self._beat(wd.PHASE_SETUP)
-
-    def _stop_watchdog(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
 
     def _beat(self, phase: str) -> None:
         """Tell the watchdog which phase this rank enters (an attribute write)."""
@@ -407,136 +323,51 @@ class Trainer:
             self._watchdog.beat(phase, self.global_step)
 
     def _init_distributed(self) -> None:
-        if not self.env.is_distributed or dist.is_initialized():
-            if dist.is_initialized() and dist.get_world_size() != self.env.world_size:
-                raise RuntimeError("A process group exists whose world size does not match the launcher's.")
-            return
-        timeout = datetime.timedelta(seconds=self.options.process_group_timeout)
-        backend = dist.backend_for(self.device)
-        if backend == "nccl":
+        opts = self.options
+        self._owns_group = dist.ensure_process_group(
+            self.env, device=self.device, timeout=datetime.timedelta(seconds=opts.process_group_timeout),
+            init_timeout=datetime.timedelta(seconds=opts.init_timeout),
             # NCCL's flight recorder on by default, so a collective timeout leaves a trace to read.
-            for key, value in wd.nccl_flight_recorder_env_defaults(self.default_root_dir).items():
-                os.environ.setdefault(key, value)
-        self._owns_group = dist.init_process_group(
-            self.env, backend=backend, timeout=timeout, device=self.device,
-            init_timeout=datetime.timedelta(seconds=self.options.init_timeout),
-        )
-        if self._owns_group:
-            _destroy_owned_group_at_exit()
-        log.info(
-            "Process group: backend=%s world_size=%d (launcher %s, %d node(s)).",
-            backend, self.env.world_size, self.env.launcher,
-            max(1, self.env.world_size // max(1, self.env.local_world_size)),
-        )
+            backend_env=wd.nccl_flight_recorder_env_defaults(self.default_root_dir),
+        ) or self._owns_group
 
     def _setup_stage(self, stage: str) -> None:
-        opts = self.options
-        task = self.task
+        opts, task = self.options, self.task
         assert task is not None
         if not self._logged_options and self.is_global_zero:
             log.info("Trainer options: %s", self.options.resolved())
             self._logged_options = True
-        if opts.seed is not None:
-            seed_everything(opts.seed + self.global_rank)
-        if opts.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-            torch.backends.cudnn.benchmark = False
-        for logger in self.loggers:
-            logger.resolve_version()  # rank 0 picks, all ranks agree (broadcast)
-        if self.datamodule is not None:
-            if self.env.local_rank == 0:
-                self.datamodule.prepare_data()
-            dist.barrier(self.device)
-            self.datamodule.setup(stage)
-        task.setup(stage)
-        for cb in self.callbacks:
-            cb.setup(self, task, stage)
+        setup_stage(self, stage, task=task, datamodule=self.datamodule, callbacks=self.callbacks, loggers=self.loggers,
+                    seed=opts.seed, deterministic=opts.deterministic, local_rank=self.local_rank)
         task.to(self.device)
         self._precision.convert_module(task)
 
     def _teardown_stage(self, stage: str, *, failed: bool) -> None:
-        task = self.task
-        assert task is not None
-        errors: list[BaseException] = []
-        for fn in [lambda: task.teardown(stage)] + [
-            (lambda cb=cb: cb.teardown(self, task, stage)) for cb in self.callbacks
-        ] + ([lambda: self.datamodule.teardown(stage)] if self.datamodule is not None else []):
-            try:
-                fn()
-            except Exception as exc:  # keep tearing down; report the first error below
-                errors.append(exc)
-        if self.is_global_zero:
-            for logger in self.loggers:
-                logger.finalize("failed" if failed else "success")
-        self._model = self._ddp = None
-        self.state_stage = None
-        if not failed:
-            # Leave every stage together: no rank exits (and tears gloo down at interpreter exit) while a
-            # peer is still inside the stage's last collective.
-            dist.barrier(self.device)
-        if errors and not failed:
-            raise errors[0]
-
-    def _check_callbacks(self, callbacks: Sequence[Any]) -> list[Callback]:
-        keys: dict[str, Callback] = {}
-        for cb in callbacks:
-            if not isinstance(cb, Callback):
-                raise ValueError(
-                    f"Trainer option callbacks contains {cb!r} ({type(cb).__name__}); expected "
-                    "callbacks.Callback instances."
-                )
-            if cb.state_dict():
-                if cb.state_key in keys:
-                    raise ValueError(
-                        f"Two stateful callbacks share state_key {cb.state_key!r} ({type(keys[cb.state_key]).__name__} "
-                        f"and {type(cb).__name__}); give each a distinct state_key."
-                    )
-                keys[cb.state_key] = cb
-        return list(callbacks)
-
-    # ------------------------------------------------------------------ data
-    def _resolve_loaders(self, stage: str, given: Any) -> list[Any]:
-        if given is None:
-            source = self.datamodule if self.datamodule is not None else self.task
-            given = {
-                "train": source.train_dataloader,
-                "validate": source.val_dataloader,
-                "test": source.test_dataloader,
-                "predict": source.predict_dataloader,
-            }[stage]()
-        if given is None:
-            return []
-        if isinstance(given, (list, tuple)):
-            return list(given)
-        return [given]
-
-    def _limit(self, loader: Any, limit: int | float, name: str) -> int | None:
-        """Number of batches to run from ``loader`` after ``limit_*_batches`` / ``fast_dev_run``."""
-        fast = self.options.fast_dev_run
-        if fast:
-            limit = 1 if fast is True else int(fast)
         try:
-            length = len(loader)
-        except TypeError:
-            length = None
-        if isinstance(limit, int) and not isinstance(limit, bool):
-            return limit if length is None else min(limit, length)
-        if length is None:
-            if limit == 1.0:
-                return None
-            raise ValueError(
-                f"Trainer option {name}={limit} is a fraction, but the loader has no len(); pass an int "
-                "number of batches instead."
-            )
-        return int(length * limit)
+            teardown_stage(self, stage, task=self.task, datamodule=self.datamodule, callbacks=self.callbacks,
+                           loggers=self.loggers, failed=failed)
+        finally:
+            self._model = None
+            self.strategy.teardown()
+            self.state_stage = None
+
+    def _loaders(self, stage: str, given: Any) -> list[Any]:
+        return resolve_loaders(self.datamodule if self.datamodule is not None else self.task, stage, given)
+
+    def _eval_loaders(self, stage: str, given: Any) -> list[AdaptedLoader]:
+        return [adapt_eval_loader(loader, num_replicas=self.world_size, rank=self.global_rank, seed=self.options.seed or 0)
+                for loader in self._loaders(stage, given)]
+
+    def _limit(self, loader: Any, name: str) -> int | None:
+        """Batches to run from ``loader`` under the ``limit_*_batches`` option ``name`` and fast_dev_run."""
+        return limit_batches(loader, getattr(self.options, name), name, fast_dev_run=self.options.fast_dev_run)
 
     # ------------------------------------------------------------------ fit
     def _fit(self, train_dataloaders: Any, val_dataloaders: Any, ckpt_path: str | None) -> None:
         task = self.task
         assert task is not None
         opts = self.options
-        train_loaders = self._resolve_loaders("train", train_dataloaders)
+        train_loaders = self._loaders("train", train_dataloaders)
         if len(train_loaders) != 1:
             raise ValueError(
                 "Trainer.fit needs exactly one training dataloader (train_dataloaders=..., a datamodule, or "
@@ -545,30 +376,17 @@ class Trainer:
         self._train = adapt_train_loader(
             train_loaders[0], num_replicas=self.world_size, rank=self.global_rank, seed=opts.seed or 0
         )
-        val_loaders = [
-            adapt_eval_loader(loader, num_replicas=self.world_size, rank=self.global_rank, seed=opts.seed or 0)
-            for loader in self._resolve_loaders("validate", val_dataloaders)
-        ]
-        self.num_val_batches = [self._limit(v.loader, opts.limit_val_batches, "limit_val_batches") for v in val_loaders]
+        val_loaders = self._eval_loaders("validate", val_dataloaders)
+        self.num_val_batches = [self._limit(v.loader, "limit_val_batches") for v in val_loaders]
         self._check_sharding = self.world_size > 1 and self._train.sampler is None
         self._configure_model_and_optimizers()
         self.global_step = self.current_epoch = self._epoch_batches_done = self._epoch_samples = 0
         self.should_stop = False
         if ckpt_path is not None:
-            self._restore(ckpt_path, full=True)
+            ckpt.restore(self, ckpt_path, full=True)
         if self.is_global_zero:
-            if opts.enable_model_summary and not any(getattr(cb, "is_model_summary", False) for cb in self.callbacks):
-                params = list(task.parameters())
-                total = sum(p.numel() for p in params)
-                trainable = sum(p.numel() for p in params if p.requires_grad)
-                size_mb = sum(p.numel() * p.element_size() for p in params) / 2**20
-                log.info("%s: %s parameters (%s trainable), %.2f MB.", type(task).__name__, f"{total:,}",
-                         f"{trainable:,}", size_mb)
-            hparams: dict[str, Any] = {"trainer": self.options.resolved()}
-            if task.hparams and task._log_hyperparams:
-                hparams["task"] = dict(task.hparams)
-            for logger in self.loggers:
-                logger.log_hyperparams(hparams)
+            summary = opts.enable_model_summary and not any(getattr(cb, "is_model_summary", False) for cb in self.callbacks)
+            log_fit_start(self.loggers, task, self.options.resolved(), summary=summary)
         task.on_fit_start()
         for cb in self.callbacks:
             cb.on_fit_start(self, task)
@@ -604,70 +422,32 @@ class Trainer:
         return max_epochs is not None and max_epochs != -1 and self.current_epoch >= max_epochs
 
     def _configure_model_and_optimizers(self) -> None:
+        """Wrap (or shard) the task through the strategy, then build the optimizers on what it made."""
         task = self.task
         assert task is not None
         opts = self.options
-        if opts.sync_batchnorm and self.world_size > 1:
-            converted = nn.SyncBatchNorm.convert_sync_batchnorm(task)
-            if converted is not task:  # the task itself is never a BatchNorm layer
-                raise TypeError("sync_batchnorm: the task itself must not be a BatchNorm layer.")
+        self._manual_mode = not task.automatic_optimization
+        self._model = self.strategy.setup(task, manual=self._manual_mode)
         self.optimizers, self.lr_scheduler_configs = parse_optimizers(task.configure_optimizers())
-        adapter = _StepAdapter(task)
-        self._manual = not task.automatic_optimization
-        if self._manual and self.world_size > 1:
-            # Manual optimization syncs gradients in manual_backward; start every rank from rank 0's state.
-            for tensor in task.state_dict().values():
-                dist.broadcast(tensor, 0)
-            self._ddp, self._model = None, adapter
-        elif self.world_size > 1:
-            if not any(p.requires_grad for p in task.parameters()):
-                raise ValueError(f"{type(task).__name__} has no trainable parameters; DDP has nothing to synchronise.")
-            kwargs: dict[str, Any] = dict(
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                find_unused_parameters=opts.find_unused_parameters,
-                static_graph=opts.static_graph,
-                gradient_as_bucket_view=opts.gradient_as_bucket_view,
-            )
-            # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (same meaning for True; False
-            # still syncs once at construction, which keel wants anyway).
-            kwargs[_DDP_BUFFER_SYNC_ARG] = opts.broadcast_buffers
-            if opts.bucket_cap_mb is not None:
-                kwargs["bucket_cap_mb"] = opts.bucket_cap_mb
-            self._ddp = nn.parallel.DistributedDataParallel(adapter, **kwargs)
-            self._model = self._ddp
-        else:
-            self._ddp = None
-            self._model = adapter
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         # Every parameter the optimizers update (clipping and gradient rescaling act on these).
         self._params = [p for o in self.optimizers for group in o.param_groups for p in group["params"]]
+        self._manual = ManualOptimization(
+            trainer=self, task=task, callbacks=self.callbacks, strategy=self.strategy, precision=self._precision,
+            clip_val=opts.gradient_clip_val, clip_algorithm=opts.gradient_clip_algorithm, beat=self._beat,
+        )
 
     def _train_epoch(self, val_loaders: list[AdaptedLoader]) -> None:
         """One epoch: micro-batches grouped into optimizer steps, validation and logging on the step clock."""
         task, opts, train = self.task, self.options, self._train
         assert task is not None and train is not None and self._model is not None
-        sampler = train.sampler if isinstance(train.sampler, ResumableDistributedSampler) else None
-        if sampler is not None:
-            sampler.set_epoch(self.current_epoch)  # also rewinds the cursor to 0
-        # Whole-epoch length (before a resume cursor shortens the sampler), after limit_train_batches.
-        num_batches = self._limit(train.loader, opts.limit_train_batches, "limit_train_batches")
-        agree = None
-        if self.world_size > 1 and sampler is None:
-            # A loader keel does not shard may hold different amounts of data per rank: agree first.
-            if num_batches is not None:
-                num_batches = self._agree_on_batches(num_batches)
-            else:
-                agree = self._all_ranks_have_data
-        start = self._epoch_batches_done
-        if start and sampler is not None:
-            sampler.set_cursor(self._epoch_samples)  # resume at the global sample cursor: nothing is re-read
-        elif start:
-            log.warning("Resuming mid-epoch with a loader keel cannot adapt (%s): the epoch restarts from its "
-                        "first batch.", train.reason)
-            start = self._epoch_batches_done = self._epoch_samples = 0
-        self.num_training_batches = num_batches
-        global_batch = (train.loader.batch_size or 0) * self.world_size if sampler is not None else 0
+        # Sampler epoch, resume cursor, and (for loaders keel does not shard) agreement between ranks.
+        plan = plan_epoch(train, epoch=self.current_epoch, batches_done=self._epoch_batches_done,
+                          samples_done=self._epoch_samples, limit=lambda loader: self._limit(loader, "limit_train_batches"),
+                          world_size=self.world_size, device=self.device, uneven=opts.uneven_batches)
+        self._epoch_batches_done, self._epoch_samples = plan.start, plan.samples_done
+        self.num_training_batches = num_batches = plan.num_batches
         task.train()
         self._metrics.stage = "train"
         task.on_train_epoch_start()
@@ -676,20 +456,21 @@ class Trainer:
         normaliser = StepNormaliser(world_size=self.world_size, device=self.device)
         k_now = lambda: self.accumulate_grad_batches  # noqa: E731 - read at each window start
         completed = True  # False when training stops before the epoch's data is exhausted
-        for micro in micro_batches(train.loader, start_idx=start, num_batches=num_batches, accumulate=k_now,
-                                   drop_incomplete=opts.drop_incomplete_accumulation, agree=agree):
+        for micro in micro_batches(train.loader, start_idx=plan.start, num_batches=num_batches, accumulate=k_now,
+                                   drop_incomplete=opts.drop_incomplete_accumulation, agree=plan.agree):
             if self._check_sharding:
-                self._warn_if_unsharded(micro.batch)
+                self._check_sharding = False
+                warn_if_unsharded(micro.batch, train.loader)
             outputs = self._training_micro_batch(micro, normaliser)
             self._epoch_batches_done = micro.batch_idx + 1
-            self._epoch_samples += global_batch
+            self._epoch_samples += plan.samples_per_batch
             stepped = False
             if micro.is_step_end:
                 if opts.drop_incomplete_accumulation and micro.window_len is None and normaliser.ran < micro.accumulate:
                     for optimizer in self.optimizers:  # unknown-length epoch ended inside a window: discard it
                         optimizer.zero_grad(set_to_none=True)
                     normaliser.reset()
-                elif self._manual:
+                elif self._manual_mode:
                     # One training iteration (whatever number of optimizer calls) is one step.
                     self._precision.update()
                     self.global_step += 1
@@ -706,8 +487,9 @@ class Trainer:
             self._beat(wd.PHASE_DATA)  # next: fetching the next batch
             if stepped and val_loaders and self.val_check_due:
                 self._evaluate("validate", val_loaders)
-            if stepped and self._preemption_due():
-                self._exit_preempted()
+            if stepped and self._preemption.due(self.global_step, device=self.device, world_size=self.world_size,
+                                                interval=opts.preemption_check_interval or opts.log_every_n_steps):
+                save_and_exit(self, self._preemption)
             # should_stop (callbacks) takes effect at an optimizer-step boundary, never inside a window.
             if (self.should_stop and micro.is_step_end) or self._done_training(None):
                 completed = micro.is_epoch_end
@@ -720,62 +502,8 @@ class Trainer:
         interval = self.options.val_check_interval
         return self.state_stage == "fit" and interval is not None and self.global_step % interval == 0
 
-    def _preemption_due(self) -> bool:
-        """Every step in one process; in DDP only where all ranks check together (see trainer/preemption.py)."""
-        if self.world_size == 1:
-            return self._preemption.requested
-        interval = self.options.preemption_check_interval or self.options.log_every_n_steps
-        if self.global_step % interval != 0:
-            return False
-        return self._preemption.agreed(self.device, world_size=self.world_size)
-
-    def _exit_preempted(self) -> None:
-        """Save at this step boundary and exit non-zero so the launcher restarts the job."""
-        callback = self.checkpoint_callback
-        if callback is not None:
-            path = callback.save(self, suffix="-preempted", force=True)
-        else:
-            path = os.path.join(self.log_dir, "checkpoints", f"preempted-step={self.global_step}.ckpt")
-            self.save_checkpoint(path)
-        log.warning("Preempted (%s) at step %d: saved %s; exiting with code %d so the launcher restarts the "
-                    "job (resume with ckpt_path='last').", self._preemption.signal_name or "signal on another rank",
-                    self.global_step, path, PREEMPTED_EXIT_CODE)
-        raise SystemExit(PREEMPTED_EXIT_CODE)
-
-    def _agree_on_batches(self, num_batches: int) -> int:
-        """One collective per epoch: every rank runs the same number of batches (uneven_batches)."""
-        counts = torch.tensor([num_batches, -num_batches], device=self.device)
-        dist.all_reduce(counts, "min")
-        low, high = int(counts[0].item()), -int(counts[1].item())
-        if low == high:
-            return num_batches
-        message = (f"Ranks have different numbers of training batches this epoch (min {low}, max {high}; this rank "
-                   f"{num_batches}), from a loader keel does not shard.")
-        if self.options.uneven_batches == "error":
-            raise ValueError(message + " Pass a plain DataLoader so keel shards it evenly, or "
-                             "uneven_batches='truncate'.")
-        log.warning("%s Every rank runs %d (uneven_batches='truncate').", message, low)
-        return low
-
-    def _all_ranks_have_data(self, has_data: bool) -> bool:
-        """Loader without len() in DDP: one tiny all-reduce per optimizer step (documented cost)."""
-        flag = torch.tensor([1.0 if has_data else 0.0], device=self.device)
-        dist.all_reduce(flag, "min")
-        return bool(flag.item() > 0)
-
-    def _warn_if_unsharded(self, batch: Any) -> None:
-        """First batch of a fit from an unsharded loader in DDP: warn if every rank got the same one."""
-        self._check_sharding = False
-        tensors = [t for t in (batch if isinstance(batch, (list, tuple)) else [batch]) if isinstance(t, torch.Tensor)]
-        fingerprint = hash(tuple(t.detach().cpu().contiguous().view(-1)[:4096].numpy().tobytes() for t in tensors))
-        if len(set(dist.all_gather_object(fingerprint))) == 1:
-            log.warning(
-                "Every rank got the same first batch from %s: the data is probably not sharded by rank, so each "
-                "rank trains on the same samples. Shard it (trainer.data.shard_iterable) or pass a plain "
-                "DataLoader over a map-style dataset.", type(self._train.loader).__name__)
-
     def _training_micro_batch(self, micro: MicroBatch, normaliser: StepNormaliser) -> dict[str, Any]:
-        """Forward and backward of one micro-batch. DDP's all-reduce runs only on the step's last one."""
+        """Forward and backward of one micro-batch; gradients sync only on the step's last one."""
         self._beat(wd.PHASE_TRAINING_STEP)
         batch = move_to_device(micro.batch, self.device, float_dtype=self._precision.param_dtype)
         micro.batch = batch
@@ -784,18 +512,21 @@ class Trainer:
         task.on_train_batch_start(batch, micro.batch_idx)
         for cb in self.callbacks:
             cb.on_train_batch_start(self, task, batch, micro.batch_idx)
-        if self._manual:
-            return self._manual_micro_batch(micro, batch, task)
-        # no_sync on every micro-batch but the last of the step: forward AND backward inside it, so
-        # gradients accumulate locally and DDP all-reduces once per optimizer step.
-        sync = micro.is_step_end or self._ddp is None
-        with (contextlib.nullcontext() if sync else self._ddp.no_sync()):
+        if self._manual_mode:
+            outputs, loss = self._manual.training_step(self._model, batch, micro.batch_idx, sync=micro.is_step_end)
+            if loss is not None:
+                self._step_loss = loss
+            return outputs
+        # Forward AND backward inside the strategy's sync context: on every micro-batch but the step's
+        # last, gradients accumulate locally and the wrapper reduces them once per optimizer step.
+        with self.strategy.gradient_sync(micro.is_step_end):
             with self._precision.autocast():
                 try:
                     output = self._model(batch, micro.batch_idx)
                 except RuntimeError as exc:
-                    raise _explain_ddp_error(exc, self._model) from exc
-            loss, outputs, num_items = _split_step_output(output)
+                    self.strategy.raise_explained(exc)  # a wrapper error it can explain, else re-raise as is
+                    raise
+            loss, outputs, num_items = split_step_output(output)
             scaled = normaliser.scale(loss, num_items, micro)
             task.on_before_backward(scaled)
             for cb in self.callbacks:
@@ -807,64 +538,13 @@ class Trainer:
                 cb.on_after_backward(self, task)
         return outputs
 
-    def _manual_micro_batch(self, micro: MicroBatch, batch: Any, task: TaskModule) -> dict[str, Any]:
-        """Manual optimization: training_step does its own backward and steps; keel keeps the clock."""
-        self._manual_sync = micro.is_step_end
-        with self._precision.autocast():
-            output = self._model(batch, micro.batch_idx)
-        if isinstance(output, torch.Tensor):
-            output = {"loss": output}
-        outputs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in (output or {}).items()}
-        if isinstance(outputs.get("loss"), torch.Tensor):
-            self._step_loss = outputs["loss"]
-        return outputs
-
-    def _manual_backward(self, loss: torch.Tensor) -> None:
-        task = self.task
-        task.on_before_backward(loss)
-        for cb in self.callbacks:
-            cb.on_before_backward(self, task, loss)
-        self._beat(wd.PHASE_BACKWARD)
-        self._precision.backward(loss)
-        if self.world_size > 1 and self._manual_sync:
-            # One all-reduce of all current gradients (flattened). Re-reducing a gradient that an earlier
-            # manual_backward of this step already averaged is harmless: it is identical on every rank.
-            grads = [p.grad for p in task.parameters() if p.grad is not None]
-            if grads:
-                flat = torch._utils._flatten_dense_tensors(grads)
-                dist.all_reduce(flat, "mean")
-                for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                    grad.copy_(synced)
-        task.on_after_backward()
-        for cb in self.callbacks:
-            cb.on_after_backward(self, task)
-
-    def _manual_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        task = self.task
-        self._precision.unscale(optimizer)
-        task.on_before_optimizer_step(optimizer)
-        for cb in self.callbacks:
-            cb.on_before_optimizer_step(self, task, optimizer)
-        self._clip([p for group in optimizer.param_groups for p in group["params"]])
-        self._precision.optimizer_step(optimizer)
-
-    def _clip(self, params: list[torch.Tensor]) -> None:
-        """``gradient_clip_val`` by norm or value (foreach kernels; the norm stays on the device)."""
-        value = self.options.gradient_clip_val
-        if value is None:
-            return
-        if self.options.gradient_clip_algorithm == "norm":
-            nn.utils.clip_grad_norm_(params, value, foreach=True)
-        else:
-            nn.utils.clip_grad_value_(params, value, foreach=True)
-
     def _optimizer_step(self, normaliser: StepNormaliser) -> bool:
         """Complete the step: normalise, unscale, hook, clip, step, schedule, zero. False if skipped."""
         opts = self.options
         self._beat(wd.PHASE_OPTIMIZER_STEP)
         grad_factor, step_loss, skip = normaliser.finish()
         normaliser.reset()
-        if not skip and opts.on_nonfinite == "skip" and not self._step_loss_finite(step_loss):
+        if not skip and opts.on_nonfinite == "skip" and not finite_on_all_ranks(step_loss, self.world_size):
             log.warning("Non-finite loss at step %d: the optimizer step is skipped on every rank (on_nonfinite='skip').",
                         self.global_step + 1)
             skip = True
@@ -887,41 +567,16 @@ class Trainer:
             task.on_before_optimizer_step(optimizer)
             for cb in self.callbacks:
                 cb.on_before_optimizer_step(self, task, optimizer)
-        self._clip(params)
+        self.strategy.clip_gradients(params, opts.gradient_clip_val, opts.gradient_clip_algorithm)
         for optimizer in self.optimizers:
             self._precision.optimizer_step(optimizer)
         self._precision.update()
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
-        self._step_schedulers("step", self.global_step)
+        step_schedulers(self.lr_scheduler_configs, "step", self.global_step, self.callback_metrics)
         self._step_loss = step_loss
         return True
-
-    def _step_loss_finite(self, step_loss: torch.Tensor | None) -> bool:
-        """on_nonfinite='skip': one host read per step (and one all-reduce in DDP) so all ranks agree."""
-        if step_loss is None:
-            return True
-        flag = torch.isfinite(step_loss).to(torch.float32).reshape(1)
-        if self.world_size > 1:
-            dist.all_reduce(flag, "min")
-        return bool(flag.item() > 0)
-
-    def _step_schedulers(self, interval: str, count: int) -> None:
-        for config in self.lr_scheduler_configs:
-            if config.interval != interval or count % config.frequency != 0:
-                continue
-            if config.monitor is not None:
-                if config.monitor not in self.callback_metrics:
-                    if not config.strict:
-                        continue
-                    raise KeyError(
-                        f"lr_scheduler monitors {config.monitor!r}, which was not logged; available metrics: "
-                        f"{sorted(self.callback_metrics)}."
-                    )
-                config.scheduler.step(float(self.callback_metrics[config.monitor]))
-            else:
-                config.scheduler.step()
 
     def _log_step_metrics(self) -> None:
         """Logging step: one host read and one collective for all step metrics (DESIGN.md section 11)."""
@@ -933,14 +588,8 @@ class Trainer:
         self._beat(wd.PHASE_METRICS_REDUCTION)
         values, to_logger, to_bar = self._metrics.reduce_step()
         self._publish(values, to_logger, to_bar)
-        loss = values.get("loss")
-        if loss is not None and not math.isfinite(loss) and self.options.on_nonfinite == "error":
-            # The loss is reduced over ranks, so every rank raises here at the same step.
-            raise FloatingPointError(
-                f"Non-finite training loss ({loss}) at step {self.global_step} (checked on logging steps, every "
-                f"{self.options.log_every_n_steps}): training stops on all ranks. Lower the learning rate, clip "
-                "gradients (gradient_clip_val), check the data, or pass on_nonfinite='skip' to skip such steps."
-            )
+        if self.options.on_nonfinite == "error":  # the loss is reduced over ranks: every rank raises together
+            check_finite_loss(values.get("loss"), step=self.global_step, every=self.options.log_every_n_steps)
 
     def _publish(self, values: dict[str, float], to_logger: dict[str, float], to_bar: dict[str, float]) -> None:
         self.callback_metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()})
@@ -963,9 +612,9 @@ class Trainer:
         task.on_train_epoch_end()
         # Training metrics logged with on_epoch=True (and in the hook above), reduced over ranks.
         self._publish(*self._metrics.reduce_epoch())
-        if completed and not self._manual:
+        if completed and not self._manual_mode:
             # Before the callbacks' hook, so a checkpoint saved there holds the stepped scheduler.
-            self._step_schedulers("epoch", self.current_epoch + 1)
+            step_schedulers(self.lr_scheduler_configs, "epoch", self.current_epoch + 1, self.callback_metrics)
         for cb in self.callbacks:
             cb.on_train_epoch_end(self, task)
         self._epoch_finished = False
@@ -973,173 +622,25 @@ class Trainer:
             self.current_epoch += 1
             self._epoch_batches_done = self._epoch_samples = 0
 
-    # ------------------------------------------------------------------ evaluation
-    def _evaluate_stage(self, stage: str, dataloaders: Any, ckpt_path: str | None) -> list[dict[str, float]]:
-        loaders = [
-            adapt_eval_loader(loader, num_replicas=self.world_size, rank=self.global_rank, seed=self.options.seed or 0)
-            for loader in self._resolve_loaders(stage, dataloaders)
-        ]
+    # ------------------------------------------------------------------ evaluation (trainer/evaluation.py)
+    def _stage_loaders(self, stage: str, dataloaders: Any, ckpt_path: str | None) -> list[AdaptedLoader]:
+        """validate / test / predict: the sharded loaders, and the weights of ``ckpt_path`` when given."""
+        loaders = self._eval_loaders(stage, dataloaders)
         if not loaders:
             raise ValueError(f"Trainer.{stage}() found no dataloader: pass dataloaders=..., a datamodule, or implement "
                              f"task.{'val' if stage == 'validate' else stage}_dataloader().")
         if ckpt_path is not None:
-            self._restore(ckpt_path, full=False)
-        return self._evaluate(stage, loaders)
+            ckpt.restore(self, ckpt_path, full=False)
+        return loaders
 
     def _evaluate(self, stage: str, loaders: list[AdaptedLoader], *, limit_override: int | None = None) -> list[dict[str, float]]:
-        """Validation or test loop. Ranks may run different batch counts: nothing here is collective until
-        the epoch-end reduction, which all ranks reach once per loader."""
-        task = self.task
-        assert task is not None
-        validating = stage == "validate"
-        was_training = task.training
-        task.eval()
-        self._metrics.stage = stage
-        limit_name = "limit_val_batches" if validating else "limit_test_batches"
-        results: list[dict[str, float]] = []
-        if validating:
-            task.on_validation_epoch_start()
-            for cb in self.callbacks:
-                cb.on_validation_epoch_start(self, task)
-        else:
-            task.on_test_epoch_start()
-            for cb in self.callbacks:
-                cb.on_test_epoch_start(self, task)
-        step = task.validation_step if validating else task.test_step
-        many = len(loaders) > 1
-        with torch.no_grad():
-            for loader_idx, adapted in enumerate(loaders):
-                limit = limit_override if limit_override is not None else self._limit(
-                    adapted.loader, getattr(self.options, limit_name), limit_name)
-                for batch_idx, batch in enumerate(adapted.loader):
-                    if limit is not None and batch_idx >= limit:
-                        break
-                    self._beat(wd.PHASE_VALIDATION_STEP if validating else wd.PHASE_TEST_STEP)
-                    batch = move_to_device(batch, self.device, float_dtype=self._precision.param_dtype)
-                    self._metrics.batch_size = infer_batch_size(batch)
-                    with self._precision.autocast():
-                        outputs = step(batch, batch_idx, loader_idx) if many else step(batch, batch_idx)
-                    if validating:
-                        task.on_validation_batch_end(outputs, batch, batch_idx, loader_idx)
-                        for cb in self.callbacks:
-                            cb.on_validation_batch_end(self, task, outputs, batch, batch_idx, loader_idx)
-                    else:
-                        task.on_test_batch_end(outputs, batch, batch_idx, loader_idx)
-                        for cb in self.callbacks:
-                            cb.on_test_batch_end(self, task, outputs, batch, batch_idx, loader_idx)
-                if loader_idx < len(loaders) - 1:
-                    results.append(self._reduce_eval(loader_idx, len(loaders)))
-        # The task's epoch-end hook may still log; callbacks then see the reduced epoch metrics.
-        if validating:
-            task.on_validation_epoch_end()
-            results.append(self._reduce_eval(len(loaders) - 1, len(loaders)))
-            for cb in self.callbacks:
-                cb.on_validation_epoch_end(self, task)
-        else:
-            task.on_test_epoch_end()
-            results.append(self._reduce_eval(len(loaders) - 1, len(loaders)))
-            for cb in self.callbacks:
-                cb.on_test_epoch_end(self, task)
-        if was_training:
-            task.train()
-            self._metrics.stage = "train"
-        return results
-
-    def _reduce_eval(self, loader_idx: int, num_loaders: int) -> dict[str, float]:
-        values, to_logger, to_bar = self._metrics.reduce_epoch()
-        if num_loaders > 1:
-            suffix = f"/dataloader_idx_{loader_idx}"
-            values, to_logger, to_bar = ({k + suffix: v for k, v in d.items()} for d in (values, to_logger, to_bar))
-        if not self.sanity_checking:
-            self._publish(values, to_logger, to_bar)
-        return values
+        name = "limit_val_batches" if stage == "validate" else "limit_test_batches"
+        limits = [limit_override if limit_override is not None else self._limit(a.loader, name) for a in loaders]
+        return self._eval_loop.run(self, self.task, self.callbacks, stage, loaders, limits,  # type: ignore[arg-type]
+                                   publish=None if self.sanity_checking else self._publish)
 
     def _predict(self, dataloaders: Any, ckpt_path: str | None) -> list[Any] | None:
-        task = self.task
-        assert task is not None
-        loaders = [
-            adapt_eval_loader(loader, num_replicas=self.world_size, rank=self.global_rank, seed=self.options.seed or 0)
-            for loader in self._resolve_loaders("predict", dataloaders)
-        ]
-        if not loaders:
-            raise ValueError("Trainer.predict() found no dataloader: pass dataloaders=..., a datamodule, or "
-                             "implement task.predict_dataloader().")
-        if ckpt_path is not None:
-            self._restore(ckpt_path, full=False)
-        task.eval()
-        self._metrics.stage = "predict"
-        results: list[list[Any] | None] = []
-        with torch.no_grad():
-            for loader_idx, adapted in enumerate(loaders):
-                limit = self._limit(adapted.loader, self.options.limit_predict_batches, "limit_predict_batches")
-                local: list[Any] = []
-                for batch_idx, batch in enumerate(adapted.loader):
-                    if limit is not None and batch_idx >= limit:
-                        break
-                    batch = move_to_device(batch, self.device, float_dtype=self._precision.param_dtype)
-                    with self._precision.autocast():
-                        out = task.predict_step(batch, batch_idx) if len(loaders) == 1 else task.predict_step(batch, batch_idx, loader_idx)
-                    local.append(move_to_device(out, torch.device("cpu")))
-                gathered = dist.all_gather_object(local) if self.world_size > 1 else [local]
-                merged = [item for rank_items in gathered for item in rank_items]
-                results.append(merged if (self.is_global_zero or self.options.predict_return == "all_ranks") else None)
-        for cb in self.callbacks:
-            cb.on_predict_epoch_end(self, task)
-        return results[0] if len(results) == 1 else results
-
-    # ------------------------------------------------------------------ checkpoint state
-    def _checkpoint_state(self) -> dict[str, Any]:
-        from trainer import checkpoint as ckpt
-
-        return ckpt.assemble(self)
-
-    def _restore(self, ckpt_path: str, *, full: bool) -> None:
-        from trainer import checkpoint as ckpt
-
-        ckpt.restore(self, ckpt_path, full=full)
-
-
-
-def _split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any], Any]:
-    """``(loss, detached outputs for callbacks, num_items)`` from what ``training_step`` returned."""
-    if isinstance(output, torch.Tensor):
-        loss, extras, num_items = output, {}, None
-    elif isinstance(output, dict):
-        if "loss" not in output:
-            raise ValueError(
-                f"training_step returned a dict without 'loss' (keys: {sorted(output)}); include the loss tensor."
-            )
-        loss, num_items = output["loss"], output.get("num_items")
-        extras = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in output.items() if k not in ("loss",)}
-    else:
-        raise ValueError(
-            f"training_step returned {type(output).__name__}; return a scalar loss tensor or a dict with 'loss'."
-        )
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(
-            f"training_step's loss must be a scalar tensor; got "
-            f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}."
-        )
-    if not loss.requires_grad:
-        raise ValueError("training_step's loss does not require grad: it was computed without the task's parameters "
-                         "(or under torch.no_grad()).")
-    return (loss if loss.dim() == 0 else loss.reshape(())), dict(extras, loss=loss.detach()), num_items
-
-
-_UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
-
-
-def _explain_ddp_error(exc: RuntimeError, model: nn.Module) -> RuntimeError:
-    """DDP's unused-parameter error, re-raised with the parameter names and the option that fixes it."""
-    text = str(exc)
-    if "Expected to have finished reduction in the prior iteration" not in text:
-        return exc
-    names = [name.removeprefix("module.task.") for name, p in model.named_parameters() if p.requires_grad]
-    match = _UNUSED_INDICES.search(text)
-    unused = [names[int(i)] for i in match.group(2).split()] if match else []
-    listed = ", ".join(unused) if unused else "(run with TORCH_DISTRIBUTED_DEBUG=INFO to list them)"
-    return RuntimeError(
-        f"DDP: some parameters got no gradient in the previous step: {listed}. Make every parameter take part "
-        "in the loss, freeze unused ones (requires_grad=False), or pass Trainer(find_unused_parameters=True) "
-        "(or static_graph=True when the unused set never changes)."
-    )
+        loaders = self._stage_loaders("predict", dataloaders, ckpt_path)
+        limits = [self._limit(a.loader, "limit_predict_batches") for a in loaders]
+        return self._eval_loop.predict(self, self.task, self.callbacks, loaders, limits,
+                                       return_here=self.is_global_zero or self.options.predict_return == "all_ranks")

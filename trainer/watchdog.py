@@ -366,3 +366,16 @@ def nccl_flight_recorder_env_defaults(
         for names, value in candidates
         if not any(name in environ for name in names)
     }
+
+
+def start_for_run(timeout: float | None, *, world_size: int, process_group_timeout: float, run_dir: str,
+                  rank: int) -> Watchdog | None:
+    """The Trainer's watchdog for one stage, started; None when off. ``timeout`` None means the default:
+    ``min(600, process_group_timeout)`` seconds in a distributed run, off in a single process."""
+    if timeout is None and world_size > 1:
+        timeout = min(600.0, process_group_timeout)
+    if timeout is None:
+        return None
+    watchdog = Watchdog(timeout, run_dir=run_dir, rank=rank)
+    watchdog.start()
+    return watchdog

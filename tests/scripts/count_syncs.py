@@ -68,8 +68,9 @@ class Windows(Callback):
         self.mark: Counter[str] = Counter()
 
     def on_train_start(self, trainer, task) -> None:
-        if trainer._ddp is not None:  # test-only peek: register the counting hook before the first backward
-            trainer._ddp.register_comm_hook(None, counting_allreduce)
+        ddp = getattr(trainer.strategy, "ddp", None)  # test-only peek: count DDP's own all-reduces
+        if ddp is not None:  # registered before the first backward
+            ddp.register_comm_hook(None, counting_allreduce)
 
     def on_train_batch_start(self, trainer, task, batch, batch_idx) -> None:
         if self.windows:

@@ -1,0 +1,152 @@
+"""The validation, test and predict loops (the fit loop and the optimizer step are in trainer.py).
+
+An :class:`EvaluationLoop` is built once by the Trainer with what every evaluation needs (device,
+precision, the metric collector, the watchdog's beat) and is handed the rest per call: the trainer
+object that callbacks receive as their first argument, the task, the callbacks, the adapted loaders
+and their batch limits, and where reduced metrics go. It never reads the Trainer's private state.
+
+Ranks: evaluation shards hold different numbers of batches, so nothing inside the batch loop is
+collective; the epoch-end reduction (one per loader) and predict's gather are, and every rank reaches
+them once per loader (DESIGN.md sections 6 and 7).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+
+from trainer import dist
+from trainer import watchdog as wd
+from trainer.data import AdaptedLoader
+from trainer.metrics import MetricCollector
+from trainer.precision import Precision
+from trainer.transfer import infer_batch_size, move_to_device
+
+# publish(values, to_logger, to_bar): where the reduced epoch metrics of one loader go.
+# ``trainer``, ``task`` and ``callbacks`` are typed Any on purpose: this module must not import the
+# Trainer (or the Callback base, which type-hints it), so the split opens no import circle.
+Publish = Callable[[dict[str, float], dict[str, float], dict[str, float]], None]
+
+
+class EvaluationLoop:
+    """Runs ``validation_step`` / ``test_step`` / ``predict_step`` over sharded loaders under
+    ``torch.no_grad()``, with the task in eval mode (restored to train mode afterwards if it was)."""
+
+    def __init__(self, *, device: torch.device, precision: Precision, metrics: MetricCollector,
+                 beat: Callable[[str], None]) -> None:
+        self.device = device
+        self.precision = precision
+        self.metrics = metrics
+        self.beat = beat
+
+    def run(
+        self,
+        trainer: Any,
+        task: Any,
+        callbacks: Sequence[Any],
+        stage: Literal["validate", "test"],
+        loaders: list[AdaptedLoader],
+        limits: list[int | None],
+        *,
+        publish: Publish | None,
+    ) -> list[dict[str, float]]:
+        """One validation or test epoch over ``loaders`` (``limits[i]`` batches of loader i, None: all).
+
+        Returns one dict of reduced epoch metrics per loader (the same on every rank). ``publish``
+        receives them as they are reduced; None (the sanity check) discards them.
+        """
+        validating = stage == "validate"
+        was_training = task.training
+        task.eval()
+        self.metrics.stage = stage
+        results: list[dict[str, float]] = []
+        if validating:
+            task.on_validation_epoch_start()
+            for cb in callbacks:
+                cb.on_validation_epoch_start(trainer, task)
+        else:
+            task.on_test_epoch_start()
+            for cb in callbacks:
+                cb.on_test_epoch_start(trainer, task)
+        step = task.validation_step if validating else task.test_step
+        phase = wd.PHASE_VALIDATION_STEP if validating else wd.PHASE_TEST_STEP
+        many = len(loaders) > 1
+        with torch.no_grad():
+            for loader_idx, (adapted, limit) in enumerate(zip(loaders, limits)):
+                for batch_idx, batch in enumerate(adapted.loader):
+                    if limit is not None and batch_idx >= limit:
+                        break
+                    self.beat(phase)
+                    batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
+                    self.metrics.batch_size = infer_batch_size(batch)
+                    with self.precision.autocast():
+                        outputs = step(batch, batch_idx, loader_idx) if many else step(batch, batch_idx)
+                    if validating:
+                        task.on_validation_batch_end(outputs, batch, batch_idx, loader_idx)
+                        for cb in callbacks:
+                            cb.on_validation_batch_end(trainer, task, outputs, batch, batch_idx, loader_idx)
+                    else:
+                        task.on_test_batch_end(outputs, batch, batch_idx, loader_idx)
+                        for cb in callbacks:
+                            cb.on_test_batch_end(trainer, task, outputs, batch, batch_idx, loader_idx)
+                if loader_idx < len(loaders) - 1:
+                    results.append(self._reduce(loader_idx, len(loaders), publish))
+        # The task's epoch-end hook may still log; callbacks then see the reduced epoch metrics.
+        if validating:
+            task.on_validation_epoch_end()
+            results.append(self._reduce(len(loaders) - 1, len(loaders), publish))
+            for cb in callbacks:
+                cb.on_validation_epoch_end(trainer, task)
+        else:
+            task.on_test_epoch_end()
+            results.append(self._reduce(len(loaders) - 1, len(loaders), publish))
+            for cb in callbacks:
+                cb.on_test_epoch_end(trainer, task)
+        if was_training:
+            task.train()
+            self.metrics.stage = "train"
+        return results
+
+    def _reduce(self, loader_idx: int, num_loaders: int, publish: Publish | None) -> dict[str, float]:
+        """Epoch metrics of one loader, reduced over ranks (a collective)."""
+        values, to_logger, to_bar = self.metrics.reduce_epoch()
+        if num_loaders > 1:
+            suffix = f"/dataloader_idx_{loader_idx}"
+            values, to_logger, to_bar = ({k + suffix: v for k, v in d.items()} for d in (values, to_logger, to_bar))
+        if publish is not None:
+            publish(values, to_logger, to_bar)
+        return values
+
+    def predict(
+        self,
+        trainer: Any,
+        task: Any,
+        callbacks: Sequence[Any],
+        loaders: list[AdaptedLoader],
+        limits: list[int | None],
+        *,
+        return_here: bool,
+    ) -> list[Any] | None:
+        """``predict_step`` over every loader; outputs moved to CPU and gathered in rank order, so each
+        list is in dataset order (contiguous shards). ``return_here`` False: this rank returns None.
+        With several loaders the result is a list of such lists."""
+        task.eval()
+        self.metrics.stage = "predict"
+        results: list[list[Any] | None] = []
+        with torch.no_grad():
+            for loader_idx, (adapted, limit) in enumerate(zip(loaders, limits)):
+                local: list[Any] = []
+                for batch_idx, batch in enumerate(adapted.loader):
+                    if limit is not None and batch_idx >= limit:
+                        break
+                    batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
+                    with self.precision.autocast():
+                        out = task.predict_step(batch, batch_idx) if len(loaders) == 1 else task.predict_step(batch, batch_idx, loader_idx)
+                    local.append(move_to_device(out, torch.device("cpu")))
+                gathered = dist.all_gather_object(local) if dist.get_world_size() > 1 else [local]  # collective
+                merged = [item for rank_items in gathered for item in rank_items]
+                results.append(merged if return_here else None)
+        for cb in callbacks:
+            cb.on_predict_epoch_end(trainer, task)
+        return results[0] if len(results) == 1 else results

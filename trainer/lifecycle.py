@@ -1,0 +1,111 @@
+"""What happens around every stage (fit / validate / test / predict): seeding, setup hooks, teardown.
+
+The Trainer calls :func:`setup_stage` after the process group exists and before the stage's loop, and
+:func:`teardown_stage` after it, also when the loop raised. Both run on every rank. They receive what
+they act on as arguments (the task, the datamodule, the callbacks, the loggers) and the Trainer only as
+the object that hooks are handed; they never read its private state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import Any, Sequence
+
+import torch
+
+from trainer import dist
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's (when installed) and torch's global generators (CPU and CUDA)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover - numpy is optional
+        pass
+
+
+def setup_stage(
+    trainer: Any,
+    stage: str,
+    *,
+    task: Any,
+    datamodule: Any | None,
+    callbacks: Sequence[Any],
+    loggers: Sequence[Any],
+    seed: int | None,
+    deterministic: bool,
+    local_rank: int,
+) -> None:
+    """Seed (``seed + global_rank`` per rank), agree on the run directory's version (a collective),
+    prepare and set up the data (``prepare_data`` on local rank 0, the others wait at a barrier), then
+    ``task.setup`` and the callbacks' ``setup``, in that order."""
+    if seed is not None:
+        seed_everything(seed + trainer.global_rank)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    for logger in loggers:
+        logger.resolve_version()  # rank 0 picks, all ranks agree (broadcast)
+    if datamodule is not None:
+        if local_rank == 0:
+            datamodule.prepare_data()
+        dist.barrier(trainer.device)
+        datamodule.setup(stage)
+    task.setup(stage)
+    for cb in callbacks:
+        cb.setup(trainer, task, stage)
+
+
+def teardown_stage(
+    trainer: Any,
+    stage: str,
+    *,
+    task: Any,
+    datamodule: Any | None,
+    callbacks: Sequence[Any],
+    loggers: Sequence[Any],
+    failed: bool,
+) -> None:
+    """``teardown`` of the task, the callbacks and the datamodule (all of them, even when one raises),
+    then the loggers' ``finalize`` on rank 0. After a successful stage every rank leaves together (a
+    barrier) and the first teardown error is raised; after a failed one the stage's own error wins.
+    """
+    errors: list[BaseException] = []
+    steps = [lambda: task.teardown(stage)] + [(lambda cb=cb: cb.teardown(trainer, task, stage)) for cb in callbacks]
+    if datamodule is not None:
+        steps.append(lambda: datamodule.teardown(stage))
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:  # keep tearing down; report the first error below
+            errors.append(exc)
+    if trainer.is_global_zero:
+        for logger in loggers:
+            logger.finalize("failed" if failed else "success")
+    if not failed:
+        # Leave every stage together: no rank exits (and tears gloo down at interpreter exit) while a
+        # peer is still inside the stage's last collective.
+        dist.barrier(trainer.device)
+    if errors and not failed:
+        raise errors[0]
+
+
+def with_default_callbacks(callbacks: list[Any], *, progress_bar: type | None, checkpoint: type | None) -> list[Any]:
+    """``callbacks`` plus the built-ins the Trainer adds by default, each unless the user passed one of its
+    kind: ``progress_bar`` (the ProgressBar class, when ``enable_progress_bar``) and ``checkpoint`` (the
+    ModelCheckpoint class, when ``enable_checkpointing``). The classes are arguments so that this module
+    imports no callback (and so not the Trainer they type-hint)."""
+    if progress_bar is not None and not any(getattr(cb, "is_progress_bar", False) for cb in callbacks):
+        callbacks.append(progress_bar())
+    if checkpoint is not None and not any(getattr(cb, "is_model_checkpoint", False) for cb in callbacks):
+        callbacks.append(checkpoint())
+    return callbacks
