@@ -68,6 +68,9 @@ class Trainer:
         self.options = TrainerOptions.from_kwargs(options)
         opts = self.options
         self.env = dist.detect_env()
+        # Where this process sits in the job (fixed for the Trainer's life; Lightning's names).
+        self.global_rank, self.local_rank, self.node_rank = self.env.rank, self.env.local_rank, self.env.node_rank
+        self.world_size, self.is_global_zero = self.env.world_size, self.env.rank == 0
         check_lightning_keywords(opts, self.env)  # devices / num_nodes / strategy against the launcher
         configure_logging(self.env.rank)
         self.device = dist.select_device(opts.accelerator, self.env)  # type: ignore[arg-type]
@@ -117,26 +120,6 @@ class Trainer:
                                          beat=self._beat)
 
     # ------------------------------------------------------------------ public properties
-    @property
-    def global_rank(self) -> int:
-        return self.env.rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.env.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.env.world_size
-
-    @property
-    def node_rank(self) -> int:
-        return self.env.node_rank
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.env.rank == 0
-
     @property
     def precision(self) -> str:
         return self.options.precision
