@@ -35,6 +35,12 @@ class GradientAccumulationScheduler(Callback):
     def setup(self, trainer: Trainer, task: TaskModule, stage: str) -> None:
         if stage != "fit":
             return
+        if trainer.options.global_batch_size is not None:
+            raise ValueError(
+                f"GradientAccumulationScheduler and Trainer(global_batch_size={trainer.options.global_batch_size!r}) "
+                "both set accumulation; give the schedule in global-batch terms instead: "
+                "global_batch_size={epoch: G} or {'step': {global_step: G}}."
+            )
         if trainer.options.accumulate_grad_batches != 1:
             raise ValueError(
                 "GradientAccumulationScheduler and Trainer(accumulate_grad_batches="

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer import dist
+from trainer import dist, elastic
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.trainer import Trainer
@@ -42,6 +42,7 @@ K_RNG = "rng_states"
 K_OPTIONS = "trainer_options"
 K_DATAMODULE = "datamodule"
 K_HPARAMS = "hyper_parameters"
+K_GLOBAL_BATCH = "global_batch"  # trainer/elastic.py: the run's samples per optimizer step
 REQUIRED_KEYS = (K_FORMAT, K_STATE_DICT)
 
 
@@ -218,6 +219,7 @@ def assemble(trainer: Trainer) -> dict[str, Any]:
         K_RNG: rng,
         K_OPTIONS: _plain(trainer.options.resolved()),
         K_CALLBACKS: {},
+        K_GLOBAL_BATCH: elastic.checkpoint_record(trainer),
     }
     for cb in trainer.callbacks:
         cb_state = cb.state_dict()
@@ -341,6 +343,7 @@ def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
         trainer.datamodule.load_state_dict(state[K_DATAMODULE])
     loop = state[K_LOOP]
     restore_loop(trainer, loop, saved_world_size=int(state.get(K_WORLD_SIZE, trainer.world_size)))
+    elastic.check_resume(trainer, state.get(K_GLOBAL_BATCH), path=str(path))
     rng = state.get(K_RNG) or []
     if trainer.global_rank < len(rng):
         _set_rng_state(rng[trainer.global_rank], trainer.device)
@@ -361,16 +364,17 @@ def restore_loop(trainer: Trainer, loop: dict[str, Any], *, saved_world_size: in
         return
     trainer.current_epoch = int(loop["epoch"])
     trainer._epoch_samples = int(loop["samples_consumed"])
-    if saved_world_size == trainer.world_size:
-        trainer._epoch_batches_done = int(loop["batches_done"])
+    batch_size = getattr(trainer._train.loader, "batch_size", None) if trainer._train is not None else None
+    per_step = (batch_size or 1) * trainer.world_size
+    done = int(loop["batches_done"])
+    if saved_world_size == trainer.world_size and trainer._epoch_samples in (0, done * per_step):
+        trainer._epoch_batches_done = done
     else:
-        # Another world size: the global cursor stays exact; batch indices restart from it.
-        batch_size = getattr(trainer._train.loader, "batch_size", None) if trainer._train is not None else None
-        per_step = (batch_size or 1) * trainer.world_size
+        # Another world size or micro-batch size: the global cursor stays exact; batch indices restart from it.
         trainer._epoch_batches_done = -(-trainer._epoch_samples // per_step)
-        log.warning("Checkpoint was saved with world size %d, resuming on %d: the data cursor resumes at "
-                    "sample %d of epoch %d.", saved_world_size, trainer.world_size, trainer._epoch_samples,
-                    trainer.current_epoch)
+        log.warning("Checkpoint was saved with world size %d, resuming on %d (micro-batch %s): the data cursor "
+                    "resumes at sample %d of epoch %d.", saved_world_size, trainer.world_size, batch_size,
+                    trainer._epoch_samples, trainer.current_epoch)
 
 
 def resolve_ckpt_path(trainer: Trainer, ckpt_path: str) -> str | None:

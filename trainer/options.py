@@ -66,12 +66,14 @@ class TrainerOptions:
     """Every option of :class:`trainer.Trainer`, with Lightning's names and defaults where they exist.
 
     Units (DESIGN.md section 4): ``max_steps``, ``val_check_interval``, ``log_every_n_steps`` count
-    optimizer steps; ``accumulate_grad_batches`` counts micro-batches per optimizer step.
+    optimizer steps; ``accumulate_grad_batches`` counts micro-batches per optimizer step;
+    ``global_batch_size`` counts samples per optimizer step, all ranks together (trainer/elastic.py).
     """
 
     max_epochs: int | None = None
     max_steps: int = -1
     accumulate_grad_batches: int | dict = 1
+    global_batch_size: int | dict | None = None
     drop_incomplete_accumulation: bool = False
     precision: str = "32"
     gradient_clip_val: float | None = None
@@ -126,6 +128,16 @@ class TrainerOptions:
             parse_schedule(self.accumulate_grad_batches)
         else:
             _check_int("accumulate_grad_batches", self.accumulate_grad_batches, minimum=1)
+        if self.global_batch_size is not None:
+            parse_global_batch(self.global_batch_size)
+            if self.accumulate_grad_batches != 1:
+                raise ValueError(
+                    f"Trainer options global_batch_size={self.global_batch_size!r} and accumulate_grad_batches="
+                    f"{self.accumulate_grad_batches!r} both set accumulation: with global_batch_size keel derives "
+                    "accumulate_grad_batches = global_batch_size / (world size x micro-batch size) at every "
+                    "(re)start. Pass only one of them (a schedule goes in global_batch_size as {epoch: G} or "
+                    "{'step': {global_step: G}})."
+                )
         self.precision = _normalise_precision(self.precision)
         if self.gradient_clip_val is not None:
             if isinstance(self.gradient_clip_val, bool) or not isinstance(self.gradient_clip_val, (int, float)):
@@ -236,6 +248,40 @@ class TrainerOptions:
                 value = [type(lg).__name__ for lg in (value if isinstance(value, (list, tuple)) else [value])]
             out[f.name] = value
         return out
+
+
+_GLOBAL_BATCH_EXPECTED = ("an int >= 1 (samples per optimizer step, all ranks together), a {epoch: G} or "
+                          "{'step': {global_step: G}} schedule, or None")
+
+
+def parse_global_batch(value: Any) -> tuple[str, list[tuple[int, int]]]:
+    """Validate ``global_batch_size``: an int >= 1, ``{epoch: G}`` or ``{"step": {global_step: G}}``.
+
+    A schedule's first key must be 0 (there is no global batch "before" it). trainer/elastic.py turns the
+    result into an accumulation schedule at each (re)start.
+
+    Returns:
+        ``(clock, [(start, G), ...])`` with ``clock`` "epoch" or "step".
+
+    Raises:
+        ValueError: naming the option, the offending value and what is expected.
+    """
+    if _is_int(value):
+        if value < 1:
+            raise _fail("global_batch_size", value, _GLOBAL_BATCH_EXPECTED)
+        return "epoch", [(0, value)]
+    if not isinstance(value, dict):
+        raise _fail("global_batch_size", value, _GLOBAL_BATCH_EXPECTED)
+    from trainer.accumulation import parse_schedule
+
+    try:
+        clock, items = parse_schedule(value, name="global_batch_size")
+    except ValueError as exc:
+        raise _fail("global_batch_size", value, f"{_GLOBAL_BATCH_EXPECTED} ({exc})") from None
+    if items[0][0] != 0:
+        raise _fail("global_batch_size", value, f"a schedule whose first {clock} key is 0 (the global batch from "
+                    "the start of the run)")
+    return clock, items
 
 
 def _normalise_precision(value: Any) -> str:

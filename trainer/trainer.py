@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from trainer import checkpoint as ckpt
-from trainer import dist
+from trainer import dist, elastic
 from trainer import watchdog as wd
 from trainer.accumulation import (
     AccumulationSchedule, MicroBatch, StepNormaliser, check_finite_loss, estimate_stepping_batches, finite_on_all_ranks,
@@ -359,6 +359,7 @@ class Trainer:
         self._train = adapt_train_loader(
             train_loaders[0], num_replicas=self.world_size, rank=self.global_rank, seed=opts.seed or 0
         )
+        elastic.configure(self, self._train.loader)  # global_batch_size -> accumulation at this world size
         val_loaders = self._eval_loaders("validate", val_dataloaders)
         self.num_val_batches = [self._limit(v.loader, "limit_val_batches") for v in val_loaders]
         self._check_sharding = self.world_size > 1 and self._train.sampler is None
