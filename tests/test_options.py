@@ -68,6 +68,8 @@ INVALID = [
     ("num_nodes", 0),
     ("strategy", "fsdp"),
     ("logger", "tensorboard"),
+    ("profiler", "advanced"),
+    ("profiler", True),
     ("callbacks", ["not a callback"]),
 ]
 

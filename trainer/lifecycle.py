@@ -43,10 +43,11 @@ def setup_stage(
     seed: int | None,
     deterministic: bool,
     local_rank: int,
+    profiler: Any = None,
 ) -> None:
-    """Seed (``seed + global_rank`` per rank), agree on the run directory's version (a collective),
-    prepare and set up the data (``prepare_data`` on local rank 0, the others wait at a barrier), then
-    ``task.setup`` and the callbacks' ``setup``, in that order."""
+    """Seed (``seed + global_rank`` per rank), agree on the run directory's version (a collective), set up
+    the profiler (it knows the run directory then), prepare and set up the data (``prepare_data`` on local
+    rank 0, the others wait at a barrier), then ``task.setup`` and the callbacks' ``setup``, in that order."""
     if seed is not None:
         seed_everything(seed + trainer.global_rank)
     if deterministic:
@@ -55,6 +56,10 @@ def setup_stage(
         torch.backends.cudnn.benchmark = False
     for logger in loggers:
         logger.resolve_version()  # rank 0 picks, all ranks agree (broadcast)
+    if profiler is not None:
+        profiler.setup(stage, run_dir=trainer.log_dir, rank=trainer.global_rank)
+        if profiler.enabled:
+            profiler.transition("setup")  # the phase clock starts: data and task setup count as "setup"
     if datamodule is not None:
         if local_rank == 0:
             datamodule.prepare_data()
@@ -74,13 +79,17 @@ def teardown_stage(
     callbacks: Sequence[Any],
     loggers: Sequence[Any],
     failed: bool,
+    profiler: Any = None,
 ) -> None:
-    """``teardown`` of the task, the callbacks and the datamodule (all of them, even when one raises),
-    then the loggers' ``finalize`` on rank 0. After a successful stage every rank leaves together (a
-    barrier) and the first teardown error is raised; after a failed one the stage's own error wins.
+    """``teardown`` of the profiler (its summary), the task, the callbacks and the datamodule (all of them,
+    even when one raises), then the loggers' ``finalize`` on rank 0. After a successful stage every rank
+    leaves together (a barrier) and the first teardown error is raised; after a failed one the stage's own
+    error wins.
     """
     errors: list[BaseException] = []
     steps = [lambda: task.teardown(stage)] + [(lambda cb=cb: cb.teardown(trainer, task, stage)) for cb in callbacks]
+    if profiler is not None:
+        steps.insert(0, lambda: profiler.teardown(stage))
     if datamodule is not None:
         steps.append(lambda: datamodule.teardown(stage))
     for step in steps:

@@ -241,7 +241,8 @@ class MLFlowLogger(Logger):
         if self.log_model and status == "success":
             for path in tracking.checkpoint_files(self.log_dir):
                 self._client.log_artifact(self._run_id, path, artifact_path="checkpoints")  # type: ignore[arg-type]
-        self._client.set_terminated(self._run_id, "FINISHED" if status == "success" else "FAILED")  # type: ignore[arg-type]
+        status_name = "FINISHED" if status == "success" else "FAILED"
+        self._client.set_terminated(self._run_id, status_name)  # type: ignore[arg-type]
         self._running = False
 
     def __repr__(self) -> str:

@@ -98,6 +98,8 @@ class TrainerOptions:
     default_root_dir: str | None = None
     callbacks: list[Any] = field(default_factory=list)
     logger: Any = True
+    # None / "simple" / "pytorch" / "passthrough" / a trainer.profiler.Profiler; a Profiler after __post_init__.
+    profiler: Any = None
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True
     enable_model_summary: bool = True
@@ -212,6 +214,9 @@ class TrainerOptions:
                 raise _fail(name, getattr(self, name), "a number of seconds > 0 or a timedelta"
                             + (" or None" if name == "watchdog_timeout" else ""))
             setattr(self, name, float(value))
+        from trainer.profiler import resolve_profiler
+
+        self.profiler = resolve_profiler(self.profiler)  # raises ValueError naming the option for a bad value
         if self.on_nonfinite not in ("error", "skip"):
             raise _fail("on_nonfinite", self.on_nonfinite, "'error' or 'skip'")
         if self.uneven_batches not in ("truncate", "error"):
@@ -244,6 +249,8 @@ class TrainerOptions:
             value = getattr(self, f.name)
             if f.name == "callbacks":
                 value = [type(cb).__name__ for cb in value]
+            elif f.name == "profiler":
+                value = type(value).__name__
             elif f.name == "logger" and not isinstance(value, (bool, type(None))):
                 value = [type(lg).__name__ for lg in (value if isinstance(value, (list, tuple)) else [value])]
             out[f.name] = value
@@ -313,7 +320,6 @@ LIGHTNING_UNSUPPORTED: dict[str, str] = {
     "(DESIGN.md section 6); a loader it cannot adapt is used as is, with a warning saying why.",
     "reload_dataloaders_every_n_epochs": "loaders are built once per fit; let the dataset read fresh data itself "
     "(set_epoch on your sampler or dataset is called by keel's sampler each epoch).",
-    "profiler": "wrap trainer.fit(...) in torch.profiler.profile(...), or start/stop it in a callback.",
     "detect_anomaly": "wrap trainer.fit(...) in `with torch.autograd.detect_anomaly():`.",
     "barebones": "pass logger=False, enable_checkpointing=False, enable_progress_bar=False, "
     "enable_model_summary=False.",

@@ -383,6 +383,18 @@ class PyTorchProfiler(Profiler):
         super().teardown(stage)
 
 
+def check_profiler(option: Any) -> None:
+    """Raises the ``ValueError`` of :func:`resolve_profiler` for an invalid ``profiler`` option, building nothing."""
+    if option is None or isinstance(option, Profiler):
+        return
+    if isinstance(option, str) and option.lower() in PROFILER_CHOICES:
+        return
+    raise ValueError(
+        f"Trainer option profiler={option!r} is invalid: expected None, 'simple', 'pytorch', 'passthrough' "
+        "or a trainer.profiler.Profiler instance."
+    )
+
+
 def resolve_profiler(option: Any) -> Profiler:
     """Turns the Trainer's ``profiler`` option into a :class:`Profiler`.
 
@@ -397,11 +409,5 @@ def resolve_profiler(option: Any) -> Profiler:
         return PassThroughProfiler()
     if isinstance(option, Profiler):
         return option
-    if isinstance(option, str) and option.lower() in PROFILER_CHOICES:
-        return {"simple": SimpleProfiler, "pytorch": PyTorchProfiler, "passthrough": PassThroughProfiler}[
-            option.lower()
-        ]()
-    raise ValueError(
-        f"Trainer option profiler={option!r} is invalid: expected None, 'simple', 'pytorch', 'passthrough' "
-        "or a trainer.profiler.Profiler instance."
-    )
+    check_profiler(option)
+    return {"simple": SimpleProfiler, "pytorch": PyTorchProfiler, "passthrough": PassThroughProfiler}[option.lower()]()

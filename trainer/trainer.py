@@ -81,6 +81,7 @@ class Trainer:
             check_callbacks(opts.callbacks), progress_bar=ProgressBar if opts.enable_progress_bar else None,
             checkpoint=ModelCheckpoint if opts.enable_checkpointing else None))
         self.loggers: list[Logger] = default_loggers(opts.logger, opts.default_root_dir)
+        self.profiler = opts.profiler  # a trainer.profiler.Profiler; PassThroughProfiler (disabled) when off
         # Run state: the step clock, the epoch, the data cursor.
         self.global_step = 0
         self.current_epoch = 0
@@ -301,9 +302,11 @@ class Trainer:
         return result
 
     def _beat(self, phase: str) -> None:
-        """Tell the watchdog which phase this rank enters (an attribute write)."""
+        """Tell the watchdog which phase this rank enters (an attribute write), and the profiler when on."""
         if self._watchdog is not None:
             self._watchdog.beat(phase, self.global_step)
+        if self.profiler.enabled:  # profiling off (the default): this check is its whole cost
+            self.profiler.transition(phase)
 
     def _init_distributed(self) -> None:
         opts = self.options
@@ -321,14 +324,14 @@ class Trainer:
             log.info("Trainer options: %s", self.options.resolved())
             self._logged_options = True
         setup_stage(self, stage, task=task, datamodule=self.datamodule, callbacks=self.callbacks, loggers=self.loggers,
-                    seed=opts.seed, deterministic=opts.deterministic, local_rank=self.local_rank)
+                    seed=opts.seed, deterministic=opts.deterministic, local_rank=self.local_rank, profiler=self.profiler)
         task.to(self.device)
         self._precision.convert_module(task)
 
     def _teardown_stage(self, stage: str, *, failed: bool) -> None:
         try:
             teardown_stage(self, stage, task=self.task, datamodule=self.datamodule, callbacks=self.callbacks,
-                           loggers=self.loggers, failed=failed)
+                           loggers=self.loggers, failed=failed, profiler=self.profiler)
         finally:
             self._model = None
             self.strategy.teardown()
@@ -464,6 +467,7 @@ class Trainer:
             if stepped and self._logging_due():
                 self._log_step_metrics()  # a logging step: the only place step metrics are read
             self.optimizer_stepped = stepped
+            self._beat(wd.PHASE_CALLBACKS)
             task.on_train_batch_end(outputs, micro.batch, micro.batch_idx)
             for cb in self.callbacks:
                 cb.on_train_batch_end(self, task, outputs, micro.batch, micro.batch_idx)

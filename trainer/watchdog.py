@@ -55,6 +55,7 @@ PHASE_TRAINING_STEP = "training_step"
 PHASE_BACKWARD = "backward"
 PHASE_OPTIMIZER_STEP = "optimizer_step"
 PHASE_METRICS_REDUCTION = "metrics_reduction"
+PHASE_CALLBACKS = "callbacks"
 PHASE_VALIDATION_STEP = "validation_step"
 PHASE_TEST_STEP = "test_step"
 PHASE_PREDICT_STEP = "predict_step"
@@ -73,6 +74,7 @@ PHASE_DESCRIPTIONS: dict[str, str] = {
         "in the optimizer step (the loss-normaliser all-reduce, clipping, optimizer.step, schedulers)"
     ),
     PHASE_METRICS_REDUCTION: "in a collective: metrics reduction",
+    PHASE_CALLBACKS: "in on_train_batch_end (the task's hook and the callbacks')",
     PHASE_VALIDATION_STEP: "inside validation_step",
     PHASE_TEST_STEP: "inside test_step",
     PHASE_PREDICT_STEP: "inside predict_step",
