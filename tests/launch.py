@@ -472,13 +472,15 @@ def elastic_agents(
     join_when: Callable[[], bool] | None = None,
     max_restarts: int = 2,
     rdzv_conf: dict[str, int] | None = None,
+    external_store: bool = False,
     timeout: float = 180,
     env: dict[str, str] | None = None,
     cwd: str | os.PathLike | None = None,
 ) -> list[LaunchResult]:
     """Two elastic torchrun agents (``--nnodes 1:2``, one worker each) joined by a c10d rendezvous on 127.0.0.1.
 
-    Agent 0 hosts the rendezvous store and starts at once. Agent 1 starts at once too, or, with
+    Agent 0 hosts the rendezvous store and starts at once; with ``external_store`` a separate process
+    hosts it instead (``is_host=false`` for both agents), so that either agent may die. Agent 1 starts at once too, or, with
     ``join_when``, as soon as ``join_when()`` returns True (polled every 50 ms): a node that joins a
     running job. Each agent's environment holds ``KEEL_NODE=<index>`` so a worker knows its node. An
     agent that dies (a lost node) does not stop the other: the launch ends when every started agent has
@@ -491,7 +493,7 @@ def elastic_agents(
     def command(node: int, endpoint: str, rdzv_id: str) -> list[str]:
         text = ",".join(f"{key}={value}" for key, value in conf.items())
         if _c10d_supports_is_host():
-            text += ",is_host=" + ("true" if node == 0 else "false")
+            text += ",is_host=" + ("true" if node == 0 and not external_store else "false")
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
             "--nnodes", "1:2",
@@ -510,7 +512,16 @@ def elastic_agents(
     def once() -> list[LaunchResult]:
         endpoint, rdzv_id, marker = f"{LOOPBACK}:{free_port()}", f"keel-{uuid.uuid4().hex[:12]}", uuid.uuid4().hex
         launch = _Launch([], _make_env(env, marker), os.fspath(cwd) if cwd is not None else None, marker)
+        store = None
         try:
+            if external_store:
+                port = endpoint.rsplit(":", 1)[1]
+                code = ("import time, datetime, torch.distributed as d; s = d.TCPStore('127.0.0.1', " + port +
+                        ", is_master=True, multi_tenant=True, wait_for_workers=False, "
+                        "timeout=datetime.timedelta(seconds=60)); print('store up', flush=True); time.sleep(3600)")
+                store = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=launch.env,
+                                         start_new_session=True)
             launch.add(command(0, endpoint, rdzv_id), {"KEEL_NODE": "0"})
             if join_when is None:
                 launch.add(command(1, endpoint, rdzv_id), {"KEEL_NODE": "1"})
@@ -528,6 +539,10 @@ def elastic_agents(
             launch.kill()
             launch.finish()
             raise
+        finally:
+            if store is not None:  # the store outlives the agents by design: stop it before the stray check
+                store.kill()
+                store.wait(timeout=10)
         if not finished:
             launch.kill()
         results = launch.finish()

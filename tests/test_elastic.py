@@ -191,6 +191,19 @@ def test_losing_the_rendezvous_host_ends_the_job_and_a_relaunch_resumes_exactly(
     assert_same_run(tmp_path, reference, ranks=1, resumed_at=5)
 
 
+@pytest.mark.multiprocess
+def test_with_the_store_outside_the_job_any_node_may_die(tmp_path: Path, reference) -> None:
+    """The supported setup for the limit above: a TCPStore in a process of its own (``is_host=false`` on every
+    agent). Node 0, the one that would have hosted the store, dies; node 1 continues alone, exactly."""
+    agents = elastic_agents(SCRIPT, *script_args(tmp_path), "--die-at", "6", "--die-node", "0", max_restarts=2,
+                            rdzv_conf=RDZV, env=AGENT_ENV, external_store=True, timeout=150)
+    lost, survivor = agents
+    assert lost.returncode == -9, lost.tail()
+    survivor.check()
+    assert "Resumed at global step 5" in survivor.stdout
+    assert_same_run(tmp_path, reference, ranks=1, resumed_at=5)
+
+
 # ---------------------------------------------------------------------------------------- in process
 
 

@@ -77,7 +77,7 @@ class Regression(TaskModule):
             merged[rank::world] = share
         self.order.append({"step": self.trainer.global_step, "epoch": self.trainer.current_epoch,
                            "samples": merged, "accumulate": self.micro,
-                           "world_size": world, "weights_sum": float(sum(p.sum() for p in self.parameters()))})
+                           "world_size": world, "weights_sum": float(sum(p.detach().sum() for p in self.parameters()))})
         self.local, self.micro = [], 0
 
     def on_save_checkpoint(self, checkpoint) -> None:
