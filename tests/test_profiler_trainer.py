@@ -147,6 +147,7 @@ def test_pytorch_profiler_traces_of_a_fit(tmp_path: Path) -> None:
                                                                         "ProfilerStep#4"}
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_write_one_trace_each_and_rank_zero_logs_the_table(tmp_path: Path) -> None:
     result = torchrun(SCRIPT, str(tmp_path / "run"), nproc=2, timeout=180).check()
     traces = sorted(n for n in os.listdir(tmp_path / "run" / "profiler") if n.endswith(".pt.trace.json"))

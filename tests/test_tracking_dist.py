@@ -14,6 +14,8 @@ import pytest
 from launch import torchrun
 from trainer import wandb_records
 
+pytestmark = pytest.mark.multiprocess
+
 pytest.importorskip("mlflow", reason="pip install -e '.[dev]' (or .[mlflow])")
 pytest.importorskip("wandb", reason="pip install -e '.[dev]' (or .[wandb])")
 
