@@ -5,8 +5,9 @@ Runs under a plain ``python`` (the uninterrupted reference) or under torchrun ag
 ``--nnodes 1:2`` (tests/test_elastic.py). Each agent's environment names its node (``KEEL_NODE``).
 
 Membership events on demand (first attempt only):
-  --die-at S      the worker on node --die-node SIGKILLs its torchrun agent and then itself right after
-                  optimizer step S, before that step's checkpoint: the node is gone and step S is lost
+  --die-at S      the worker on node --die-node SIGKILLs its torchrun agent (under torchrun) and then
+                  itself right after optimizer step S, before that step's checkpoint: the node is gone and
+                  step S is lost (first attempt: TORCHELASTIC_RESTART_COUNT / SLURM_RESTART_COUNT 0)
   --mark-at S     at world size 1, the worker touches OUT/reached once step S is done (the test then
                   starts a second agent: a node joins) and waits (at most --join-wait seconds) for the
                   SIGTERM with which its agent stops it to admit the new node; keel then saves at step S
@@ -97,7 +98,8 @@ class Membership(Callback):
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT") or "0"
+        self.first = restarts == "0"
         self.terminated = False
         self.wrapped = False
 
@@ -122,7 +124,8 @@ class Membership(Callback):
         if step == args.die_at and os.environ.get("KEEL_NODE") == str(args.die_node):
             out.mkdir(parents=True, exist_ok=True)
             (out / "died").write_text(f"{time.time():.6f}\n")  # the moment the node is lost
-            os.kill(os.getppid(), signal.SIGKILL)  # the torchrun agent of this node
+            if os.environ.get("TORCHELASTIC_RUN_ID"):
+                os.kill(os.getppid(), signal.SIGKILL)  # the torchrun agent of this node
             os.kill(os.getpid(), signal.SIGKILL)
         if step == args.mark_at and trainer.world_size == 1:
             out.mkdir(parents=True, exist_ok=True)
