@@ -270,3 +270,28 @@ def test_recipe_logs_config_and_metrics_to_both_trackers(tmp_path: Path) -> None
     assert config["config"]["trainer"]["max_steps"] == 3 and config["trainer"]["max_steps"] == 3
     steps = sorted(row["_step"] for f in files for row in wandb_records.history(f) if "train/loss" in row)
     assert steps == [1, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------------- W&B run file
+def test_wandb_run_file_reader_stops_at_a_torn_tail_and_rejects_corruption(tmp_path: Path) -> None:
+    logger = WandbLogger(save_dir=tmp_path, offline=True, version=0)
+    for step in (1, 2, 3):
+        logger.log_metrics({"x": float(step)}, step=step)
+    logger.finalize("success")
+    (run_dir,) = _offline_runs(logger)
+    data = _wandb_file(run_dir).read_bytes()
+    torn = tmp_path / "torn.wandb"
+    full = wandb_records.history(_wandb_file(run_dir))
+    assert [row["_step"] for row in full] == [1, 2, 3]
+    torn.write_bytes(data[: len(data) - 5])  # a writer killed in the middle of its last chunk
+    assert len(wandb_records.records(torn)) < len(wandb_records.records(_wandb_file(run_dir)))
+    assert [row["_step"] for row in wandb_records.history(torn)] == [1, 2, 3]  # the history came before the end
+    assert wandb_records.last_steps([torn]) == {"x": 3, "trainer/global_step": 3}
+    flipped = bytearray(data)
+    flipped[40] ^= 0xFF  # inside the first record
+    (tmp_path / "bad.wandb").write_bytes(bytes(flipped))
+    with pytest.raises(ValueError, match="checksum"):
+        wandb_records.records(tmp_path / "bad.wandb")
+    (tmp_path / "other.bin").write_bytes(b"not a run file")
+    with pytest.raises(ValueError, match="not a W&B run file"):
+        wandb_records.records(tmp_path / "other.bin")

@@ -270,11 +270,12 @@ class SimpleProfiler(Profiler):
 class PyTorchProfiler(Profiler):
     """``torch.profiler`` traces per rank, written to ``<run dir>/profiler/`` on a schedule.
 
-    Each rank writes ``rank<R>.<host>_<pid>.<time>.pt.trace.json`` files (one per active window of the
+    Each rank writes ``rank<R>.<stage>.<time>.pt.trace.json`` files (one per active window of the
     schedule) through ``torch.profiler.tensorboard_trace_handler``: Chrome-trace JSON, which
     ``tensorboard --logdir <run dir>`` shows with the PyTorch profiler plugin (``torch-tb-profiler``),
     and which chrome://tracing or https://ui.perfetto.dev open directly. The Trainer's actions appear in
-    the trace as ``record_function`` ranges, and the schedule advances once per optimizer step.
+    the trace as ``record_function`` ranges, and the schedule advances once per optimizer step (so a
+    ``validate`` / ``test`` / ``predict`` stage, which has none, records nothing with the default schedule).
     :meth:`summary` is the ``key_averages()`` table of the last active window.
 
     Args:
