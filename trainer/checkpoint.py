@@ -8,10 +8,12 @@ one. Loading always uses ``torch.load(weights_only=True)``: a checkpoint can nev
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import random
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +55,86 @@ class CheckpointError(RuntimeError):
     """A checkpoint file that cannot be read: missing, truncated, corrupt, unsafe, or of an unknown format."""
 
 
+class CheckpointSaveError(OSError):
+    """A checkpoint that could not be written (disk full, no permission, ...). An ``OSError`` with the
+    cause's ``errno``; the message names the file, the bytes needed and free, and the previous
+    checkpoint, which is intact (only a temporary file was written, and it was removed)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    @classmethod
+    def for_file(cls, target: Path, state: Any, cause: OSError, *, temporary: bool = True) -> CheckpointSaveError:
+        """The error for ``target`` (a file or a folder) whose write of ``state`` failed with ``cause``;
+        ``temporary``: a temporary file or folder had been created (and was removed)."""
+        needed = tensor_bytes(state)
+        folder = target.parent
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        try:
+            free = _human(shutil.disk_usage(folder).free)
+        except OSError:
+            free = "unknown"
+        previous = read_pointer(target.parent) if target.parent.is_dir() else []
+        if previous:
+            kept = f"the previous checkpoint {str(target.parent / previous[0])!r} is intact (ckpt_path='last' resumes from it)"
+        elif target.exists():
+            kept = f"the existing {str(target)!r} is intact"
+        else:
+            kept = "no earlier checkpoint was touched"
+        code = errno.errorcode.get(cause.errno or 0, "")
+        reason = f"{cause.strerror or cause}" + (f" ({code})" if code else "")
+        if cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            hint = " Free space, or point ModelCheckpoint(dirpath=...) at a larger disk."
+        elif cause.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            hint = " Make the folder writable by this user, or choose another ModelCheckpoint(dirpath=...)."
+        else:
+            hint = ""
+        error = cls(
+            f"Could not write checkpoint {str(target)!r}: {reason}. It needs about {_human(needed)} "
+            f"({needed:,} bytes of tensors); {free} free in {str(folder)!r}. Nothing was replaced: "
+            f"{'the temporary file was removed' if temporary else 'nothing was written'} and {kept}.{hint}"
+        )
+        error.errno, error.strerror, error.filename = cause.errno, cause.strerror, str(target)
+        return error
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Sum of ``nbytes`` of the tensors in a (nested) checkpoint state: the size estimate of its file."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nelement() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _human(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        size /= 1024
+        if size < 1024 or unit == "TiB":
+            break
+    return f"{size:.1f} {unit}"
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed write: the first one raised (the deepest in ``exc``'s cause/context
+    chain; a failed write is often followed by another one when the file is closed)."""
+    found: OSError | None = None
+    current: BaseException | None = exc
+    for _ in range(8):
+        if current is None:
+            break
+        if isinstance(current, OSError) and not isinstance(current, CheckpointSaveError):
+            found = current
+        current = current.__cause__ or current.__context__
+    return found
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -70,21 +152,33 @@ class CheckpointIO:
     """Atomic save and safe load of one checkpoint file."""
 
     def save(self, state: dict[str, Any], path: str | os.PathLike, *, is_writer: bool) -> None:
+        """Write ``state`` to ``path`` atomically (only where ``is_writer``).
+
+        Raises:
+            CheckpointSaveError: the write failed (disk full, no permission, ...); it names the file, the
+                bytes needed and free, and the previous checkpoint, which is intact.
+        """
         if not is_writer:
             return
         target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; a checkpoint gets the usual file mode
+        tmp_name: str | None = None
         try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
             with os.fdopen(fd, "wb") as handle:
+                os.fchmod(handle.fileno(), 0o666 & ~_UMASK)  # mkstemp makes 0600; the usual file mode instead
                 torch.save(state, handle)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp_name, target)
-        except BaseException:
-            with_suppressed_unlink(tmp_name)
-            raise
+        except BaseException as exc:
+            if tmp_name is not None:
+                with_suppressed_unlink(tmp_name)
+            cause = _os_error(exc)
+            if cause is None:
+                raise
+            # Raised from the OSError itself: torch's "enforce fail ... unexpected pos" after it is noise.
+            raise CheckpointSaveError.for_file(target, state, cause, temporary=tmp_name is not None) from cause
         _fsync_dir(target.parent)
 
     def load(self, path: str | os.PathLike) -> dict[str, Any]:
@@ -151,11 +245,16 @@ def write_pointer(path: str | os.PathLike) -> None:
     directory = Path(path).parent
     history = [Path(path).name] + [n for n in read_pointer(directory) if n != Path(path).name]
     fd, tmp = tempfile.mkstemp(prefix=".last.", dir=directory)
-    with os.fdopen(fd, "w") as handle:
-        json.dump({"last": history[0], "history": history[:20]}, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, directory / POINTER_NAME)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            os.fchmod(handle.fileno(), 0o666 & ~_UMASK)  # the checkpoints' mode, not mkstemp's 0600
+            json.dump({"last": history[0], "history": history[:20]}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, directory / POINTER_NAME)
+    except BaseException:
+        with_suppressed_unlink(tmp)
+        raise
 
 
 # ---------------------------------------------------------------------- RNG states

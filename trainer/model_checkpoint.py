@@ -17,6 +17,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
+from trainer.async_checkpoint import AsyncCheckpointer, save_async
 from trainer.callback import Callback
 from trainer.checkpoint import POINTER_NAME, read_pointer, write_pointer  # noqa: F401 - re-exported
 
@@ -45,6 +46,11 @@ class ModelCheckpoint(Callback):
         every_n_epochs: save every n epochs (default 1 when no other trigger is given).
         train_time_interval: save when this many seconds passed since the last save (checked at steps).
         save_on_exception: save when a loop raises (all ranks must reach the hook; a rank that died cannot).
+        async_save: return to training once the state is staged in CPU memory (one copy of the weights
+            and optimizer state); the write, fsync and rename run on a background thread, and the ``last``
+            pointer swap and pruning at a later step boundary, once the file is durable. At most one save
+            is in flight; forced saves (preemption, exception) are synchronous, and the end of ``fit``
+            waits for the save in flight (trainer/async_checkpoint.py).
     """
 
     is_model_checkpoint = True
@@ -62,6 +68,7 @@ class ModelCheckpoint(Callback):
         every_n_epochs: int | None = None,
         train_time_interval: float | None = None,
         save_on_exception: bool = False,
+        async_save: bool = False,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint(mode={mode!r}): expected 'min' or 'max'.")
@@ -70,6 +77,8 @@ class ModelCheckpoint(Callback):
         for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"ModelCheckpoint({name}={value!r}): expected an int >= 1 or None.")
+        if not isinstance(async_save, bool):
+            raise ValueError(f"ModelCheckpoint(async_save={async_save!r}): expected True or False.")
         if train_time_interval is not None and not train_time_interval > 0:
             raise ValueError(f"ModelCheckpoint(train_time_interval={train_time_interval!r}): expected seconds > 0.")
         self.dirpath = str(dirpath) if dirpath is not None else None
@@ -84,6 +93,8 @@ class ModelCheckpoint(Callback):
             self.every_n_epochs = 1
         self.train_time_interval = train_time_interval
         self.save_on_exception = save_on_exception
+        self.async_save = async_save
+        self._checkpointer = AsyncCheckpointer()  # also waited on by synchronous saves: one in flight at most
         self.best_k_models: dict[str, float] = {}
         self.best_model_path = ""
         self.best_model_score: float | None = None
@@ -102,6 +113,8 @@ class ModelCheckpoint(Callback):
             self.dirpath = os.path.join(trainer.log_dir, "checkpoints")
 
     def on_train_batch_end(self, trainer: Trainer, task: TaskModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._checkpointer.in_flight:
+            self._checkpointer.poll()  # commit a background save whose file is durable (no collective, no sync)
         step = trainer.global_step
         if step == self._last_saved_step or not trainer.optimizer_stepped:
             return
@@ -130,7 +143,14 @@ class ModelCheckpoint(Callback):
             if trainer.global_step != self._last_saved_step:
                 self.save(trainer)
 
+    def on_train_end(self, trainer: Trainer, task: TaskModule) -> None:
+        self._checkpointer.wait()  # the end of fit never leaves a save in flight
+
+    def teardown(self, trainer: Trainer, task: TaskModule, stage: str) -> None:
+        self._checkpointer.wait()
+
     def on_exception(self, trainer: Trainer, task: TaskModule, exception: BaseException) -> None:
+        self._checkpointer.wait(raise_errors=False)  # finish (commit) the save in flight; the run's error wins
         if (self.save_on_exception and trainer.state_stage == "fit" and trainer.optimizers
                 and trainer.global_step != self._last_saved_step):
             self.save(trainer, suffix="-exception", force=True)
@@ -193,6 +213,7 @@ class ModelCheckpoint(Callback):
         keep = self._admits(score) and (self.monitor is None or score is not None)
         if not keep and not self.save_last and not force:
             return None
+        self._checkpointer.wait()  # the previous (background) save is committed before this one's bookkeeping
         # Bookkeeping first, so the state saved inside this checkpoint already lists this file.
         old_last = self.last_model_path
         self.last_model_path = path
@@ -200,20 +221,28 @@ class ModelCheckpoint(Callback):
         if keep:
             self.best_k_models[path] = score if score is not None else float(trainer.global_step)
             removed = self._prune_top_k()
-        trainer.save_checkpoint(path)  # atomic; every rank passes a barrier inside
+        victims = removed + ([old_last] if old_last and old_last != path else [])
+        if self.async_save and not force:
+            # Returns once the state is staged in CPU memory; the commit runs when the file is durable.
+            save_async(trainer, path, self._checkpointer, lambda: self._commit(trainer, path, victims))
+        else:
+            trainer.save_checkpoint(path)  # atomic; every rank passes a barrier inside
+            self._commit(trainer, path, victims)
         self._last_saved_step = trainer.global_step
         self._last_time = time.monotonic()
-        if trainer.is_global_zero:
-            # Only after the commit: point `last` at the new file, then prune what it replaces.
-            write_pointer(path)
-            candidates = removed + ([old_last] if old_last and old_last != path else [])
-            for victim in candidates:
-                if victim != path and victim not in self.best_k_models and os.path.exists(victim):
-                    try:
-                        os.remove(victim)
-                    except OSError as exc:  # pragma: no cover
-                        log.warning("Could not remove old checkpoint %s: %s", victim, exc)
         return path
+
+    def _commit(self, trainer: Trainer, path: str, victims: list[str]) -> None:
+        """Only after ``path`` is committed (rank 0): point `last` at it, then prune what it replaces."""
+        if not trainer.is_global_zero:
+            return
+        write_pointer(path)
+        for victim in victims:
+            if victim != path and victim not in self.best_k_models and os.path.exists(victim):
+                try:
+                    os.remove(victim)
+                except OSError as exc:  # pragma: no cover
+                    log.warning("Could not remove old checkpoint %s: %s", victim, exc)
 
     @property
     def _mode(self) -> str:
