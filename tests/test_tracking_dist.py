@@ -92,3 +92,19 @@ def test_killed_and_resumed_run_continues_the_same_runs_without_gaps_or_repeats(
         _check_steps(logged)
         for key in ("train/loss", "val/loss"):  # exact resume: the values of the uninterrupted run
             assert [v for _, v in logged[key]] == pytest.approx([v for _, v in reference[key]], rel=1e-6), key
+
+
+def test_preempted_and_restarted_run_continues_the_same_runs(tmp_path: Path, uninterrupted: dict) -> None:
+    """SIGTERM (a cluster's preemption notice): keel saves at the step boundary and exits 75, closing both
+    tracked runs cleanly (nothing lost, no delay needed); the restart resumes from that checkpoint."""
+    result = torchrun(SCRIPT, str(tmp_path), "--steps", str(STEPS), "--kill-at", "6", "--kill-rank", "1",
+                      "--kill-signal", "TERM", "--kill-delay", "0", nproc=2, timeout=300, max_restarts=1,
+                      env=_env(tmp_path))
+    result.check()
+    resumed = json.loads((tmp_path / "result-attempt1.json").read_text())
+    assert "Resumed at global step 6" in result.stdout
+    for logged, reference in ((_mlflow(resumed), uninterrupted["mlflow"]),
+                              (_wandb(resumed, attempts=2), uninterrupted["wandb"])):
+        _check_steps(logged)
+        for key in ("train/loss", "val/loss"):
+            assert [v for _, v in logged[key]] == pytest.approx([v for _, v in reference[key]], rel=1e-6), key

@@ -4,8 +4,8 @@ step and always starting with ckpt_path="last".
   tracking_fit.py ROOT [--steps N] [--kill-at S] [--kill-rank R]
 
 Writes runs under ROOT/runs (run directory ROOT/runs/exp/version_N, MLflow store ROOT/runs/mlflow.db).
---kill-at S SIGKILLs rank R at step S on the first attempt (TORCHELASTIC_RESTART_COUNT 0), after that
-step was logged and before its checkpoint, so the restart re-runs step S. It waits --kill-delay seconds
+--kill-at S SIGKILLs (--kill-signal TERM: SIGTERMs) rank R at step S on the first attempt
+(TORCHELASTIC_RESTART_COUNT 0), after that step was logged and before its checkpoint, so the restart re-runs step S. It waits --kill-delay seconds
 first (default 2.5): longer than W&B's flush interval of its run file (trainer.wandb_logger.FLUSH_INTERVAL),
 so that the W&B file holds the steps before S, as it would in a run killed mid-training. Step S itself is
 still in W&B's memory (a row is written once a later step is logged) and dies with the process. At the
@@ -34,14 +34,14 @@ from trainer.model_checkpoint import ModelCheckpoint  # noqa: E402
 
 
 class KillAt(Callback):
-    def __init__(self, step: int, rank: int, delay: float) -> None:
-        self.step, self.rank, self.delay = step, rank, delay
+    def __init__(self, step: int, rank: int, delay: float, sig: signal.Signals) -> None:
+        self.step, self.rank, self.delay, self.sig = step, rank, delay, sig
 
     def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
         first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first and trainer.optimizer_stepped and trainer.global_step == self.step and trainer.global_rank == self.rank:
             time.sleep(self.delay)
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self.sig)
 
 
 def main() -> None:
@@ -51,13 +51,16 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--kill-delay", type=float, default=2.5)
+    parser.add_argument("--kill-signal", choices=("KILL", "TERM"), default="KILL",
+                        help="TERM: keel's preemption path (save at the step boundary, exit 75, restart)")
     args = parser.parse_args()
     root = Path(args.root)
     loggers = [
         MLFlowLogger(experiment_name="exp", save_dir=root / "runs"),
         WandbLogger(project="exp", save_dir=root / "runs", offline=True),
     ]
-    callbacks = [KillAt(args.kill_at, args.kill_rank, args.kill_delay), ModelCheckpoint(every_n_train_steps=1, save_top_k=1)]
+    kill = KillAt(args.kill_at, args.kill_rank, args.kill_delay, getattr(signal, f"SIG{args.kill_signal}"))
+    callbacks = [kill, ModelCheckpoint(every_n_train_steps=1, save_top_k=1)]
     trainer = Trainer(max_steps=args.steps, logger=loggers, enable_progress_bar=False, num_sanity_val_steps=0,
                       log_every_n_steps=1, callbacks=callbacks, seed=7)
     task = Classifier()
