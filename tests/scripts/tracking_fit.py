@@ -4,12 +4,13 @@ step and always starting with ckpt_path="last".
   tracking_fit.py ROOT [--steps N] [--kill-at S] [--kill-rank R]
 
 Writes runs under ROOT/runs (run directory ROOT/runs/exp/version_N, MLflow store ROOT/runs/mlflow.db).
---kill-at S SIGKILLs (--kill-signal TERM: SIGTERMs) rank R at step S on the first attempt
-(TORCHELASTIC_RESTART_COUNT 0), after that step was logged and before its checkpoint, so the restart re-runs step S. It waits --kill-delay seconds
-first (default 2.5): longer than W&B's flush interval of its run file (trainer.wandb_logger.FLUSH_INTERVAL),
-so that the W&B file holds the steps before S, as it would in a run killed mid-training. Step S itself is
-still in W&B's memory (a row is written once a later step is logged) and dies with the process. At the
-end rank 0 writes ROOT/result-attempt<K>.json: the run ids and the run directory.
+--kill-at S SIGKILLs rank R at step S on the first attempt (TORCHELASTIC_RESTART_COUNT 0), after that step
+was logged and before its checkpoint, so the restart re-runs step S. It waits --kill-delay seconds first
+(default 2.5): longer than W&B's flush interval of its run file (trainer.wandb_logger.FLUSH_INTERVAL), so
+that the W&B file holds the steps before S, as it would in a run killed mid-training. Step S itself is
+still in W&B's memory (a row is written once a later step is logged) and dies with the process.
+--kill-signal TERM sends SIGTERM instead: keel's preemption path saves at the step boundary and exits 75.
+At the end rank 0 writes ROOT/result-attempt<K>.json: the run ids and the run directory.
 """
 
 from __future__ import annotations
