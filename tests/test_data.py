@@ -107,7 +107,7 @@ def _ranks(n: int, replicas: int, **kwargs: Any) -> list[ResumableDistributedSam
 def test_sequential_strided_on_two_ranks() -> None:
     r0, r1 = _ranks(7, 2, shuffle=False)
     assert list(r0) == [0, 2, 4, 6]
-    assert list(r1) == [1, 3, 5, 0]  # padded by wrapping around to the start
+    assert list(r1) == [1, 3, 5, 6]  # padded with the epoch's last sample
     assert len(r0) == len(r1) == 4
     single = ResumableDistributedSampler(7, shuffle=False)
     assert list(single) == list(range(7))  # a single process never pads
@@ -159,10 +159,25 @@ def test_resume_on_another_world_size(old: int, new: int, shuffle: bool) -> None
         resumed = [i for s in resumed_ranks for i in s]
         rest = perm[cursor:]
         pad = -len(rest) % new
-        assert sorted(resumed) == sorted(rest + (rest * new)[:pad])
-        assert not set(resumed) & set(consumed)
+        padding = (perm * new)[len(perm) * new - pad:] if pad else []  # the epoch's last samples
+        assert sorted(resumed) == sorted(rest + padding)
+        if len(rest) >= pad:  # else the padding must repeat samples consumed before the resume
+            assert not set(resumed) & set(consumed)
         assert set(resumed) | set(consumed) == set(range(n))
         assert sum(len(s) for s in resumed_ranks) == len(resumed)
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_resumed_mid_epoch_yields_the_rest_of_the_uninterrupted_shards(replicas: int) -> None:
+    # An epoch that does not divide by the world size (1259 digits on 2 ranks): the padded samples must
+    # not depend on where the epoch resumed, or the run resumed mid-epoch ends with other weights.
+    n = 23
+    whole = [list(s) for s in _ranks(n, replicas, shuffle=True, seed=5)]
+    for k in range(len(whole[0]) + 1):
+        resumed = _ranks(n, replicas, shuffle=True, seed=5)
+        for s in resumed:
+            s.set_cursor(k * replicas)
+        assert [list(s) for s in resumed] == [shard[k:] for shard in whole]
 
 
 def test_cursor_past_end_and_set_epoch_resets() -> None:

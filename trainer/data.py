@@ -64,9 +64,9 @@ class ResumableDistributedSampler(Sampler[int]):
     repeated run.
 
     The permutation is sliced at the global cursor, ``remaining = perm[cursor:]``, and
-    made divisible by ``num_replicas``: ``drop_last=False`` pads by wrapping around from
-    the start of ``remaining`` (at most ``num_replicas - 1`` duplicates; a single process
-    never pads), ``drop_last=True`` truncates. Rank ``r`` yields
+    made divisible by ``num_replicas``: ``drop_last=False`` pads with the last samples of
+    ``perm`` (at most ``num_replicas - 1`` duplicates, the same ones wherever the epoch
+    resumed; a single process never pads), ``drop_last=True`` truncates. Rank ``r`` yields
     ``remaining[r::num_replicas]``. Because the shards are strided, once every rank has
     consumed ``k`` local samples the samples consumed by all ranks together are exactly
     ``perm[cursor : cursor + k * num_replicas]``. The global cursor therefore advances by
@@ -195,11 +195,11 @@ class ResumableDistributedSampler(Sampler[int]):
         if extra and self.drop_last:
             remaining = remaining[: len(remaining) - extra]
         elif extra:
-            # Wrap around from the start of `remaining`; repeat it if it is shorter than
-            # the padding (fewer samples left than ranks).
+            # The last `pad` samples of the epoch's permutation (cyclically, if it is shorter): the same
+            # padding wherever the epoch resumed, so that a run resumed mid-epoch reads exactly what the
+            # uninterrupted run reads, and samples not consumed yet unless fewer are left than the padding.
             pad = replicas - extra
-            repeats = -(-pad // len(remaining))
-            remaining = torch.cat([remaining, remaining.repeat(repeats)[:pad]])
+            remaining = torch.cat([remaining, perm.repeat(-(-pad // n))[-pad:]])
         return remaining[self.rank :: replicas]
 
     def __iter__(self) -> Iterator[int]:
