@@ -47,7 +47,7 @@ class StepWatermarks:
     """The last step recorded per metric key; a key is sent at most once per step, in increasing steps.
 
     Args:
-        steps: Known last steps (from the tracked run or the state file of an earlier attempt).
+        steps: Known last steps per key, read from what the tracked run already holds (earlier attempts).
     """
 
     def __init__(self, steps: dict[str, int] | None = None) -> None:
