@@ -22,7 +22,7 @@ from launch import REPO_ROOT, python, torchrun
 from models import Regression, loader, quiet, regression_data
 from trainer import Callback, Trainer
 from trainer import checkpoint as ckpt_module
-from trainer.async_checkpoint import AsyncCheckpointer, stage_to_cpu
+from trainer.async_checkpoint import AsyncCheckpointer, CpuStager, stage_to_cpu
 from trainer.checkpoint import POINTER_NAME, CheckpointIO, CheckpointSaveError, write_pointer
 from trainer.model_checkpoint import ModelCheckpoint, read_pointer
 from trainer.preemption import PREEMPTED_EXIT_CODE
@@ -97,6 +97,16 @@ def test_stage_to_cpu_is_a_copy_later_steps_cannot_change() -> None:
     assert staged["model"]["a"] is staged["model"]["tied"]  # one tensor seen twice is cloned once
     assert isinstance(staged["model"], OrderedDict) and staged["names"] == ("x", 1)
     assert staged["opt"]["state"][0]["step"].item() == 3.0 and staged["opt"]["param_groups"][0]["lr"] == 0.1
+
+
+def test_the_stager_reuses_the_previous_copys_buffers() -> None:
+    stager, weight = CpuStager(), torch.ones(4, 3)
+    first = stager.stage({"w": weight, "b": [torch.zeros(2)]})
+    weight.mul_(5.0)
+    second = stager.stage({"w": weight, "b": [torch.zeros(2)], "new": torch.ones(7)})
+    assert second["w"] is first["w"] and second["b"][0] is first["b"][0]  # no fresh allocation
+    assert torch.equal(second["w"], torch.full((4, 3), 5.0)) and second["w"] is not weight
+    assert torch.equal(second["new"], torch.ones(7))
 
 
 # ---------------------------------------------------------------------- in one process
@@ -200,6 +210,25 @@ def test_an_exception_waits_for_the_save_in_flight(tmp_path: Path, monkeypatch) 
     assert read_pointer(tmp_path / "ck")[0] == "epoch=0-step=3.ckpt"
     CheckpointIO().load(tmp_path / "ck" / "epoch=0-step=3.ckpt")
     assert not list((tmp_path / "ck").glob(".*.tmp"))
+
+
+class NanAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                next(task.parameters())[0, 0] = float("nan")
+
+
+def test_non_finite_weights_are_never_written_in_the_background_either(tmp_path: Path) -> None:
+    with pytest.raises(FloatingPointError, match=r"Refusing to write checkpoint .*step=3\.ckpt' at step 3"):
+        cb = ModelCheckpoint(dirpath=tmp_path / "ck", async_save=True, every_n_train_steps=1)
+        Trainer(**quiet(max_steps=5, enable_checkpointing=True, callbacks=[NanAt(3), cb], seed=0)).fit(
+            Regression(optimizer="adamw"), loader(regression_data(), 16))
+    assert read_pointer(tmp_path / "ck")[0] == "epoch=0-step=2.ckpt"
+    assert sorted(os.listdir(tmp_path / "ck")) == ["epoch=0-step=2.ckpt", POINTER_NAME]
 
 
 def test_async_save_option_is_checked() -> None:
