@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import shutil
 import socket
+import subprocess
 
 import pytest
 import torch
@@ -188,10 +190,40 @@ def test_torchrun_takes_precedence_over_slurm() -> None:
         ("rack[1-2]-node[3-4]", "rack1-node3"),
         ("node[7]", "node7"),
         (" host.example.com ", "host.example.com"),
+        # Multi-node forms as SLURM writes them into SLURM_JOB_NODELIST (cf. `scontrol show hostnames`).
+        ("node[01-04,07]", "node01"),
+        ("gpu-a[1,3]-[2-3]", "gpu-a1-2"),
+        ("node[07,01-04]", "node07"),  # SLURM keeps the order it was given
+        ("c[0-1]n[10-11]", "c0n10"),
+        ("node[1-3]x[4-5]", "node1x4"),
+        ("n[009-011]", "n009"),
+        ("x[10,2]", "x10"),
+        ("dgx-[001-016],login[1-2]", "dgx-001"),
+        ("a100-node[3]", "a100-node3"),
     ],
 )
 def test_parse_slurm_nodelist_first(nodelist: str, first: str) -> None:
     assert dist.parse_slurm_nodelist_first(nodelist) == first
+
+
+MULTI_NODE_LISTS = ["node[01-04,07]", "gpu-a[1,3]-[2-3]", "node[07,01-04]", "rack[1-2]-node[3-4]",
+                    "c[0-1]n[10-11]", "n[009-011]", "x[10,2]", "dgx-[001-016],login[1-2]", "a1,b2", "ab[3]"]
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("nodelist", MULTI_NODE_LISTS)
+def test_first_host_matches_scontrol_show_hostnames(nodelist: str, tmp_path) -> None:
+    """SLURM's own expansion agrees (needs only the scontrol binary, not a running cluster)."""
+    if shutil.which("scontrol") is None:
+        pytest.skip("scontrol is not installed (tests/slurm/start.sh installs SLURM)")
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=keel\nSlurmctldHost=localhost\n")  # read, never contacted
+    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "SLURM_CONF": str(conf)}
+    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                           timeout=30, env=env, check=True).stdout.split()
+    assert dist.parse_slurm_nodelist_first(nodelist) == hosts[0]
+    environ = {**SLURM_2x2_RANK3, "SLURM_STEP_NODELIST": nodelist, "SLURM_JOB_NODELIST": nodelist}
+    assert dist.detect_env(environ).master_addr == hosts[0]  # every task computes the same master
 
 
 @pytest.mark.parametrize("nodelist", ["", "node[1-2", "node1]", "node[]", ",a1"])

@@ -246,3 +246,31 @@ def test_import_is_lazy() -> None:
     )
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=60)
+
+
+def test_jobs_starting_together_claim_different_run_directories(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two SLURM jobs of one sweep start at the same moment: both saw no version_N yet.
+    for name in ("TORCHELASTIC_RUN_ID", "SUBMITIT_LOCAL_JOB_ID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    first, second = Logger(tmp_path), Logger(tmp_path)
+    monkeypatch.setattr(second, "_next_version", lambda: 0)  # looked before the first one created version_0
+    monkeypatch.setenv("SLURM_JOB_ID", "11")
+    first.resolve_version()
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    second.resolve_version()
+    assert (first.version, second.version) == (0, 1)
+    root = tmp_path / "keel_logs"
+    assert [(root / f"version_{n}" / loggers_mod.RUN_ID_MARKER).read_text() for n in (0, 1)] == [
+        "slurm:11.batch", "slurm:12.batch"]
+    requeued = Logger(tmp_path)  # job 12 again (a requeue): its own folder back
+    requeued.resolve_version()
+    assert requeued.version == 1
+
+
+def test_submitit_local_jobs_have_their_own_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "5")  # submitit_local started inside an allocation
+    monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "4242")
+    assert loggers_mod.run_identity().startswith("submitit-local:") and loggers_mod.run_identity().endswith(":4242")

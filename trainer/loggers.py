@@ -38,7 +38,11 @@ RUN_ID_MARKER = ".keel_run_id"
 
 
 def run_identity() -> str | None:
-    """What stays the same across restarts of one job: torchrun's run id, else SLURM's job id."""
+    """What stays the same across restarts of one job: torchrun's run id, else SLURM's job id.
+
+    A job of Hydra's ``submitit_local`` launcher is named by submitit's local job id (its controller's
+    pid): that launcher runs a sweep's jobs at the same time, so each needs a run directory of its own.
+    """
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id and run_id != "none":
         return f"torchrun:{run_id}"
@@ -46,6 +50,9 @@ def run_identity() -> str | None:
         agent = _agent_identity()
         if agent is not None:
             return f"torchrun-agent:{agent}"
+    local_job = os.environ.get("SUBMITIT_LOCAL_JOB_ID")
+    if local_job:  # before SLURM's: submitit_local jobs started inside an allocation share its job id
+        return f"submitit-local:{socket.gethostname()}:{local_job}"
     job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
     if not job_id:
         return None
@@ -143,8 +150,16 @@ class Logger:
                             return int(_VERSION_DIR.fullmatch(entry).group(1))  # type: ignore[union-attr]
         version = self._next_version()
         if identity is not None:
-            folder = os.path.join(self.root_dir, f"version_{version}")
-            os.makedirs(folder, exist_ok=True)
+            # Claimed by an exclusive mkdir: jobs that start at the same moment (a submitit sweep on one
+            # node) would otherwise all pick the same next free N and share one run directory.
+            os.makedirs(self.root_dir, exist_ok=True)
+            while True:
+                folder = os.path.join(self.root_dir, f"version_{version}")
+                try:
+                    os.mkdir(folder)
+                    break
+                except FileExistsError:
+                    version += 1
             with open(os.path.join(folder, RUN_ID_MARKER), "w") as handle:
                 handle.write(identity)
         return version
