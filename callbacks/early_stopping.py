@@ -6,6 +6,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any, Literal
 
+from trainer import dist
 from trainer.callback import Callback
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,30 +38,44 @@ class EarlyStopping(Callback):
     wait count grows, and training stops when it reaches ``patience``. With ``check_finite`` a NaN or
     infinite value stops training at once, with a log line naming the metric and the value.
 
+    The arguments come in Lightning's positional order, with Lightning's meaning.
+
     Args:
         monitor: Key of ``trainer.callback_metrics`` (a name passed to ``self.log``, e.g. ``"val/loss"``).
-        mode: ``"min"`` (lower is better) or ``"max"``.
-        patience: Checks without improvement before stopping (>= 1).
         min_delta: Smallest change (>= 0) that counts as an improvement.
-        check_finite: Stop when the monitored value is NaN or infinite.
-        check_on_train_epoch_end: True: check at train epoch ends; False: after validation; None: see above.
+        patience: Checks without improvement before stopping (>= 1).
+        verbose: Log each improvement (and the stop) at INFO.
+        mode: ``"min"`` (lower is better) or ``"max"``.
         strict: Raise when ``monitor`` is missing from ``trainer.callback_metrics`` at a check; otherwise
             log a warning once and skip the check.
+        check_finite: Stop when the monitored value is NaN or infinite.
+        stopping_threshold: Stop as soon as the value is better than this (below it for ``"min"``).
+        divergence_threshold: Stop as soon as the value is worse than this (above it for ``"min"``).
+        check_on_train_epoch_end: True: check at train epoch ends; False: after validation; None: see above.
+        log_rank_zero_only: Log the decision on rank 0 only (default: every rank logs it, tagged with its rank).
+
+    In a multi-rank run the checked value is rank 0's (one small broadcast per check), so every rank
+    decides the same even for a training metric logged per step (not reduced over ranks).
 
     Raises:
         ValueError: an invalid ``mode``, ``patience`` or ``min_delta``.
     """
 
+    is_early_stopping = True
+
     def __init__(
         self,
         monitor: str,
-        mode: Literal["min", "max"] = "min",
-        *,
-        patience: int = 3,
         min_delta: float = 0.0,
-        check_finite: bool = True,
-        check_on_train_epoch_end: bool | None = None,
+        patience: int = 3,
+        verbose: bool = False,
+        mode: Literal["min", "max"] = "min",
         strict: bool = True,
+        check_finite: bool = True,
+        stopping_threshold: float | None = None,
+        divergence_threshold: float | None = None,
+        check_on_train_epoch_end: bool | None = None,
+        log_rank_zero_only: bool = False,
     ) -> None:
         if not isinstance(monitor, str) or not monitor:
             raise ValueError(f"EarlyStopping(monitor={monitor!r}): expected a metric name.")
@@ -70,6 +85,13 @@ class EarlyStopping(Callback):
             raise ValueError(f"EarlyStopping(patience={patience!r}): expected an integer >= 1.")
         if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or not min_delta >= 0:
             raise ValueError(f"EarlyStopping(min_delta={min_delta!r}): expected a number >= 0.")
+        for name, threshold in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
+            if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
+                raise ValueError(f"EarlyStopping({name}={threshold!r}): expected a number or None.")
+        for name, flag in (("verbose", verbose), ("strict", strict), ("check_finite", check_finite),
+                           ("log_rank_zero_only", log_rank_zero_only)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"EarlyStopping({name}={flag!r}): expected True or False.")
         self.monitor = monitor
         self.mode = mode
         self.patience = patience
@@ -77,6 +99,10 @@ class EarlyStopping(Callback):
         self.check_finite = check_finite
         self.check_on_train_epoch_end = check_on_train_epoch_end
         self.strict = strict
+        self.verbose = verbose
+        self.stopping_threshold = stopping_threshold
+        self.divergence_threshold = divergence_threshold
+        self.log_rank_zero_only = log_rank_zero_only
         self.wait_count = 0
         self.stopped_epoch = -1  # epoch at which this callback stopped training, -1 if it did not
         self.best_score = math.inf if mode == "min" else -math.inf
@@ -130,15 +156,25 @@ class EarlyStopping(Callback):
                 log.warning("%s strict=False: the check is skipped.", message)
             self._warned_missing = True
             return
-        # callback_metrics holds host (CPU) float64 tensors: float() is no device sync.
+        # Reduced values are host (CPU) float64 tensors; a per-step training value may be a device tensor
+        # of this rank (float() syncs then, at a check only). Rank 0's value decides on every rank.
         value = float(trainer.callback_metrics[self.monitor])
+        if trainer.world_size > 1:
+            value = float(dist.broadcast_object(value))  # type: ignore[arg-type]
         reason: str | None = None
+        better = (lambda a, b: a < b) if self.mode == "min" else (lambda a, b: a > b)
         if self.check_finite and not math.isfinite(value):
             reason = (f"Monitored metric {self.monitor!r} = {value} is not finite. Previous best value was "
                       f"{self.best_score:.6g}. Signaling Trainer to stop.")
+        elif self.stopping_threshold is not None and better(value, self.stopping_threshold):
+            reason = (f"Stopping threshold reached: {self.monitor!r} = {value:.6g} {'<' if self.mode == 'min' else '>'} "
+                      f"{self.stopping_threshold}. Signaling Trainer to stop.")
+        elif self.divergence_threshold is not None and better(self.divergence_threshold, value):
+            reason = (f"Divergence threshold reached: {self.monitor!r} = {value:.6g} {'>' if self.mode == 'min' else '<'} "
+                      f"{self.divergence_threshold}. Signaling Trainer to stop.")
         elif self._improved(value):
-            if trainer.is_global_zero:
-                log.debug("Metric %r improved from %.6g to %.6g.", self.monitor, self.best_score, value)
+            if self.verbose and (trainer.is_global_zero or not self.log_rank_zero_only):
+                log.info("Metric %r improved from %.6g to %.6g.", self.monitor, self.best_score, value)
             self.best_score = value
             self.wait_count = 0
         else:
@@ -151,7 +187,7 @@ class EarlyStopping(Callback):
             trainer.should_stop = True
             self.stopped_epoch = trainer.current_epoch
             self.stopping_reason = reason
-            if trainer.is_global_zero:
+            if trainer.is_global_zero or not self.log_rank_zero_only:
                 level = logging.INFO if math.isfinite(value) else logging.WARNING
                 log.log(level, "[epoch %d, step %d] %s", trainer.current_epoch, trainer.global_step, reason)
 

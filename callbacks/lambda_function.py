@@ -31,13 +31,27 @@ HOOK_NAMES: tuple[str, ...] = (
     "on_before_backward",
     "on_after_backward",
     "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_sanity_check_start",
+    "on_sanity_check_end",
+    "on_validation_start",
+    "on_validation_end",
     "on_validation_epoch_start",
     "on_validation_epoch_end",
+    "on_validation_batch_start",
     "on_validation_batch_end",
+    "on_test_start",
+    "on_test_end",
     "on_test_epoch_start",
     "on_test_epoch_end",
+    "on_test_batch_start",
     "on_test_batch_end",
+    "on_predict_start",
+    "on_predict_end",
+    "on_predict_epoch_start",
     "on_predict_epoch_end",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
     "on_save_checkpoint",
     "on_load_checkpoint",
     "on_exception",
@@ -114,16 +128,42 @@ class LambdaCallback(Callback):
     def on_before_optimizer_step(self, trainer: Trainer, task: TaskModule, optimizer: torch.optim.Optimizer) -> None:
         self._call("on_before_optimizer_step", trainer, task, optimizer)
 
+    def on_before_zero_grad(self, trainer: Trainer, task: TaskModule, optimizer: torch.optim.Optimizer) -> None:
+        self._call("on_before_zero_grad", trainer, task, optimizer)
+
+    def on_sanity_check_start(self, trainer: Trainer, task: TaskModule) -> None:
+        self._call("on_sanity_check_start", trainer, task)
+
+    def on_sanity_check_end(self, trainer: Trainer, task: TaskModule) -> None:
+        self._call("on_sanity_check_end", trainer, task)
+
+    def on_validation_start(self, trainer: Trainer, task: TaskModule) -> None:
+        self._call("on_validation_start", trainer, task)
+
+    def on_validation_end(self, trainer: Trainer, task: TaskModule) -> None:
+        self._call("on_validation_end", trainer, task)
+
     def on_validation_epoch_start(self, trainer: Trainer, task: TaskModule) -> None:
         self._call("on_validation_epoch_start", trainer, task)
 
     def on_validation_epoch_end(self, trainer: Trainer, task: TaskModule) -> None:
         self._call("on_validation_epoch_end", trainer, task)
 
+    def on_validation_batch_start(
+        self, trainer: Trainer, task: TaskModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._call("on_validation_batch_start", trainer, task, batch, batch_idx, dataloader_idx)
+
     def on_validation_batch_end(
         self, trainer: Trainer, task: TaskModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self._call("on_validation_batch_end", trainer, task, outputs, batch, batch_idx, dataloader_idx)
+
+    def on_test_start(self, trainer: Trainer, task: TaskModule) -> None:
+        self._call("on_test_start", trainer, task)
+
+    def on_test_end(self, trainer: Trainer, task: TaskModule) -> None:
+        self._call("on_test_end", trainer, task)
 
     def on_test_epoch_start(self, trainer: Trainer, task: TaskModule) -> None:
         self._call("on_test_epoch_start", trainer, task)
@@ -131,13 +171,37 @@ class LambdaCallback(Callback):
     def on_test_epoch_end(self, trainer: Trainer, task: TaskModule) -> None:
         self._call("on_test_epoch_end", trainer, task)
 
+    def on_test_batch_start(
+        self, trainer: Trainer, task: TaskModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._call("on_test_batch_start", trainer, task, batch, batch_idx, dataloader_idx)
+
     def on_test_batch_end(
         self, trainer: Trainer, task: TaskModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self._call("on_test_batch_end", trainer, task, outputs, batch, batch_idx, dataloader_idx)
 
+    def on_predict_start(self, trainer: Trainer, task: TaskModule) -> None:
+        self._call("on_predict_start", trainer, task)
+
+    def on_predict_end(self, trainer: Trainer, task: TaskModule) -> None:
+        self._call("on_predict_end", trainer, task)
+
+    def on_predict_epoch_start(self, trainer: Trainer, task: TaskModule) -> None:
+        self._call("on_predict_epoch_start", trainer, task)
+
     def on_predict_epoch_end(self, trainer: Trainer, task: TaskModule) -> None:
         self._call("on_predict_epoch_end", trainer, task)
+
+    def on_predict_batch_start(
+        self, trainer: Trainer, task: TaskModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._call("on_predict_batch_start", trainer, task, batch, batch_idx, dataloader_idx)
+
+    def on_predict_batch_end(
+        self, trainer: Trainer, task: TaskModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._call("on_predict_batch_end", trainer, task, outputs, batch, batch_idx, dataloader_idx)
 
     def on_save_checkpoint(self, trainer: Trainer, task: TaskModule, checkpoint: dict[str, Any]) -> None:
         self._call("on_save_checkpoint", trainer, task, checkpoint)

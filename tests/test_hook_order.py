@@ -26,22 +26,31 @@ def micro_batch(*, completes_step: bool) -> list[str]:
     events = [*both("on_train_batch_start"), "task.training_step", *both("on_before_backward"),
               *both("on_after_backward")]
     if completes_step:
-        events += [*both("on_before_optimizer_step"), "optimizer.step"]
+        events += [*both("on_before_optimizer_step"), "optimizer.step", *both("on_before_zero_grad")]
     return events + both("on_train_batch_end")
 
 
+def evaluation_run(stage: str, batches: int) -> list[str]:
+    """A validation / test run from the Callback docstring: the task's ``on_<stage>_model_eval``,
+    ``on_<stage>_start``, ``on_<stage>_epoch_start``, per batch ``on_<stage>_batch_start`` -> step ->
+    ``on_<stage>_batch_end``, then ``on_<stage>_epoch_end``, ``on_<stage>_end``, the task's
+    ``on_<stage>_model_train``."""
+    per_batch = [*both(f"on_{stage}_batch_start"), f"task.{stage}_step", *both(f"on_{stage}_batch_end")]
+    return [f"task.on_{stage}_model_eval", *both(f"on_{stage}_start"), *both(f"on_{stage}_epoch_start"),
+            *per_batch * batches, *both(f"on_{stage}_epoch_end"), *both(f"on_{stage}_end"),
+            f"task.on_{stage}_model_train"]
+
+
 def validation_epoch(batches: int) -> list[str]:
-    """``on_validation_epoch_start, on_validation_batch_end*, on_validation_epoch_end``."""
-    per_batch = ["task.validation_step", *both("on_validation_batch_end")]
-    return [*both("on_validation_epoch_start"), *per_batch * batches, *both("on_validation_epoch_end")]
+    return evaluation_run("validation", batches)
 
 
 def expected_events() -> list[str]:
     """The docstring's ``fit`` pseudo-code, unrolled for 2 epochs x 2 optimizer steps x 2 micro-batches,
-    2 validation batches (1 in the sanity check); then ``validate`` and ``test``, each between its
-    ``setup(stage)`` and ``teardown(stage)``."""
+    2 validation batches (1 in the sanity check); then ``validate``, ``test`` and ``predict``, each between
+    its ``setup(stage)`` and ``teardown(stage)``."""
     fit = [*both("setup(fit)"), *both("on_fit_start")]
-    fit += validation_epoch(1)  # sanity check (num_sanity_val_steps=1)
+    fit += ["cb.on_sanity_check_start", *validation_epoch(1), "cb.on_sanity_check_end"]  # num_sanity_val_steps=1
     fit += both("on_train_start")
     for _epoch in range(2):
         fit += both("on_train_epoch_start")
@@ -51,10 +60,12 @@ def expected_events() -> list[str]:
         fit += both("on_train_epoch_end")
     fit += [*both("on_train_end"), *both("on_fit_end"), *both("teardown(fit)")]
     validate = [*both("setup(validate)"), *validation_epoch(2), *both("teardown(validate)")]
-    test = [*both("setup(test)"), *both("on_test_epoch_start"),
-            *["task.test_step", *both("on_test_batch_end")] * 2,
-            *both("on_test_epoch_end"), *both("teardown(test)")]
-    return fit + validate + test
+    test = [*both("setup(test)"), *evaluation_run("test", 2), *both("teardown(test)")]
+    per_batch = [*both("on_predict_batch_start"), "task.predict_step", *both("on_predict_batch_end")]
+    predict = [*both("setup(predict)"), "task.on_predict_model_eval", *both("on_predict_start"),
+               *both("on_predict_epoch_start"), *per_batch * 2, *both("on_predict_epoch_end"),
+               *both("on_predict_end"), *both("teardown(predict)")]
+    return fit + validate + test + predict
 
 
 def load_script():

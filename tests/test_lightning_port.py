@@ -105,9 +105,9 @@ def test_devices_auto_spellings_are_normalised() -> None:
     assert TrainerOptions(devices="2").devices == 2
 
 
-@pytest.mark.parametrize("name", ["benchmark", "inference_mode", "use_distributed_sampler",
+@pytest.mark.parametrize("name", ["inference_mode", "use_distributed_sampler",
                                   "reload_dataloaders_every_n_epochs", "barebones", "detect_anomaly", "plugins",
-                                  "auto_lr_find", "overfit_batches", "min_epochs", "max_time"])
+                                  "auto_lr_find", "overfit_batches", "max_time"])
 def test_unsupported_lightning_keywords_are_named_with_why(name: str) -> None:
     with pytest.raises(ValueError) as info:
         Trainer(**{name: True}, logger=False)

@@ -335,9 +335,10 @@ def assemble(trainer: Trainer) -> dict[str, Any]:
     return state
 
 
-def save(trainer: Trainer, path: str | os.PathLike) -> None:
+def save(trainer: Trainer, path: str | os.PathLike, *, weights_only: bool = False) -> None:
     """``Trainer.save_checkpoint``: refuse non-finite weights, assemble (collective), write on rank 0,
-    then a barrier so no rank runs ahead of the commit.
+    then a barrier so no rank runs ahead of the commit. ``weights_only`` leaves out the optimizer,
+    scheduler, scaler, callback, datamodule and RNG state (Lightning's ``save_weights_only``).
 
     Raises:
         FloatingPointError: the weights hold NaN or inf; such a checkpoint is never written.
@@ -351,6 +352,9 @@ def save(trainer: Trainer, path: str | os.PathLike) -> None:
                 "NaN or inf (a non-finite step got through). The last good checkpoint is kept."
             )
     state = assemble(trainer)
+    if weights_only:
+        for key in (K_OPTIMIZERS, K_SCHEDULERS, K_SCALER, K_RNG, K_CALLBACKS, K_DATAMODULE):
+            state.pop(key, None)
     trainer._checkpoint_io.save(state, path, is_writer=trainer.is_global_zero)
     dist.barrier(trainer.device)
 
@@ -402,6 +406,7 @@ def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
     path = resolve_ckpt_path(trainer, ckpt_path)
     if path is None:
         return
+    trainer._ckpt_path = path  # Lightning's trainer.ckpt_path
     state = trainer._checkpoint_io.load(path)
     task = trainer.task
     assert task is not None

@@ -18,6 +18,7 @@ import torch
 
 from trainer import dist
 from trainer import watchdog as wd
+from trainer.compat import is_keel_default, takes_batch_idx
 from trainer.data import AdaptedLoader
 from trainer.metrics import MetricCollector
 from trainer.precision import Precision
@@ -50,26 +51,45 @@ class EvaluationLoop:
         limits: list[int | None],
         *,
         publish: Publish | None,
+        sanity: bool = False,
     ) -> list[dict[str, float]]:
         """One validation or test epoch over ``loaders`` (``limits[i]`` batches of loader i, None: all).
 
         Returns one dict of reduced epoch metrics per loader (the same on every rank). ``publish``
-        receives them as they are reduced; None (the sanity check) discards them.
+        receives them as they are reduced; None (the sanity check) discards them. ``sanity``: this is
+        fit's sanity check (the callbacks' ``on_sanity_check_start`` / ``_end`` around it).
+
+        Hooks, in order (the task's, then the callbacks'): ``on_{validation,test}_model_eval`` (task only;
+        default ``task.eval()``), ``on_*_start``, ``on_*_epoch_start``, per batch ``on_*_batch_start``, the
+        step, ``on_*_batch_end``; then ``on_*_epoch_end``, ``on_*_end`` and ``on_*_model_train`` (task only;
+        unless overridden, every submodule gets back the training mode it had before).
         """
         validating = stage == "validate"
+        if sanity:
+            for cb in callbacks:
+                cb.on_sanity_check_start(trainer, task)
         was_training = task.training
-        task.eval()
-        self.metrics.stage = stage
-        results: list[dict[str, float]] = []
+        modes = [(m, m.training) for m in task.modules()]
         if validating:
+            task.on_validation_model_eval()
+            task.on_validation_start()
+            for cb in callbacks:
+                cb.on_validation_start(trainer, task)
             task.on_validation_epoch_start()
             for cb in callbacks:
                 cb.on_validation_epoch_start(trainer, task)
         else:
+            task.on_test_model_eval()
+            task.on_test_start()
+            for cb in callbacks:
+                cb.on_test_start(trainer, task)
             task.on_test_epoch_start()
             for cb in callbacks:
                 cb.on_test_epoch_start(trainer, task)
+        self.metrics.stage = stage
+        results: list[dict[str, float]] = []
         step = task.validation_step if validating else task.test_step
+        with_idx = takes_batch_idx(step)  # Lightning calls validation_step(batch) when it takes no batch_idx
         phase = wd.PHASE_VALIDATION_STEP if validating else wd.PHASE_TEST_STEP
         many = len(loaders) > 1
         with torch.no_grad():
@@ -80,8 +100,19 @@ class EvaluationLoop:
                     self.beat(phase)
                     batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
                     self.metrics.batch_size = infer_batch_size(batch)
+                    if validating:
+                        task.on_validation_batch_start(batch, batch_idx, loader_idx)
+                        for cb in callbacks:
+                            cb.on_validation_batch_start(trainer, task, batch, batch_idx, loader_idx)
+                    else:
+                        task.on_test_batch_start(batch, batch_idx, loader_idx)
+                        for cb in callbacks:
+                            cb.on_test_batch_start(trainer, task, batch, batch_idx, loader_idx)
                     with self.precision.autocast():
-                        outputs = step(batch, batch_idx, loader_idx) if many else step(batch, batch_idx)
+                        if many:
+                            outputs = step(batch, batch_idx, loader_idx)
+                        else:
+                            outputs = step(batch, batch_idx) if with_idx else step(batch)
                     if validating:
                         task.on_validation_batch_end(outputs, batch, batch_idx, loader_idx)
                         for cb in callbacks:
@@ -98,14 +129,29 @@ class EvaluationLoop:
             results.append(self._reduce(len(loaders) - 1, len(loaders), publish))
             for cb in callbacks:
                 cb.on_validation_epoch_end(trainer, task)
+            task.on_validation_end()
+            for cb in callbacks:
+                cb.on_validation_end(trainer, task)
+            restore = task.on_validation_model_train
         else:
             task.on_test_epoch_end()
             results.append(self._reduce(len(loaders) - 1, len(loaders), publish))
             for cb in callbacks:
                 cb.on_test_epoch_end(trainer, task)
+            task.on_test_end()
+            for cb in callbacks:
+                cb.on_test_end(trainer, task)
+            restore = task.on_test_model_train
+        if is_keel_default(restore):
+            for module, mode in modes:  # each submodule as it was (a frozen, eval-mode backbone stays so)
+                module.train(mode)
+        else:
+            restore()
         if was_training:
-            task.train()
             self.metrics.stage = "train"
+        if sanity:
+            for cb in callbacks:
+                cb.on_sanity_check_end(trainer, task)
         return results
 
     def _reduce(self, loader_idx: int, num_loaders: int, publish: Publish | None) -> dict[str, float]:
@@ -130,10 +176,22 @@ class EvaluationLoop:
     ) -> list[Any] | None:
         """``predict_step`` over every loader; outputs moved to CPU and gathered in rank order, so each
         list is in dataset order (contiguous shards). ``return_here`` False: this rank returns None.
-        With several loaders the result is a list of such lists."""
-        task.eval()
+        With several loaders the result is a list of such lists.
+
+        Hooks, in order (the task's, then the callbacks'): ``on_predict_model_eval`` (task only; default
+        ``task.eval()``), ``on_predict_start``, ``on_predict_epoch_start``, per batch
+        ``on_predict_batch_start``, ``predict_step``, ``on_predict_batch_end``; then ``on_predict_epoch_end``
+        and ``on_predict_end``. The task stays in eval mode afterwards, as in Lightning."""
+        task.on_predict_model_eval()
+        task.on_predict_start()
+        for cb in callbacks:
+            cb.on_predict_start(trainer, task)
+        task.on_predict_epoch_start()
+        for cb in callbacks:
+            cb.on_predict_epoch_start(trainer, task)
         self.metrics.stage = "predict"
         results: list[list[Any] | None] = []
+        with_idx = takes_batch_idx(task.predict_step)
         with torch.no_grad():
             for loader_idx, (adapted, limit) in enumerate(zip(loaders, limits)):
                 local: list[Any] = []
@@ -141,12 +199,25 @@ class EvaluationLoop:
                     if limit is not None and batch_idx >= limit:
                         break
                     batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
+                    task.on_predict_batch_start(batch, batch_idx, loader_idx)
+                    for cb in callbacks:
+                        cb.on_predict_batch_start(trainer, task, batch, batch_idx, loader_idx)
                     with self.precision.autocast():
-                        out = task.predict_step(batch, batch_idx) if len(loaders) == 1 else task.predict_step(batch, batch_idx, loader_idx)
+                        if len(loaders) > 1:
+                            out = task.predict_step(batch, batch_idx, loader_idx)
+                        else:
+                            out = task.predict_step(batch, batch_idx) if with_idx else task.predict_step(batch)
+                    task.on_predict_batch_end(out, batch, batch_idx, loader_idx)
+                    for cb in callbacks:
+                        cb.on_predict_batch_end(trainer, task, out, batch, batch_idx, loader_idx)
                     local.append(move_to_device(out, torch.device("cpu")))
                 gathered = dist.all_gather_object(local) if dist.get_world_size() > 1 else [local]  # collective
                 merged = [item for rank_items in gathered for item in rank_items]
                 results.append(merged if return_here else None)
+        task.on_predict_epoch_end()
         for cb in callbacks:
             cb.on_predict_epoch_end(trainer, task)
+        task.on_predict_end()
+        for cb in callbacks:
+            cb.on_predict_end(trainer, task)
         return results[0] if len(results) == 1 else results

@@ -16,12 +16,33 @@ from typing import Any, Sequence
 import torch
 
 from trainer import dist
+from trainer.compat import warn_uncalled_hooks
 
 log = logging.getLogger(__name__)
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's (when installed) and torch's global generators (CPU and CUDA)."""
+def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
+    """Seed Python's, NumPy's (when installed) and torch's global generators (CPU and CUDA); returns the seed.
+
+    Lightning's signature. ``seed=None`` reads ``PL_GLOBAL_SEED`` from the environment, else uses 0.
+    ``workers`` is accepted for Lightning compatibility: keel always seeds DataLoader workers per
+    (seed, rank, worker, epoch) for the loaders it adapts (trainer/data.py), which is what Lightning's
+    ``workers=True`` asks for.
+    """
+    if seed is None:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed_everything(seed={seed!r}): expected an int or None.")
+    os.environ["PL_GLOBAL_SEED"] = str(seed)
+    if workers:
+        os.environ["PL_SEED_WORKERS"] = "1"
+    if verbose:
+        log.info("Seed set to %d", seed)
+    _seed_generators(seed)
+    return seed
+
+
+def _seed_generators(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
     try:
@@ -49,7 +70,7 @@ def setup_stage(
     the profiler (it knows the run directory then), prepare and set up the data (``prepare_data`` on local
     rank 0, the others wait at a barrier), then ``task.setup`` and the callbacks' ``setup``, in that order."""
     if seed is not None:
-        seed_everything(seed + trainer.global_rank)
+        _seed_generators(seed + trainer.global_rank)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -60,10 +81,13 @@ def setup_stage(
         profiler.setup(stage, run_dir=trainer.log_dir, rank=trainer.global_rank)
         if profiler.enabled:
             profiler.transition("setup")  # the phase clock starts: data and task setup count as "setup"
-    if datamodule is not None:
-        if local_rank == 0:
+    warn_uncalled_hooks(task, callbacks)  # a Lightning hook keel never calls is named, never ignored
+    if local_rank == 0:
+        if datamodule is not None:
             datamodule.prepare_data()
-        dist.barrier(trainer.device)
+        task.prepare_data()
+    dist.barrier(trainer.device)  # the other ranks of the node wait for the files
+    if datamodule is not None:
         datamodule.setup(stage)
     task.setup(stage)
     for cb in callbacks:

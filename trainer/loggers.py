@@ -228,6 +228,24 @@ class Logger:
         return f"{type(self).__name__}(save_dir={self.save_dir!r}, name={self.name!r}, version={self.version!r})"
 
 
+class DummyExperiment:
+    """What a logger's ``experiment`` is on a rank other than 0 (Lightning's ``DummyExperiment``): every
+    attribute is a no-op callable, so ``self.logger.experiment.add_image(...)`` in a hook that runs on
+    every rank writes nothing there (no second event file in the run directory)."""
+
+    def _nothing(self, *args: Any, **kwargs: Any) -> "DummyExperiment":
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        return self._nothing
+
+    def __getitem__(self, key: Any) -> "DummyExperiment":
+        return self
+
+    def __bool__(self) -> bool:
+        return False
+
+
 def _to_plain(params: Any) -> Any:
     """An omegaconf config (resolved) or any nested mapping as plain dicts and lists."""
     if type(params).__module__.startswith("omegaconf"):
@@ -396,7 +414,10 @@ class TensorBoardLogger(Logger):
 
     @property
     def experiment(self) -> SummaryWriter:
-        """The ``SummaryWriter``, created on first use (Lightning's name)."""
+        """The ``SummaryWriter``, created on first use (Lightning's name); a :class:`DummyExperiment` that
+        writes nothing on ranks other than 0."""
+        if dist.get_rank() != 0:
+            return DummyExperiment()  # type: ignore[return-value]
         if self._writer is None:
             log_dir = self._ensure_log_dir()
             try:

@@ -178,6 +178,10 @@ class MetricCollector:
         self._step: dict[str, _StepValue] = {}
         self._epochs: dict[str, dict[str, _Entry | _MetricRef]] = {"train": {}, "eval": {}}
         self._warned: set[str] = set()
+        # The Trainer's callback_metrics: training values logged with on_step=True land here as logged
+        # (device tensors, this rank's value: no sync, as in Lightning); logging steps and epoch ends
+        # then overwrite them with the values reduced over ranks.
+        self.live: dict[str, torch.Tensor] = {}
 
     @property
     def _epoch(self) -> dict[str, _Entry | _MetricRef]:
@@ -234,6 +238,7 @@ class MetricCollector:
         scalar = _to_scalar(name, value)
         if on_step:
             self._step[step_name] = _StepValue(scalar, reduce_fx, prog_bar, logger, mode)
+            self.live[step_name] = scalar if isinstance(scalar, torch.Tensor) else torch.tensor(scalar, dtype=torch.float64)
         if on_epoch:
             weight = float(batch_size if batch_size is not None else (self.batch_size or 1))
             if isinstance(scalar, torch.Tensor):

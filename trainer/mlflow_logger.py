@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer import tracking
-from trainer.loggers import Logger
+from trainer import dist
+from trainer.loggers import DummyExperiment, Logger
 
 if TYPE_CHECKING:  # pragma: no cover
     from mlflow.tracking import MlflowClient
@@ -104,7 +105,10 @@ class MLFlowLogger(Logger):
 
     @property
     def experiment(self) -> MlflowClient:
-        """The ``MlflowClient``, with this logger's run created or resumed (Lightning's name). Rank 0 only."""
+        """The ``MlflowClient``, with this logger's run created or resumed (Lightning's name). Rank 0 only:
+        other ranks get a :class:`~trainer.loggers.DummyExperiment` that does nothing."""
+        if dist.get_rank() != 0:
+            return DummyExperiment()  # type: ignore[return-value]
         if self._client is None:
             self._open()
         elif not self._running:

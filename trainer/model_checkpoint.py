@@ -30,18 +30,73 @@ log = logging.getLogger(__name__)
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 
 
+LAST_NAME = "last.ckpt"  # Lightning's name for the latest checkpoint (save_last=True)
+
+
+def check_filename(template: str) -> None:
+    """Refuse a ``filename`` template whose format specs cannot render (``epoch`` / ``step`` are ints,
+    metrics floats), when the callback is built rather than at the first save.
+
+    Raises:
+        ValueError: naming the field, its spec and what went wrong.
+    """
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"ModelCheckpoint(filename={template!r}): expected a non-empty template string.")
+    for match in _FIELD.finditer(template):
+        key, fmt = match.group(1), (match.group(2) or "")[1:]
+        sample: int | float = 7 if key in ("epoch", "step") else 0.5
+        try:
+            format(sample, fmt)
+        except (ValueError, TypeError) as exc:
+            kind = "an int" if key in ("epoch", "step") else "a float (metrics are floats)"
+            raise ValueError(f"ModelCheckpoint(filename={template!r}): field {{{key}:{fmt}}} cannot format "
+                             f"{kind}: {exc}.") from None
+    leftover = _FIELD.sub("", template)
+    if "{" in leftover or "}" in leftover:
+        raise ValueError(f"ModelCheckpoint(filename={template!r}): unbalanced braces; fields look like {{epoch}} "
+                         "or {val/loss:.3f}.")
+
+
+def link_last(path: str) -> None:
+    """Point ``dirpath/last.ckpt`` at ``path`` (rank 0, after ``path`` is committed), atomically: a hard link
+    for a file (it outlives pruning of ``path``), a relative symlink for a sharded folder."""
+    target = os.path.join(os.path.dirname(path), LAST_NAME)
+    if os.path.abspath(path) == os.path.abspath(target):
+        return
+    tmp = f"{target}.tmp-{os.getpid()}"
+    try:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        if os.path.isdir(path):
+            os.symlink(os.path.basename(path), tmp)
+        else:
+            try:
+                os.link(path, tmp)
+            except OSError:  # no hard links on this filesystem: a copy
+                import shutil
+
+                shutil.copy2(path, tmp)
+        os.replace(tmp, target)
+    except OSError as exc:  # pragma: no cover - the checkpoint itself is committed; only the alias failed
+        log.warning("Could not update %s -> %s: %s", target, path, exc)
+
+
 class ModelCheckpoint(Callback):
     """Save checkpoints on the step clock or at epoch ends; keep the best ``save_top_k``.
 
     Args:
         dirpath: folder for checkpoints; default ``<run dir>/checkpoints``.
-        filename: template such as ``"{epoch}-{step}-{val/loss:.3f}"``; each field renders as
-            ``name=value`` and ``/`` becomes ``_``. Default ``"{epoch}-{step}"``.
+        filename: template such as ``"{epoch}-{step}-{val/loss:.3f}"`` or ``"epoch_{epoch:03d}"``; each field
+            renders as ``name=value`` (just the value with ``auto_insert_metric_name=False``), with its
+            format spec (``epoch`` and ``step`` are ints, metrics floats), and ``/`` becomes ``_``.
+            Checked when the callback is built. Default ``"{epoch}-{step}"``.
         monitor: metric key in ``trainer.callback_metrics`` (reduced over ranks, so every rank makes the
             same top-k decision). None keeps the most recent ``save_top_k`` checkpoints.
         mode: ``"min"`` or ``"max"``.
         save_top_k: how many to keep (-1: all, 0: none except ``last``).
-        save_last: always keep the most recent checkpoint (``last_model_path``) besides the top-k.
+        save_last: always keep the most recent checkpoint (``last_model_path``) besides the top-k; True
+            also leaves ``last.ckpt`` in ``dirpath`` (a hard link to it, or a symlink to a sharded folder),
+            the file Lightning users and their scripts look for, beside keel's ``last`` pointer.
         every_n_train_steps: save every n optimizer steps.
         every_n_epochs: save every n epochs (default 1 when no other trigger is given).
         train_time_interval: save when this many seconds passed since the last save (checked at steps).
@@ -51,6 +106,16 @@ class ModelCheckpoint(Callback):
             pointer swap and pruning at a later step boundary, once the file is durable. At most one save
             is in flight; forced saves (preemption, exception) are synchronous, and the end of ``fit``
             waits for the save in flight (trainer/async_checkpoint.py).
+        verbose: log each save (and why) on rank 0 at INFO.
+        save_weights_only: checkpoints hold the weights (and hyperparameters, step, epoch) only, not the
+            optimizer, scheduler, callback or loop state: they load with ``load_from_checkpoint`` but cannot
+            resume a fit.
+        auto_insert_metric_name: ``name=`` before each field's value (Lightning's default True).
+        save_on_train_epoch_end: epoch-triggered saves at the end of the training epoch (True; None: keel's
+            default, the same, after the epoch's validation) or at the end of each validation run of
+            ``fit`` (False).
+        enable_version_counter: when a checkpoint of the same name already exists from another save (a
+            rerun into the same folder), append ``-v1``, ``-v2``, ... instead of replacing it.
     """
 
     is_model_checkpoint = True
@@ -69,6 +134,11 @@ class ModelCheckpoint(Callback):
         train_time_interval: float | None = None,
         save_on_exception: bool = False,
         async_save: bool = False,
+        verbose: bool = False,
+        save_weights_only: bool = False,
+        auto_insert_metric_name: bool = True,
+        save_on_train_epoch_end: bool | None = None,
+        enable_version_counter: bool = True,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint(mode={mode!r}): expected 'min' or 'max'.")
@@ -79,6 +149,21 @@ class ModelCheckpoint(Callback):
                 raise ValueError(f"ModelCheckpoint({name}={value!r}): expected an int >= 1 or None.")
         if not isinstance(async_save, bool):
             raise ValueError(f"ModelCheckpoint(async_save={async_save!r}): expected True or False.")
+        for name, flag in (("verbose", verbose), ("save_weights_only", save_weights_only),
+                           ("auto_insert_metric_name", auto_insert_metric_name),
+                           ("enable_version_counter", enable_version_counter)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"ModelCheckpoint({name}={flag!r}): expected True or False.")
+        if save_on_train_epoch_end is not None and not isinstance(save_on_train_epoch_end, bool):
+            raise ValueError(f"ModelCheckpoint(save_on_train_epoch_end={save_on_train_epoch_end!r}): expected "
+                             "True, False or None.")
+        if save_last not in (None, True, False):
+            raise ValueError(f"ModelCheckpoint(save_last={save_last!r}): expected True, False or None (keel has no "
+                             "'link' mode: save_last=True already leaves last.ckpt as a hard link).")
+        if async_save and save_weights_only:
+            raise ValueError("ModelCheckpoint(async_save=True, save_weights_only=True): pick one (async saves "
+                             "stage the whole run state).")
+        check_filename(filename or "{epoch}-{step}")
         if train_time_interval is not None and not train_time_interval > 0:
             raise ValueError(f"ModelCheckpoint(train_time_interval={train_time_interval!r}): expected seconds > 0.")
         self.dirpath = str(dirpath) if dirpath is not None else None
@@ -94,6 +179,11 @@ class ModelCheckpoint(Callback):
         self.train_time_interval = train_time_interval
         self.save_on_exception = save_on_exception
         self.async_save = async_save
+        self.verbose = verbose
+        self.save_weights_only = save_weights_only
+        self.auto_insert_metric_name = auto_insert_metric_name
+        self.save_on_train_epoch_end = save_on_train_epoch_end
+        self.enable_version_counter = enable_version_counter
         self._checkpointer = AsyncCheckpointer()  # also waited on by synchronous saves: one in flight at most
         self.best_k_models: dict[str, float] = {}
         self.best_model_path = ""
@@ -137,8 +227,14 @@ class ModelCheckpoint(Callback):
         if self._pending_after_validation and not trainer.sanity_checking:
             self._pending_after_validation = False
             self.save(trainer)
+        elif self.save_on_train_epoch_end is False and trainer.state_stage == "fit" and not trainer.sanity_checking:
+            self._save_epoch(trainer)  # Lightning's save_on_train_epoch_end=False: after each validation run
 
     def on_train_epoch_end(self, trainer: Trainer, task: TaskModule) -> None:
+        if self.save_on_train_epoch_end is not False:
+            self._save_epoch(trainer)
+
+    def _save_epoch(self, trainer: Trainer) -> None:
         if self.every_n_epochs is not None and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             if trainer.global_step != self._last_saved_step:
                 self.save(trainer)
@@ -178,16 +274,19 @@ class ModelCheckpoint(Callback):
     ) -> str:
         values = dict(metrics, epoch=epoch, step=step)
 
+        prefix = (lambda key: f"{key}=") if self.auto_insert_metric_name else (lambda key: "")
+
         def render(match: re.Match[str]) -> str:
             key, fmt = match.group(1), match.group(2) or ""
             if key not in values:
                 if missing_ok:  # a forced save (preemption, exception) before the metric exists
-                    return f"{key}=na"
+                    return f"{prefix(key)}na"
                 raise KeyError(
                     f"ModelCheckpoint filename {self.filename!r} uses {key!r}, which was not logged; "
                     f"available: {sorted(values)}."
                 )
-            return f"{key}={format(float(values[key]) if fmt else values[key], fmt[1:])}"
+            value = values[key] if key in ("epoch", "step") else float(values[key])  # ints stay ints: {epoch:03d}
+            return f"{prefix(key)}{format(value, fmt[1:]) if fmt else value}"
 
         return _FIELD.sub(render, self.filename).replace("/", "_") + suffix + ".ckpt"
 
@@ -199,6 +298,10 @@ class ModelCheckpoint(Callback):
         """
         assert self.dirpath is not None
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        if trainer.world_size > 1:  # rank 0's values name the file and decide top-k on every rank (per-step
+            from trainer import dist  # training values in callback_metrics are this rank's, not reduced)
+
+            metrics = dist.broadcast_object(metrics)  # type: ignore[assignment]
         score = None
         if self.monitor is not None:
             if self.monitor in metrics:
@@ -208,7 +311,7 @@ class ModelCheckpoint(Callback):
                     f"ModelCheckpoint(monitor={self.monitor!r}): no such metric was logged; available: {sorted(metrics)}."
                 )
         name = self.format_name(metrics, trainer.current_epoch, trainer.global_step, suffix, missing_ok=force)
-        path = os.path.join(self.dirpath, name)
+        path = self._versioned(os.path.join(self.dirpath, name))
         # A forced save without the monitored value is kept as `last` only, outside the top-k.
         keep = self._admits(score) and (self.monitor is None or score is not None)
         if not keep and not self.save_last and not force:
@@ -226,7 +329,7 @@ class ModelCheckpoint(Callback):
             # Returns once the state is staged in CPU memory; the commit runs when the file is durable.
             save_async(trainer, path, self._checkpointer, lambda: self._commit(trainer, path, victims))
         else:
-            trainer.save_checkpoint(path)  # atomic; every rank passes a barrier inside
+            trainer.save_checkpoint(path, weights_only=self.save_weights_only)  # atomic; every rank passes a barrier
             self._commit(trainer, path, victims)
         self._last_saved_step = trainer.global_step
         self._last_time = time.monotonic()
@@ -237,12 +340,30 @@ class ModelCheckpoint(Callback):
         if not trainer.is_global_zero:
             return
         write_pointer(path)
+        if self.save_last is True:
+            link_last(path)
+        if self.verbose:
+            score = self.best_k_models.get(path)
+            why = (f"{self.monitor!r} = {score:.6g} (best {self.best_model_score:.6g})" if self.monitor and score is not None
+                   else "the latest")
+            log.info("Epoch %d, global step %d: saved %s as %s.", trainer.current_epoch, trainer.global_step, path, why)
         for victim in victims:
             if victim != path and victim not in self.best_k_models and os.path.exists(victim):
                 try:
                     os.remove(victim)
                 except OSError as exc:  # pragma: no cover
                     log.warning("Could not remove old checkpoint %s: %s", victim, exc)
+
+    def _versioned(self, path: str) -> str:
+        """``enable_version_counter``: ``name-vN.ckpt`` when ``path`` exists from another save."""
+        if not self.enable_version_counter or path == self.last_model_path or path in self.best_k_models:
+            return path
+        stem, ext = os.path.splitext(path)
+        version, candidate = 0, path
+        while os.path.exists(candidate) and candidate != self.last_model_path:
+            version += 1
+            candidate = f"{stem}-v{version}{ext}"
+        return candidate
 
     @property
     def _mode(self) -> str:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from trainer.compat import keel_default, unwrap_compiled
 from trainer.optim import ManualOptimizer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,7 +45,12 @@ class AttributeDict(dict):
 
 
 class DataHooks:
-    """The optional ``*_dataloader()`` hooks shared by TaskModule and DataModule (None: no such data)."""
+    """The optional data hooks shared by TaskModule and DataModule: ``prepare_data`` and the
+    ``*_dataloader()`` methods (None: no such data)."""
+
+    def prepare_data(self) -> None:
+        """Download or build files once per node. Called on local rank 0 of every node at the start of each
+        stage, before any ``setup`` (the datamodule's first, then the task's); the other ranks wait."""
 
     def train_dataloader(self) -> Iterable | None:
         return None
@@ -59,7 +65,45 @@ class DataHooks:
         return None
 
 
-class TaskModule(DataHooks, nn.Module):
+class HyperparametersMixin:
+    """``save_hyperparameters`` / ``hparams`` (Lightning's), shared by TaskModule and DataModule."""
+
+    def save_hyperparameters(self, *names: str, ignore: str | list[str] | None = None, logger: bool = True) -> None:
+        """Store the calling ``__init__``'s arguments in :attr:`hparams` (Lightning's name and meaning).
+
+        Call it inside ``__init__``. ``names`` selects arguments (default: all), ``ignore`` drops some.
+        Plain values (numbers, strings, bools, None and lists/dicts of them) go into checkpoints and are
+        used by :meth:`load_from_checkpoint`; others (modules, ``functools.partial`` factories) stay in
+        memory only, with a one-line warning when a checkpoint is written. ``logger=True`` sends them to
+        the loggers at the start of ``fit``.
+        """
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        if caller is None:  # pragma: no cover - CPython always has frames
+            raise RuntimeError("save_hyperparameters() could not find its caller's arguments.")
+        code, local = caller.f_code, caller.f_locals
+        count = code.co_argcount + code.co_kwonlyargcount
+        arg_names = [n for n in code.co_varnames[:count] if n != "self"]
+        values = {n: local[n] for n in arg_names if n in local}
+        if code.co_flags & inspect.CO_VARKEYWORDS:
+            values.update(local.get(code.co_varnames[count + bool(code.co_flags & inspect.CO_VARARGS)], {}))
+        if names:
+            unknown = sorted(set(names) - set(values))
+            if unknown:
+                raise ValueError(f"save_hyperparameters: {unknown} are not arguments of __init__ ({sorted(values)}).")
+            values = {n: values[n] for n in names}
+        for name in [ignore] if isinstance(ignore, str) else (ignore or []):
+            values.pop(name, None)
+        self._hparams = AttributeDict(values)
+        self._log_hyperparams = logger
+
+    @property
+    def hparams(self) -> "AttributeDict":
+        """Saved hyperparameters; attribute and key access (``self.hparams.lr``, ``self.hparams["lr"]``)."""
+        return self.__dict__.setdefault("_hparams", AttributeDict())
+
+
+class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
     """Base class for a task: model, loss, optimizers and (optionally) data.
 
     Required: ``training_step`` (for ``fit``) and ``configure_optimizers``. ``validation_step``,
@@ -120,6 +164,71 @@ class TaskModule(DataHooks, nn.Module):
     def world_size(self) -> int:
         return self._trainer.world_size if self._trainer is not None else 1
 
+    @property
+    def local_rank(self) -> int:
+        return self._trainer.local_rank if self._trainer is not None else 0
+
+    @property
+    def on_gpu(self) -> bool:
+        """True when the task runs on a CUDA device."""
+        return self.device.type == "cuda"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the first floating parameter (float32 without any)."""
+        for p in self.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return torch.float32
+
+    @property
+    def logger(self) -> Any:
+        """The Trainer's first logger (None when not attached or without loggers)."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> list[Any]:
+        return list(self._trainer.loggers) if self._trainer is not None else []
+
+    @property
+    def example_input_array(self) -> Any:
+        """An example input for ``forward`` (Lightning's attribute; set it in ``__init__``)."""
+        return self.__dict__.get("_example_input_array")
+
+    @example_input_array.setter
+    def example_input_array(self, value: Any) -> None:
+        self.__dict__["_example_input_array"] = value
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only (Lightning's ``self.print``); other ranks print nothing."""
+        if self.global_rank == 0:
+            print(*args, **kwargs)  # noqa: T201 - the documented rank-0 print
+
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every rank's ``data`` (a tensor, or a dict/list/tuple of tensors) stacked on a new first dimension
+        of size world size, a collective that every rank must call; in one process ``data`` itself, as in
+        Lightning. ``sync_grads=True`` keeps the autograd graph (e.g. contrastive losses)."""
+        strategy = self.trainer.strategy
+        if isinstance(data, dict):
+            return type(data)((k, self.all_gather(v, group, sync_grads)) for k, v in data.items())
+        if isinstance(data, (list, tuple)):
+            return type(data)(self.all_gather(v, group, sync_grads) for v in data)
+        if not isinstance(data, torch.Tensor):
+            data = torch.as_tensor(data, device=self.device)
+        return strategy.all_gather(data, group=group, sync_grads=sync_grads)
+
+    def freeze(self) -> None:
+        """All parameters ``requires_grad=False`` and eval mode (Lightning's)."""
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.eval()
+
+    def unfreeze(self) -> None:
+        """All parameters ``requires_grad=True`` and train mode."""
+        for p in self.parameters():
+            p.requires_grad_(True)
+        self.train()
+
     # ------------------------------------------------------------------ manual optimization
     def optimizers(self) -> "ManualOptimizer | list[ManualOptimizer]":
         """The optimizers from ``configure_optimizers``, wrapped so that ``step()`` is precision-aware
@@ -157,41 +266,6 @@ class TaskModule(DataHooks, nn.Module):
         for p, flag in (self._toggled or {}).items():
             p.requires_grad_(flag)
         self._toggled = None
-
-    # ------------------------------------------------------------------ hyperparameters
-    def save_hyperparameters(self, *names: str, ignore: str | list[str] | None = None, logger: bool = True) -> None:
-        """Store the calling ``__init__``'s arguments in :attr:`hparams` (Lightning's name and meaning).
-
-        Call it inside ``__init__``. ``names`` selects arguments (default: all), ``ignore`` drops some.
-        Plain values (numbers, strings, bools, None and lists/dicts of them) go into checkpoints and are
-        used by :meth:`load_from_checkpoint`; others (modules, ``functools.partial`` factories) stay in
-        memory only, with a one-line warning when a checkpoint is written. ``logger=True`` sends them to
-        the loggers at the start of ``fit``.
-        """
-        frame = inspect.currentframe()
-        caller = frame.f_back if frame is not None else None
-        if caller is None:  # pragma: no cover - CPython always has frames
-            raise RuntimeError("save_hyperparameters() could not find its caller's arguments.")
-        code, local = caller.f_code, caller.f_locals
-        count = code.co_argcount + code.co_kwonlyargcount
-        arg_names = [n for n in code.co_varnames[:count] if n != "self"]
-        values = {n: local[n] for n in arg_names if n in local}
-        if code.co_flags & inspect.CO_VARKEYWORDS:
-            values.update(local.get(code.co_varnames[count + bool(code.co_flags & inspect.CO_VARARGS)], {}))
-        if names:
-            unknown = sorted(set(names) - set(values))
-            if unknown:
-                raise ValueError(f"save_hyperparameters: {unknown} are not arguments of __init__ ({sorted(values)}).")
-            values = {n: values[n] for n in names}
-        for name in [ignore] if isinstance(ignore, str) else (ignore or []):
-            values.pop(name, None)
-        self._hparams = AttributeDict(values)
-        self._log_hyperparams = logger
-
-    @property
-    def hparams(self) -> "AttributeDict":
-        """Saved hyperparameters; attribute and key access (``self.hparams.lr``, ``self.hparams["lr"]``)."""
-        return self.__dict__.setdefault("_hparams", AttributeDict())
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod
@@ -269,6 +343,7 @@ class TaskModule(DataHooks, nn.Module):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | Mapping[str, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement training_step(batch, batch_idx) to fit.")
 
+    @keel_default  # fit() skips validation (with a warning) when a task keeps this default
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
         raise NotImplementedError(
             f"{type(self).__name__} got validation data but does not implement validation_step(batch, batch_idx)."
@@ -314,11 +389,45 @@ class TaskModule(DataHooks, nn.Module):
     def on_before_backward(self, loss: torch.Tensor) -> None: ...
     def on_after_backward(self) -> None: ...
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_validation_start(self) -> None: ...
+    def on_validation_end(self) -> None: ...
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_start(self) -> None: ...
+    def on_test_end(self) -> None: ...
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_start(self) -> None: ...
+    def on_predict_end(self) -> None: ...
+    def on_predict_epoch_start(self) -> None: ...
+    def on_predict_epoch_end(self) -> None: ...
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+
+    def on_validation_model_eval(self) -> None:
+        """Called when a validation run starts: put the task in eval mode (override to keep parts training)."""
+        self.eval()
+
+    @keel_default
+    def on_validation_model_train(self) -> None:
+        """Called when a validation run ends. Unless overridden, the loop gives every submodule back the
+        training mode it had before the run (so a frozen backbone in eval mode stays in eval mode)."""
+        self.train()
+
+    def on_test_model_eval(self) -> None:
+        self.eval()
+
+    @keel_default
+    def on_test_model_train(self) -> None:
+        """As :meth:`on_validation_model_train`, for test runs."""
+        self.train()
+
+    def on_predict_model_eval(self) -> None:
+        self.eval()
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
 
 
-class DataModule(DataHooks):
+class DataModule(DataHooks, HyperparametersMixin):
     """Bundles the data of a task: ``setup(stage)`` then the ``*_dataloader()`` methods.
 
     The Trainer calls ``setup(stage)`` on every rank before asking for loaders; return plain
@@ -332,9 +441,6 @@ class DataModule(DataHooks):
     def trainer(self) -> "Trainer | None":
         return self._trainer
 
-    def prepare_data(self) -> None:
-        """Download or build files once per node. Called on local rank 0 before ``setup``; others wait."""
-
     def setup(self, stage: str) -> None:
         """Build datasets for ``stage`` ("fit", "validate", "test" or "predict") on every rank."""
 
@@ -346,20 +452,33 @@ class DataModule(DataHooks):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def check_stage_inputs(stage: str, task: Any, datamodule: Any, loaders: tuple[Any, ...]) -> TaskModule:
-    """The arguments of ``Trainer.fit/validate/test/predict``, checked before anything runs.
+def check_stage_inputs(
+    stage: str, task: Any, datamodule: Any, loaders: tuple[Any, ...]
+) -> tuple[TaskModule, DataModule | None, tuple[Any, ...], Any | None]:
+    """The arguments of ``Trainer.fit/validate/test/predict``, checked before anything runs, in Lightning's
+    forms: a DataModule passed where the dataloaders go (``trainer.fit(model, dm)``) is the datamodule, and
+    ``torch.compile(task)`` is the task plus its compile settings.
+
+    Returns:
+        ``(task, datamodule, loaders, dynamo context or None)``.
 
     Raises:
         ValueError: no task, or both dataloaders and a datamodule.
         TypeError: ``task`` is not a TaskModule, or ``datamodule`` not a DataModule.
     """
+    task, dynamo_ctx = unwrap_compiled(task)
+    if loaders and isinstance(loaders[0], DataModule) and datamodule is None:
+        datamodule, loaders = loaders[0], (None, *loaders[1:])
     if task is None:
         raise ValueError(f"Trainer.{stage}() needs a task: pass the TaskModule as the first argument.")
     if not isinstance(task, TaskModule):
-        raise TypeError(f"Trainer.{stage}() expects a TaskModule, got {type(task).__name__}.")
+        hint = (" A LightningModule ports by subclassing trainer.TaskModule (or `import callbacks.lightning as L`; "
+                "README \"Porting from Lightning\").") if "lightning" in type(task).__module__ else ""
+        raise TypeError(f"Trainer.{stage}() expects a TaskModule (or torch.compile(task)), got "
+                        f"{type(task).__name__}.{hint}")
     if datamodule is not None:
         if not isinstance(datamodule, DataModule):
             raise TypeError(f"datamodule must be a trainer.DataModule, got {type(datamodule).__name__}.")
         if any(loader is not None for loader in loaders):
             raise ValueError(f"Trainer.{stage}(): pass either dataloaders or a datamodule, not both.")
-    return task
+    return task, datamodule, loaders, dynamo_ctx

@@ -72,6 +72,9 @@ class TrainerOptions:
 
     max_epochs: int | None = None
     max_steps: int = -1
+    # Lightning's lower bounds: a stop request (trainer.should_stop) waits until both are met.
+    min_epochs: int | None = None
+    min_steps: int | None = None
     accumulate_grad_batches: int | dict = 1
     global_batch_size: int | dict | None = None
     drop_incomplete_accumulation: bool = False
@@ -89,6 +92,7 @@ class TrainerOptions:
     log_every_n_steps: int = 50
     seed: int | None = 0
     deterministic: bool = False
+    benchmark: bool | None = None  # torch.backends.cudnn.benchmark, set when the Trainer is built (None: leave)
     accelerator: str = "auto"
     # Lightning's launch keywords. keel never starts processes: they must match what torchrun / SLURM
     # started (checked by check_lightning_keywords once the environment is known).
@@ -164,6 +168,12 @@ class TrainerOptions:
         if not (isinstance(self.fast_dev_run, bool) or (_is_int(self.fast_dev_run) and self.fast_dev_run >= 0)):
             raise _fail("fast_dev_run", self.fast_dev_run, "a bool or an int >= 0 (number of batches)")
         _check_int("log_every_n_steps", self.log_every_n_steps, minimum=1)
+        _check_int("min_epochs", self.min_epochs, minimum=0, allow_none=True)
+        _check_int("min_steps", self.min_steps, minimum=0, allow_none=True)
+        if self.benchmark is not None and not isinstance(self.benchmark, bool):
+            raise _fail("benchmark", self.benchmark, "True, False or None (leave torch.backends.cudnn.benchmark as is)")
+        if self.seed is not None and not _is_int(self.seed):
+            raise _fail("seed", self.seed, "an int or None")
         if self.seed is not None and not _is_int(self.seed):
             raise _fail("seed", self.seed, "an int or None")
         for name in (
@@ -305,14 +315,9 @@ def _normalise_precision(value: Any) -> str:
 # Lightning Trainer keywords (2.x, and common 1.x ones) that keel refuses, with why and what to do instead.
 # Never silently ignored: Trainer.from_kwargs names them with this text.
 LIGHTNING_UNSUPPORTED: dict[str, str] = {
-    "min_epochs": "training stops only at max_epochs / max_steps or when a callback sets trainer.should_stop; "
-    "delay EarlyStopping with its patience.",
-    "min_steps": "training stops only at max_epochs / max_steps or when a callback sets trainer.should_stop; "
-    "delay EarlyStopping with its patience.",
     "max_time": "use max_steps / max_epochs, or a callback that sets trainer.should_stop at a deadline "
     "(callbacks.Timer); on a cluster time limit keel saves on SIGTERM/SIGUSR1 and resumes with ckpt_path='last'.",
     "overfit_batches": "pass limit_train_batches=N with an unshuffled loader, and the same loader as validation.",
-    "benchmark": "set torch.backends.cudnn.benchmark yourself before fit.",
     "inference_mode": "keel evaluates under torch.no_grad(); wrap your own code in torch.inference_mode() if needed.",
     "use_distributed_sampler": "keel always adds its resumable distributed sampler to a plain DataLoader "
     "(DESIGN.md section 6); a loader it cannot adapt is used as is, with a warning saying why.",
@@ -398,10 +403,16 @@ def check_lightning_keywords(options: TrainerOptions, env: "DistEnv") -> None:
     keel never starts processes (DESIGN.md section 1): ``devices`` must be the processes per node
     (``LOCAL_WORLD_SIZE``) or ``"auto"`` / -1, and ``num_nodes`` must be ``world_size // local_world_size``.
     Called by the Trainer right after :func:`trainer.dist.detect_env`, before any process group exists.
+    It also applies ``benchmark`` as Lightning does when its Trainer is built: True / False set
+    ``torch.backends.cudnn.benchmark``; None leaves it as is.
 
     Raises:
         ValueError: naming the mismatch and the launch command that gives the requested layout.
     """
+    if options.benchmark is not None:
+        import torch
+
+        torch.backends.cudnn.benchmark = options.benchmark
     env_nodes = env.world_size // env.local_world_size if env.world_size % env.local_world_size == 0 else None
     want_per_node = options.devices if _is_int(options.devices) else env.local_world_size
     want_nodes = options.num_nodes if options.num_nodes is not None else env_nodes

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from trainer import dist
+from trainer.compat import takes_batch_idx
 from trainer.launcher import DistEnv
 from trainer.options import TrainerOptions
 
@@ -43,9 +44,13 @@ class StepAdapter(nn.Module):
     def __init__(self, task: nn.Module) -> None:
         super().__init__()
         self.task = task
+        # Lightning calls training_step(batch) when it takes no batch_idx: decided here, once per fit.
+        self.with_batch_idx = takes_batch_idx(task.training_step)
 
     def forward(self, batch: Any, batch_idx: int) -> Any:
-        return self.task.training_step(batch, batch_idx)
+        if self.with_batch_idx:
+            return self.task.training_step(batch, batch_idx)
+        return self.task.training_step(batch)
 
 
 class Strategy:
@@ -88,6 +93,46 @@ class Strategy:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """``src``'s picklable object on every rank (a collective)."""
         return dist.broadcast_object(obj, src)
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node (Lightning's name; keel runs one device per process)."""
+        return self.env.local_world_size
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.env.world_size // max(1, self.env.local_world_size))
+
+    @property
+    def node_rank(self) -> int:
+        return self.env.node_rank
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: str | None = "mean") -> Any:
+        """``tensor`` reduced over ranks (a collective; Lightning's default op is the mean). Non-tensors and
+        a single process return ``tensor`` unchanged. ``group`` must be None (keel uses one group)."""
+        if group is not None:
+            raise ValueError("Strategy.reduce(group=...): keel reduces over the default process group only.")
+        if not isinstance(tensor, torch.Tensor) or self.world_size == 1:
+            return tensor
+        op = {None: "mean", "mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}.get(
+            reduce_op.lower() if isinstance(reduce_op, str) else reduce_op)
+        if op is None:
+            raise ValueError(f"Strategy.reduce(reduce_op={reduce_op!r}): expected 'mean', 'sum', 'max' or 'min'.")
+        out = tensor.detach().clone() if tensor.is_floating_point() or op != "mean" else tensor.double()
+        return dist.all_reduce(out, op)  # type: ignore[arg-type]
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        """Every rank's ``tensor`` stacked on a new first dimension of size world size (a collective); in a
+        single process ``tensor`` itself, as in Lightning. ``sync_grads=True`` keeps the autograd graph."""
+        if group is not None:
+            raise ValueError("Strategy.all_gather(group=...): keel gathers over the default process group only.")
+        if self.world_size == 1:
+            return tensor
+        if sync_grads:
+            from torch.distributed.nn.functional import all_gather as differentiable_all_gather
+
+            return torch.stack(differentiable_all_gather(tensor.contiguous()))
+        return torch.stack(dist.all_gather_tensor(tensor))
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, task: nn.Module, *, manual: bool) -> nn.Module:

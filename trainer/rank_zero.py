@@ -40,13 +40,31 @@ def rank_zero_only(fn: F) -> F:
     return wrapped  # type: ignore[return-value]
 
 
+def _ensure_logging() -> None:
+    """Before any Trainer exists (a script's top, a DataModule), configure per-rank logging the way the
+    Trainer will, so that rank 0's INFO lines print (Lightning's logger works from import). A process whose
+    root logger already has handlers (Hydra, the user's own config) is left alone."""
+    if not logging.getLogger().handlers:
+        configure_logging(_env_rank())
+
+
 @rank_zero_only
 def rank_zero_info(message: str, *args: Any) -> None:
+    """Log at INFO on global rank 0; prints also before any Trainer exists."""
+    _ensure_logging()
     _log.info(message, *args)
 
 
 @rank_zero_only
+def rank_zero_debug(message: str, *args: Any) -> None:
+    """Log at DEBUG on global rank 0 (shown when the ``trainer`` logger is at DEBUG)."""
+    _ensure_logging()
+    _log.debug(message, *args)
+
+
+@rank_zero_only
 def rank_zero_warn(message: str, category: type[Warning] = UserWarning, stacklevel: int = 3) -> None:
+    """``warnings.warn`` on global rank 0 (Python shows it once per call site, with or without a Trainer)."""
     warnings.warn(message, category, stacklevel=stacklevel)
 
 

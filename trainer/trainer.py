@@ -21,10 +21,11 @@ from trainer import checkpoint as ckpt
 from trainer import dist, elastic
 from trainer import watchdog as wd
 from trainer.accumulation import (
-    AccumulationSchedule, MicroBatch, StepNormaliser, check_finite_loss, estimate_stepping_batches, finite_on_all_ranks,
-    micro_batches, split_step_output,
+    AccumulationSchedule, MicroBatch, StepNormaliser, estimate_stepping_batches, finite_on_all_ranks, micro_batches,
+    split_step_output,
 )
 from trainer.callback import Callback, check_callbacks
+from trainer.compat import TrainerAttributes, compile_step, fit_validation
 from trainer.checkpoint import CheckpointIO
 from trainer.data import (
     AdaptedLoader, adapt_eval_loader, adapt_train_loader, limit_batches, plan_epoch, resolve_loaders, warn_if_unsharded,
@@ -35,6 +36,7 @@ from trainer.loggers import Logger, default_loggers, log_fit_start
 from trainer.metrics import MetricCollector
 from trainer.model_checkpoint import ModelCheckpoint
 from trainer.module import DataModule, TaskModule, check_stage_inputs
+from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import ManualOptimization, SchedulerConfig, parse_optimizers, step_schedulers
 from trainer.options import TrainerOptions, check_lightning_keywords
 from trainer.parallel import Strategy, select_strategy
@@ -47,7 +49,7 @@ from trainer.transfer import infer_batch_size, move_to_device
 log = logging.getLogger(__name__)
 
 
-class Trainer:
+class Trainer(TrainerAttributes):
     """Runs ``fit`` / ``validate`` / ``test`` / ``predict`` for a :class:`~trainer.TaskModule`.
 
     The same script runs as one process, under ``torchrun --nproc-per-node N`` (one or many nodes) and
@@ -106,10 +108,12 @@ class Trainer:
         # k as a function of (epoch, global_step). Replace it (e.g. callbacks.GradientAccumulationScheduler
         # does in setup) to change accumulation; a change lands at the next optimizer-step boundary.
         self.accumulation_schedule = AccumulationSchedule(opts.accumulate_grad_batches)
-        self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.callback_metrics: dict[str, torch.Tensor] = self._metrics.live  # on_step values land after every step
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
         self._owns_group = False
+        self._nonfinite = NonFiniteGuard(enabled=opts.on_nonfinite == "error", world_size=self.world_size, device=self.device)
+        self._dynamo_ctx: Any = None  # torch.compile settings when fit() got torch.compile(task)
         self._preemption = PreemptionWatcher()
         self._watchdog: wd.Watchdog | None = None
         self._manual: ManualOptimization | None = None  # built per fit (TaskModule.optimizers() wraps with it)
@@ -120,34 +124,7 @@ class Trainer:
         self._eval_loop = EvaluationLoop(device=self.device, precision=self._precision, metrics=self._metrics,
                                          beat=self._beat)
 
-    # ------------------------------------------------------------------ public properties
-    @property
-    def precision(self) -> str:
-        return self.options.precision
-
-    @property
-    def logger(self) -> Logger | None:
-        return self.loggers[0] if self.loggers else None
-
-    @property
-    def log_dir(self) -> str:
-        """The run directory: the first logger's versioned folder, else ``default_root_dir``."""
-        if self.loggers:
-            return self.loggers[0].log_dir
-        return self.options.default_root_dir or os.getcwd()
-
-    @property
-    def default_root_dir(self) -> str:
-        return self.options.default_root_dir or os.getcwd()
-
-    @property
-    def max_epochs(self) -> int | None:
-        return self.options.max_epochs
-
-    @property
-    def max_steps(self) -> int:
-        return self.options.max_steps
-
+    # ------------------------------------------------------------------ public properties (more in trainer/compat.py)
     @property
     def accumulate_grad_batches(self) -> int:
         """Micro-batches of the current optimizer step: ``accumulation_schedule`` at the step clock."""
@@ -168,14 +145,6 @@ class Trainer:
         )
 
     @property
-    def checkpoint_callback(self) -> Callback | None:
-        return next((cb for cb in self.callbacks if getattr(cb, "is_model_checkpoint", False)), None)
-
-    @property
-    def log_every_n_steps(self) -> int:
-        return self.options.log_every_n_steps
-
-    @property
     def is_logging_step(self) -> bool:
         """True during ``on_train_batch_end`` of a micro-batch that completed a logging step."""
         return self.optimizer_stepped and self._logging_due()
@@ -194,14 +163,6 @@ class Trainer:
             for logger in self.loggers:
                 logger.log_metrics(dict(metrics), step=self.global_step if step is None else step)
 
-    @property
-    def lightning_module(self) -> TaskModule | None:
-        return self.task
-
-    @property
-    def training(self) -> bool:
-        return self.state_stage == "fit" and not self.sanity_checking
-
     # ------------------------------------------------------------------ public entry points
     def fit(
         self,
@@ -211,9 +172,9 @@ class Trainer:
         datamodule: DataModule | None = None,
         ckpt_path: str | None = None,
     ) -> None:
-        """Train ``model`` (a TaskModule; Lightning's parameter name). ``ckpt_path`` resumes from a checkpoint
-        file, or ``"last"`` / ``"best"``."""
-        self._run("fit", model, datamodule, lambda: self._fit(train_dataloaders, val_dataloaders, ckpt_path),
+        """Train ``model`` (a TaskModule, or ``torch.compile(task)``; Lightning's parameter name). A DataModule
+        may come second, as in Lightning. ``ckpt_path`` resumes from a checkpoint file, or ``"last"`` / ``"best"``."""
+        self._run("fit", model, datamodule, lambda train, val: self._fit(train, val, ckpt_path),
                   loaders=(train_dataloaders, val_dataloaders))
 
     def validate(
@@ -225,7 +186,7 @@ class Trainer:
     ) -> list[dict[str, float]]:
         """Run the validation loop once. Returns one dict of epoch metrics per dataloader (reduced over
         all ranks: means weighted by batch size), the same on every rank."""
-        body = lambda: self._evaluate("validate", self._stage_loaders("validate", dataloaders, ckpt_path))  # noqa: E731
+        body = lambda given: self._evaluate("validate", self._stage_loaders("validate", given, ckpt_path))  # noqa: E731
         return self._run("validate", model, datamodule, body, loaders=(dataloaders,))
 
     def test(
@@ -236,7 +197,7 @@ class Trainer:
         ckpt_path: str | None = None,
     ) -> list[dict[str, float]]:
         """Run the test loop once; returns metrics like :meth:`validate`."""
-        body = lambda: self._evaluate("test", self._stage_loaders("test", dataloaders, ckpt_path))  # noqa: E731
+        body = lambda given: self._evaluate("test", self._stage_loaders("test", given, ckpt_path))  # noqa: E731
         return self._run("test", model, datamodule, body, loaders=(dataloaders,))
 
     def predict(
@@ -253,16 +214,19 @@ class Trainer:
         with ``"rank_zero"`` rank 0 returns it and other ranks return None. With several dataloaders the
         result is a list of such lists.
         """
-        return self._run("predict", model, datamodule, lambda: self._predict(dataloaders, ckpt_path), loaders=(dataloaders,))
+        return self._run("predict", model, datamodule, lambda given: self._predict(given, ckpt_path), loaders=(dataloaders,))
 
-    def save_checkpoint(self, path: str | os.PathLike) -> None:
+    def save_checkpoint(self, path: str | os.PathLike, weights_only: bool = False) -> None:
         """Write a checkpoint of the whole run state to ``path`` (rank 0 writes; all ranks must call).
+        ``weights_only``: weights, hyperparameters, step and epoch only (Lightning's; cannot resume a fit).
 
         Raises:
-            FloatingPointError: the weights hold NaN or inf; such a checkpoint is never written.
+            FloatingPointError: a training loss since the last check, or the weights, hold NaN or inf; such a
+                checkpoint is never written.
         """
         self._beat(wd.PHASE_CHECKPOINT)
-        ckpt.save(self, path)
+        self._nonfinite.check(f"before saving checkpoint {os.fspath(path)!r}")  # never a checkpoint after a NaN step
+        ckpt.save(self, path, weights_only=weights_only)
 
     # ------------------------------------------------------------------ stage plumbing
     def _run(
@@ -270,11 +234,12 @@ class Trainer:
         stage: str,
         task: TaskModule | None,
         datamodule: DataModule | None,
-        body: Callable[[], Any],
+        body: Callable[..., Any],
         *,
         loaders: tuple[Any, ...],
     ) -> Any:
-        task = check_stage_inputs(stage, task if task is not None else self.task, datamodule, loaders)
+        task, datamodule, loaders, self._dynamo_ctx = check_stage_inputs(stage, task if task is not None else self.task,
+                                                                          datamodule, loaders)
         self._init_distributed()
         self.task, self.datamodule, self.state_stage = task, datamodule, stage
         task._trainer = self
@@ -288,7 +253,7 @@ class Trainer:
                 self.options.watchdog_timeout, world_size=self.world_size, rank=self.global_rank,
                 process_group_timeout=self.options.process_group_timeout, run_dir=self.log_dir)
             self._beat(wd.PHASE_SETUP)
-            result = body()
+            result = body(*loaders)
         except BaseException as exc:
             for cb in self.callbacks:
                 cb.on_exception(self, task, exc)
@@ -363,12 +328,13 @@ class Trainer:
             train_loaders[0], num_replicas=self.world_size, rank=self.global_rank, seed=opts.seed or 0
         )
         elastic.configure(self, self._train.loader)  # global_batch_size -> accumulation at this world size
-        val_loaders = self._eval_loaders("validate", val_dataloaders)
-        self.num_val_batches = [self._limit(v.loader, "limit_val_batches") for v in val_loaders]
+        val_loaders, self.num_val_batches = fit_validation(  # none without validation_step or with limit 0
+            task, self._eval_loaders("validate", val_dataloaders), lambda v: self._limit(v.loader, "limit_val_batches"))
         self._check_sharding = self.world_size > 1 and self._train.sampler is None
         self._configure_model_and_optimizers()
         self.global_step = self.current_epoch = self._epoch_batches_done = self._epoch_samples = 0
         self.should_stop = False
+        self._nonfinite.reset()
         if ckpt_path is not None:
             ckpt.restore(self, ckpt_path, full=True)
         if self.is_global_zero:
@@ -396,6 +362,7 @@ class Trainer:
                     break
         finally:
             self._preemption.uninstall()
+        self._nonfinite.check("at the end of fit")
         task.on_train_end()
         for cb in self.callbacks:
             cb.on_train_end(self, task)
@@ -414,7 +381,7 @@ class Trainer:
         assert task is not None
         opts = self.options
         self._manual_mode = not task.automatic_optimization
-        self._model = self.strategy.setup(task, manual=self._manual_mode)
+        self._model = compile_step(self.strategy.setup(task, manual=self._manual_mode), self._dynamo_ctx)
         self.optimizers, self.lr_scheduler_configs = parse_optimizers(task.configure_optimizers())
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
@@ -461,6 +428,7 @@ class Trainer:
                     # One training iteration (whatever number of optimizer calls) is one step.
                     self._precision.update()
                     self.global_step += 1
+                    self._nonfinite.record(self.global_step, self._step_loss)
                     stepped = True
                 else:
                     stepped = self._optimizer_step(normaliser)
@@ -560,14 +528,19 @@ class Trainer:
             self._precision.optimizer_step(optimizer)
         self._precision.update()
         for optimizer in self.optimizers:
+            task.on_before_zero_grad(optimizer)
+            for cb in self.callbacks:
+                cb.on_before_zero_grad(self, task, optimizer)
             optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         step_schedulers(self.lr_scheduler_configs, "step", self.global_step, self.callback_metrics)
         self._step_loss = step_loss
+        self._nonfinite.record(self.global_step, step_loss)  # a list append: read on logging steps, epoch ends, saves
         return True
 
     def _log_step_metrics(self) -> None:
         """Logging step: one host read and one collective for all step metrics (DESIGN.md section 11)."""
+        self._nonfinite.check(f"at logging step {self.global_step}")  # one more read + collective, logging steps only
         if self._step_loss is not None:
             self._metrics.log("loss", self._step_loss, on_step=True, on_epoch=False, prog_bar=True, logger=False,
                               batch_size=None, reduce_fx="mean")
@@ -576,8 +549,6 @@ class Trainer:
         self._beat(wd.PHASE_METRICS_REDUCTION)
         values, to_logger, to_bar = self._metrics.reduce_step()
         self._publish(values, to_logger, to_bar)
-        if self.options.on_nonfinite == "error":  # the loss is reduced over ranks: every rank raises together
-            check_finite_loss(values.get("loss"), step=self.global_step, every=self.options.log_every_n_steps)
 
     def _publish(self, values: dict[str, float], to_logger: dict[str, float], to_bar: dict[str, float]) -> None:
         self.callback_metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()})
@@ -590,6 +561,7 @@ class Trainer:
         should_stop). Then the epoch counter and the data cursor stay where they are, so a checkpoint
         written in ``on_train_epoch_end`` resumes at the right sample."""
         opts = self.options
+        self._nonfinite.check(f"at the end of epoch {self.current_epoch}")
         every = opts.check_val_every_n_epoch
         if val_loaders and opts.val_check_interval is None and every is not None and (
             not completed or (self.current_epoch + 1) % every == 0
@@ -625,7 +597,7 @@ class Trainer:
         name = "limit_val_batches" if stage == "validate" else "limit_test_batches"
         limits = [limit_override if limit_override is not None else self._limit(a.loader, name) for a in loaders]
         return self._eval_loop.run(self, self.task, self.callbacks, stage, loaders, limits,  # type: ignore[arg-type]
-                                   publish=None if self.sanity_checking else self._publish)
+                                   publish=None if self.sanity_checking else self._publish, sanity=self.sanity_checking)
 
     def _predict(self, dataloaders: Any, ckpt_path: str | None) -> list[Any] | None:
         loaders = self._stage_loaders("predict", dataloaders, ckpt_path)

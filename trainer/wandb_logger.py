@@ -14,7 +14,8 @@ import string
 from typing import TYPE_CHECKING, Any
 
 from trainer import tracking, wandb_records
-from trainer.loggers import Logger, _to_plain, _yaml_safe
+from trainer import dist
+from trainer.loggers import DummyExperiment, Logger, _to_plain, _yaml_safe
 
 if TYPE_CHECKING:  # pragma: no cover
     from wandb.sdk.wandb_run import Run
@@ -123,7 +124,10 @@ class WandbLogger(Logger):
 
     @property
     def experiment(self) -> Run:
-        """The ``wandb`` run, opened (or resumed) on first use (Lightning's name). Rank 0 only."""
+        """The ``wandb`` run, opened (or resumed) on first use (Lightning's name). Rank 0 only: other ranks get
+        a :class:`~trainer.loggers.DummyExperiment` that does nothing."""
+        if dist.get_rank() != 0:
+            return DummyExperiment()  # type: ignore[return-value]
         if self._run is None:
             self._run = self._open()
         return self._run

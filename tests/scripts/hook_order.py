@@ -111,6 +111,69 @@ class RecordingTask(Regression):
     def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.events.append("task.on_test_batch_end")
 
+    def predict_step(self, batch, batch_idx):
+        self.events.append("task.predict_step")
+        return super().predict_step(batch, batch_idx)
+
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        self.events.append("task.on_before_zero_grad")
+
+    def on_validation_start(self) -> None:
+        self.events.append("task.on_validation_start")
+
+    def on_validation_end(self) -> None:
+        self.events.append("task.on_validation_end")
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.events.append("task.on_validation_batch_start")
+
+    def on_validation_model_eval(self) -> None:
+        self.events.append("task.on_validation_model_eval")
+        super().on_validation_model_eval()
+
+    def on_validation_model_train(self) -> None:
+        self.events.append("task.on_validation_model_train")
+        super().on_validation_model_train()
+
+    def on_test_start(self) -> None:
+        self.events.append("task.on_test_start")
+
+    def on_test_end(self) -> None:
+        self.events.append("task.on_test_end")
+
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.events.append("task.on_test_batch_start")
+
+    def on_test_model_eval(self) -> None:
+        self.events.append("task.on_test_model_eval")
+        super().on_test_model_eval()
+
+    def on_test_model_train(self) -> None:
+        self.events.append("task.on_test_model_train")
+        super().on_test_model_train()
+
+    def on_predict_model_eval(self) -> None:
+        self.events.append("task.on_predict_model_eval")
+        super().on_predict_model_eval()
+
+    def on_predict_start(self) -> None:
+        self.events.append("task.on_predict_start")
+
+    def on_predict_end(self) -> None:
+        self.events.append("task.on_predict_end")
+
+    def on_predict_epoch_start(self) -> None:
+        self.events.append("task.on_predict_epoch_start")
+
+    def on_predict_epoch_end(self) -> None:
+        self.events.append("task.on_predict_epoch_end")
+
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.events.append("task.on_predict_batch_start")
+
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.events.append("task.on_predict_batch_end")
+
 
 class RecordingCallback(Callback):
     """Appends ``cb.<hook>`` to ``events`` in every hook of :class:`Callback`."""
@@ -178,6 +241,48 @@ class RecordingCallback(Callback):
     def on_predict_epoch_end(self, trainer, task):
         self.events.append("cb.on_predict_epoch_end")
 
+    def on_before_zero_grad(self, trainer, task, optimizer):
+        self.events.append("cb.on_before_zero_grad")
+
+    def on_sanity_check_start(self, trainer, task):
+        self.events.append("cb.on_sanity_check_start")
+
+    def on_sanity_check_end(self, trainer, task):
+        self.events.append("cb.on_sanity_check_end")
+
+    def on_validation_start(self, trainer, task):
+        self.events.append("cb.on_validation_start")
+
+    def on_validation_end(self, trainer, task):
+        self.events.append("cb.on_validation_end")
+
+    def on_validation_batch_start(self, trainer, task, batch, batch_idx, dataloader_idx=0):
+        self.events.append("cb.on_validation_batch_start")
+
+    def on_test_start(self, trainer, task):
+        self.events.append("cb.on_test_start")
+
+    def on_test_end(self, trainer, task):
+        self.events.append("cb.on_test_end")
+
+    def on_test_batch_start(self, trainer, task, batch, batch_idx, dataloader_idx=0):
+        self.events.append("cb.on_test_batch_start")
+
+    def on_predict_start(self, trainer, task):
+        self.events.append("cb.on_predict_start")
+
+    def on_predict_end(self, trainer, task):
+        self.events.append("cb.on_predict_end")
+
+    def on_predict_epoch_start(self, trainer, task):
+        self.events.append("cb.on_predict_epoch_start")
+
+    def on_predict_batch_start(self, trainer, task, batch, batch_idx, dataloader_idx=0):
+        self.events.append("cb.on_predict_batch_start")
+
+    def on_predict_batch_end(self, trainer, task, outputs, batch, batch_idx, dataloader_idx=0):
+        self.events.append("cb.on_predict_batch_end")
+
     def on_save_checkpoint(self, trainer, task, checkpoint):
         self.events.append("cb.on_save_checkpoint")
 
@@ -189,7 +294,7 @@ class RecordingCallback(Callback):
 
 
 def record() -> list[str]:
-    """Fit 2 epochs (accumulate_grad_batches=2, validation each epoch, 1 sanity batch), validate, test."""
+    """Fit 2 epochs (accumulate_grad_batches=2, validation each epoch, 1 sanity batch), validate, test, predict."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     events: list[str] = []
     task = RecordingTask(events)
@@ -200,6 +305,7 @@ def record() -> list[str]:
     trainer.fit(task, loader(train, BATCH), loader(val, BATCH))
     trainer.validate(task, loader(val, BATCH))
     trainer.test(task, loader(val, BATCH))
+    trainer.predict(task, loader(val, BATCH))
     return events
 
 

@@ -1,0 +1,294 @@
+"""What Lightning code expects of keel's objects, kept out of the loop (README "Porting from Lightning").
+
+* :class:`TrainerAttributes`: the Trainer's read-only, Lightning-named attributes (``trainer.model``,
+  ``num_devices``, ``ckpt_path``, ``min_epochs`` / ``min_steps`` through ``should_stop``, ...), a base
+  class of the Trainer so that trainer.py holds only the loop;
+* how a step method is called (:func:`takes_batch_idx`: ``training_step(self, batch)`` without
+  ``batch_idx`` is decided once per stage, never per step), and which TaskModule hooks keep keel's
+  default (:func:`keel_default` / :func:`is_keel_default`);
+* ``trainer.fit(torch.compile(task))``: :func:`unwrap_compiled` and :func:`compile_step`;
+* :func:`warn_uncalled_hooks`: a Lightning hook keel never calls is named in a warning at the start of a
+  stage, never ignored in silence;
+* :func:`fit_validation`: which validation loaders ``fit`` runs (none without ``validation_step``, none
+  with ``limit_val_batches=0``), as Lightning decides.
+
+Nothing here imports the Trainer: what a function needs comes in as arguments (tests/test_layout.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import warnings
+from typing import Any, Callable, Iterable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------- step methods and default hooks
+def takes_batch_idx(step: Callable[..., Any], *, extra: int = 0) -> bool:
+    """Whether ``step`` (a bound ``*_step`` method) takes ``batch_idx`` after ``batch``: Lightning calls
+    ``training_step(batch)`` when the method has a single parameter. Read once per stage by the caller.
+
+    ``extra`` counts further positional arguments the caller passes after ``batch_idx``
+    (``dataloader_idx``: 1); only their absence changes the call, never their presence.
+    """
+    try:
+        params = list(inspect.signature(step).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: assume Lightning's full signature
+        return True
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2
+
+
+def keel_default(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a TaskModule hook whose default the loop replaces with its own behaviour unless overridden
+    (``on_validation_model_train``: the loop restores each submodule's training mode itself)."""
+    fn._keel_default = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_keel_default(bound: Any) -> bool:
+    """True when ``bound`` (a bound hook) is keel's own default, not a user's override."""
+    return bool(getattr(bound, "_keel_default", False))
+
+
+# ---------------------------------------------------------------------- torch.compile
+def unwrap_compiled(model: Any) -> tuple[Any, Any | None]:
+    """``(task, dynamo context)`` for ``torch.compile(task)``, ``(model, None)`` for anything else.
+
+    Lightning's idiom ``trainer.fit(torch.compile(model))``: keel trains the task itself (so
+    checkpoints hold its plain ``state_dict`` keys, hooks and ``self.log`` see the task) and compiles the
+    training step with the same settings (:func:`compile_step`).
+    """
+    optimized = getattr(torch._dynamo.eval_frame, "OptimizedModule", None) if hasattr(torch, "_dynamo") else None
+    if optimized is not None and isinstance(model, optimized):
+        return model._orig_mod, model.dynamo_ctx
+    return model, None
+
+
+def compile_step(model: torch.nn.Module, dynamo_ctx: Any | None) -> torch.nn.Module:
+    """The module the loop calls for ``training_step``, compiled with the user's ``torch.compile``
+    settings (its backend and mode) when the task came compiled; unchanged otherwise. Like Lightning,
+    the compiled region is the wrapped training step (after DDP's wrapping, so DDP's optimizer splits
+    the graph at bucket boundaries)."""
+    if dynamo_ctx is None:
+        return model
+    return torch._dynamo.eval_frame.OptimizedModule(model, dynamo_ctx)
+
+
+# ---------------------------------------------------------------------- hooks keel never calls
+# Lightning hooks (module or callback) that keel deliberately does not call, with what to do instead.
+UNCALLED_HOOKS: dict[str, str] = {
+    "on_before_batch_transfer": "transform the batch in your collate_fn or at the top of the step.",
+    "on_after_batch_transfer": "transform the batch at the top of the step (it is on the device there).",
+    "transfer_batch_to_device": "keel moves tensors in (nested) lists, tuples, dicts and dataclasses; move "
+    "other types at the top of the step.",
+    "configure_callbacks": "pass the callbacks to Trainer(callbacks=[...]).",
+    "configure_gradient_clipping": "use Trainer(gradient_clip_val=..., gradient_clip_algorithm=...), or clip "
+    "in on_before_optimizer_step.",
+    "optimizer_step": "keel steps the optimizers itself; change the step in on_before_optimizer_step, or use "
+    "manual optimization (self.automatic_optimization = False).",
+    "optimizer_zero_grad": "keel zeroes gradients with set_to_none=True after each step; use "
+    "on_before_zero_grad to act just before it.",
+    "lr_scheduler_step": "return the scheduler config from configure_optimizers; for a custom schedule use "
+    "manual optimization and call sch.step() yourself.",
+    "backward": "use on_before_backward / on_after_backward, or manual optimization (self.manual_backward).",
+    "on_validation_model_zero_grad": "keel evaluates under torch.no_grad(); gradients are untouched.",
+    "configure_sharded_model": "build the model in __init__ (or in configure_model where keel has it).",
+}
+_WARNED: set[tuple[type, str]] = set()
+
+
+def warn_uncalled_hooks(task: Any, callbacks: Iterable[Any]) -> list[str]:
+    """Warn once per class for each Lightning hook in :data:`UNCALLED_HOOKS` that ``task`` or a callback
+    defines: keel will never call it. Returns the warnings issued (for tests)."""
+    issued = []
+    for obj in [task, *callbacks]:
+        cls = type(obj)
+        for name, instead in UNCALLED_HOOKS.items():
+            if (cls, name) in _WARNED or not callable(getattr(obj, name, None)) or _keel_owned(cls, name):
+                continue
+            _WARNED.add((cls, name))
+            message = f"{cls.__name__}.{name} is a Lightning hook that keel never calls: {instead}"
+            warnings.warn(message, UserWarning, stacklevel=3)
+            issued.append(message)
+    return issued
+
+
+def _keel_owned(cls: type, name: str) -> bool:
+    """True when ``name`` comes from keel's own classes (nn.Module's ``optimizer_step`` does not exist,
+    but e.g. a keel base could define one), not from the user's."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return klass.__module__.split(".")[0] in ("trainer", "callbacks", "torch")
+    return True
+
+
+# ---------------------------------------------------------------------- validation in fit
+def fit_validation(task: Any, loaders: list[Any], limit: Callable[[Any], int | None]) -> tuple[list[Any], list[int | None]]:
+    """The validation loaders ``fit`` runs and their batch limits, decided as Lightning does:
+
+    * loaders but no ``validation_step``: validation is skipped, with a warning (Lightning: "You passed in
+      a val_dataloader but have no validation_step. Skipping val loop.");
+    * ``limit_val_batches=0`` (every loader limited to 0 batches): no validation and no sanity check.
+    """
+    if loaders and is_keel_default(task.validation_step):
+        warnings.warn(f"{type(task).__name__} got validation data but defines no validation_step: validation is "
+                      "skipped (as in Lightning). Implement validation_step(batch, batch_idx) to run it.",
+                      UserWarning, stacklevel=3)
+        return [], []
+    limits = [limit(loader) for loader in loaders]
+    if loaders and all(n == 0 for n in limits):
+        return [], []
+    return loaders, limits
+
+
+# ---------------------------------------------------------------------- the Trainer's Lightning attributes
+class TrainerAttributes:
+    """Read-only Lightning-named attributes of the Trainer (a base class of ``Trainer``; they read its
+    public state, so trainer.py holds only the loop). ``should_stop`` honours ``min_epochs`` / ``min_steps``
+    as Lightning does: a stop request before both are met waits until they are (logged once)."""
+
+    options: Any
+    env: Any
+    task: Any
+    loggers: list[Any]
+    callbacks: list[Any]
+    state_stage: str | None
+    sanity_checking: bool
+    global_step: int
+    current_epoch: int
+    _stop_requested: bool = False
+    _ckpt_path: str | None = None
+    _min_logged: bool = False
+
+    # ------------------------------------------------------------------ stopping
+    @property
+    def should_stop(self) -> bool:
+        """Set True (by a callback, on every rank) to stop at the next optimizer-step boundary; reads True
+        only once ``min_epochs`` and ``min_steps`` are met."""
+        if not self._stop_requested:
+            return False
+        opts = self.options
+        if (opts.min_steps is None or self.global_step >= opts.min_steps) and (
+                opts.min_epochs is None or self.current_epoch >= opts.min_epochs):
+            return True
+        if not self._min_logged:
+            self._min_logged = True
+            log.info("Trainer was signaled to stop but the required min_epochs=%r or min_steps=%r has not been met. "
+                     "Training will continue...", opts.min_epochs, opts.min_steps)
+        return False
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        self._stop_requested = bool(value)
+        if not value:
+            self._min_logged = False
+
+    # ------------------------------------------------------------------ what runs
+    @property
+    def model(self) -> Any:
+        """The task being run (Lightning's ``trainer.model``; keel's wrappers stay internal, so this is the
+        unwrapped task, also under DDP)."""
+        return self.task
+
+    @property
+    def lightning_module(self) -> Any:
+        return self.task
+
+    @property
+    def ckpt_path(self) -> str | None:
+        """The checkpoint file the current (or last) stage restored from (``"last"`` / ``"best"`` resolved)."""
+        return self._ckpt_path
+
+    @property
+    def precision(self) -> str:
+        return self.options.precision
+
+    # ------------------------------------------------------------------ where it runs
+    @property
+    def num_devices(self) -> int:
+        """Processes (devices) per node, as started by the launcher."""
+        return self.env.local_world_size
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.env.world_size // max(1, self.env.local_world_size))
+
+    # ------------------------------------------------------------------ files
+    @property
+    def logger(self) -> Any:
+        return self.loggers[0] if self.loggers else None
+
+    @property
+    def log_dir(self) -> str:
+        """The run directory: the first logger's versioned folder, else ``default_root_dir``."""
+        if self.loggers:
+            return self.loggers[0].log_dir
+        return self.default_root_dir
+
+    @property
+    def default_root_dir(self) -> str:
+        import os
+
+        return self.options.default_root_dir or os.getcwd()
+
+    # ------------------------------------------------------------------ limits
+    @property
+    def max_epochs(self) -> int | None:
+        return self.options.max_epochs
+
+    @property
+    def max_steps(self) -> int:
+        return self.options.max_steps
+
+    @property
+    def min_epochs(self) -> int | None:
+        return self.options.min_epochs
+
+    @property
+    def min_steps(self) -> int | None:
+        return self.options.min_steps
+
+    @property
+    def log_every_n_steps(self) -> int:
+        return self.options.log_every_n_steps
+
+    # ------------------------------------------------------------------ state
+    @property
+    def training(self) -> bool:
+        return self.state_stage == "fit" and not self.sanity_checking
+
+    @property
+    def validating(self) -> bool:
+        return self.state_stage == "validate" or (self.state_stage == "fit" and self.sanity_checking)
+
+    @property
+    def testing(self) -> bool:
+        return self.state_stage == "test"
+
+    @property
+    def predicting(self) -> bool:
+        return self.state_stage == "predict"
+
+    # ------------------------------------------------------------------ callbacks by kind
+    @property
+    def checkpoint_callback(self) -> Any:
+        return next((cb for cb in self.callbacks if getattr(cb, "is_model_checkpoint", False)), None)
+
+    @property
+    def checkpoint_callbacks(self) -> list[Any]:
+        return [cb for cb in self.callbacks if getattr(cb, "is_model_checkpoint", False)]
+
+    @property
+    def early_stopping_callback(self) -> Any:
+        return next((cb for cb in self.callbacks if getattr(cb, "is_early_stopping", False)), None)
+
+    @property
+    def progress_bar_callback(self) -> Any:
+        return next((cb for cb in self.callbacks if getattr(cb, "is_progress_bar", False)), None)
