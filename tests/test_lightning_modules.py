@@ -394,7 +394,8 @@ def test_step_metrics_are_device_tensors_in_callback_metrics_after_every_step() 
     assert torch.equal(seen[-1], task.last)
 
 
-def test_nan_then_finite_loss_is_still_caught_before_a_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_save", [False, True])
+def test_nan_then_finite_loss_is_still_caught_before_a_checkpoint(tmp_path: Path, async_save: bool) -> None:
     class NaNOnce(Regression):
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
@@ -404,7 +405,7 @@ def test_nan_then_finite_loss_is_still_caught_before_a_checkpoint(tmp_path: Path
             for p in self.parameters():  # keep the weights finite: only the loss was NaN
                 p.grad = torch.nan_to_num(p.grad, nan=0.0)
 
-    checkpoint = L.ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=3)
+    checkpoint = L.ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=3, async_save=async_save)
     with pytest.raises(FloatingPointError, match=r"at step 2 on rank 0 \(caught before saving checkpoint"):
         Trainer(**quiet(max_epochs=1, callbacks=[checkpoint])).fit(NaNOnce(), data())
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".ckpt")]

@@ -2,8 +2,8 @@
 
 Checking every step's loss on the host would sync every step (DESIGN.md section 11). Instead the loop
 hands each optimizer step's loss (a detached device scalar) to :meth:`NonFiniteGuard.record`, which only
-keeps the reference; every so many steps the kept losses are folded on the device into one "first bad
-step" scalar (a few kernels, no host read). :meth:`NonFiniteGuard.check` reads that scalar once and agrees
+keeps the reference; every so many steps the kept losses are folded on the device into (any bad, first bad
+index, its loss) (a few kernels, no host read; the step numbers stay on the host). :meth:`NonFiniteGuard.check` reads that scalar once and agrees
 on it across ranks; the loop calls it where it syncs anyway: on logging steps, at epoch ends, before
 every checkpoint and at the end of ``fit``. All ranks call it at the same points, so all of them raise
 together, naming the same step.
@@ -17,7 +17,7 @@ import torch
 
 from trainer import dist
 
-_FOLD_EVERY = 256  # kept references before a device-side fold (bounds the list, never syncs)
+_FOLD_EVERY = 1024  # kept references before a device-side fold (bounds the list, never syncs)
 _NONE = float("inf")  # "no bad step" on the device
 
 
@@ -40,12 +40,12 @@ class NonFiniteGuard:
     def reset(self) -> None:
         self._steps: list[int] = []
         self._losses: list[torch.Tensor] = []
-        self._first: torch.Tensor | None = None  # first bad step folded so far (inf: none), on device
-        self._first_value: torch.Tensor | None = None
+        # One entry per fold: (any bad, index of the first bad, its loss) on the device, and the fold's steps.
+        self._folds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]] = []
 
     def record(self, step: int, loss: torch.Tensor | None) -> None:
         """The loss of optimizer step ``step`` (after the step). A list append; no kernel, no sync."""
-        if loss is None:
+        if loss is None or not self.enabled:
             return
         self._steps.append(step)
         self._losses.append(loss)
@@ -53,21 +53,18 @@ class NonFiniteGuard:
             self._fold()
 
     def _fold(self) -> None:
-        """Fold the kept losses into the first bad step on the device (no host read)."""
+        """Reduce the kept losses to (any bad, first bad index, its loss) on the device: a handful of kernels
+        per :data:`_FOLD_EVERY` steps, no host read (the steps stay a host list)."""
         if not self._losses:
             return
-        losses = torch.stack([t.reshape(()).to(self.device, torch.float64) for t in self._losses])
-        steps = torch.tensor(self._steps, dtype=torch.float64, device=self.device)
+        try:
+            losses = torch.stack(self._losses).reshape(len(self._losses))
+        except RuntimeError:  # mixed dtypes or devices: align them first (rare)
+            losses = torch.stack([t.reshape(()).to(self.device, torch.float64) for t in self._losses])
         bad = ~torch.isfinite(losses)
-        candidates = torch.where(bad, steps, torch.full_like(steps, _NONE))
-        idx = torch.argmin(candidates)
-        first, value = candidates[idx], losses[idx]
-        if self._first is None:
-            self._first, self._first_value = first, value
-        else:
-            earlier = first < self._first
-            self._first_value = torch.where(earlier, value, self._first_value)
-            self._first = torch.minimum(first, self._first)
+        first = bad.to(torch.int32).argmax()  # the first True (argmax returns the first maximum)
+        value = losses.gather(0, first.reshape(1)).reshape(())  # not losses[first]: a 0-dim index reads to the host
+        self._folds.append((bad.any(), first, value, self._steps))
         self._steps, self._losses = [], []
 
     def check(self, where: str) -> None:
@@ -81,9 +78,15 @@ class NonFiniteGuard:
             self.reset()
             return
         self._fold()
-        first, value = self._first, self._first_value
+        folds = self._folds
         self.reset()
-        local = (_NONE, 0.0) if first is None else tuple(torch.stack([first, value]).tolist())
+        local: tuple[float, float] = (_NONE, 0.0)
+        if folds:  # one host read for every fold since the last check
+            read = torch.stack([torch.stack([a.double(), i.double(), v.double()]) for a, i, v, _ in folds]).tolist()
+            for (any_bad, index, value), (*_, steps) in zip(read, folds):
+                if any_bad:
+                    local = (float(steps[int(index)]), value)
+                    break
         found = [local] if self.world_size <= 1 else dist.all_gather_object(local)  # collective
         step, loss = min(found, key=lambda item: item[0])  # type: ignore[index]
         if math.isinf(step):
