@@ -5,9 +5,9 @@ step and always starting with ckpt_path="last".
 
 Writes runs under ROOT/runs (run directory ROOT/runs/exp/version_N, MLflow store ROOT/runs/mlflow.db).
 --kill-at S SIGKILLs rank R at step S on the first attempt (TORCHELASTIC_RESTART_COUNT 0), after that step
-was logged and before its checkpoint, so the restart re-runs step S. It waits --kill-delay seconds first
-(default 2.5): longer than W&B's flush interval of its run file (trainer.wandb_logger.FLUSH_INTERVAL), so
-that the W&B file holds the steps before S, as it would in a run killed mid-training. Step S itself is
+was logged and before its checkpoint, so the restart re-runs step S. It first waits (at most --kill-delay
+seconds, default 30) until W&B's run file holds step S-1 (W&B flushes it every
+trainer.wandb_logger.FLUSH_INTERVAL seconds), as it would in a run killed mid-training; step S itself is
 still in W&B's memory (a row is written once a later step is logged) and dies with the process.
 --kill-signal TERM sends SIGTERM instead: keel's preemption path saves at the step boundary and exits 75.
 At the end rank 0 writes ROOT/result-attempt<K>.json: the run ids and the run directory.
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from resume_fit import Classifier, data  # noqa: E402
-from trainer import Callback, Trainer  # noqa: E402
+from trainer import Callback, Trainer, wandb_records  # noqa: E402
 from trainer.loggers import MLFlowLogger, WandbLogger  # noqa: E402
 from trainer.model_checkpoint import ModelCheckpoint  # noqa: E402
 
@@ -41,8 +41,18 @@ class KillAt(Callback):
     def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
         first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first and trainer.optimizer_stepped and trainer.global_step == self.step and trainer.global_rank == self.rank:
-            time.sleep(self.delay)
+            self._wait_for_wandb(trainer, self.step - 1)
             os.kill(os.getpid(), self.sig)
+
+    def _wait_for_wandb(self, trainer, step: int) -> None:
+        """Up to --kill-delay seconds until W&B's run file holds ``step`` (it flushes every second)."""
+        wandb_logger = next((lg for lg in trainer.loggers if isinstance(lg, WandbLogger)), None)
+        deadline = time.monotonic() + self.delay
+        while wandb_logger is not None and time.monotonic() < deadline:
+            files = WandbLogger._run_files(wandb_logger.log_dir, wandb_logger.run_id)
+            if wandb_records.last_steps(files).get("train/loss", -1) >= step:
+                return
+            time.sleep(0.1)
 
 
 def main() -> None:
@@ -51,7 +61,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--kill-rank", type=int, default=0)
-    parser.add_argument("--kill-delay", type=float, default=2.5)
+    parser.add_argument("--kill-delay", type=float, default=30.0)
     parser.add_argument("--kill-signal", choices=("KILL", "TERM"), default="KILL",
                         help="TERM: keel's preemption path (save at the step boundary, exit 75, restart)")
     args = parser.parse_args()
