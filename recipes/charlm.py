@@ -422,12 +422,14 @@ class CharGPT(TaskModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_end(self) -> None:
-        """Logs a short sample on rank 0 (no collective: every other rank skips it)."""
-        if self.global_rank != 0 or self.hparams.sample_chars <= 0:
+        """Logs a short sample on rank 0. Every rank generates it: under strategy="fsdp" each forward
+        all-gathers the sharded weights, a collective that a rank-0-only loop would hang in."""
+        if self.hparams.sample_chars <= 0:
             return
         prompt = self.hparams.sample_prompt
         text = self.generate(prompt, self.hparams.sample_chars, temperature=0.8, top_k=20)
-        log.info("charlm sample after %d steps:\n%s%s", self.global_step, prompt, text)
+        if self.global_rank == 0:
+            log.info("charlm sample after %d steps:\n%s%s", self.global_step, prompt, text)
 
 
 # ---------------------------------------------------------------------------------------------- defaults

@@ -67,3 +67,31 @@ def test_nccl_with_one_rank(tmp_path) -> None:
     torchrun(script, str(tmp_path), "--batch", "8", nproc=1, timeout=300, env={"KEEL_TEST_ACCELERATOR": "cuda"}).check()
     result = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert result["world_size"] == 1 and result["global_step"] == 8
+
+
+def test_fsdp_on_one_gpu_bf16_nccl_with_a_sharded_checkpoint(tmp_path) -> None:
+    """FSDP at one rank on CUDA: a one-rank nccl group and CUDA device mesh, bf16 mixed-precision policy
+    (bf16 compute, fp32 sharded master weights), pinned-memory CPU offload, and a sharded checkpoint that
+    exports to one plain file."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, torch
+sys.path.insert(0, 'tests'); sys.path.insert(0, 'tests/scripts')
+from torch.utils.data import DataLoader, TensorDataset
+from fsdp_fit import BlockNet, data
+from trainer import Trainer
+from trainer.checkpoint import export_weights
+task = BlockNet()
+trainer = Trainer(max_steps=4, accelerator='cuda', strategy='fsdp', precision='bf16-mixed', fsdp_cpu_offload=True,
+                  logger=False, enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0)
+idx, x, y = data(48, 0).tensors
+trainer.fit(task, DataLoader(TensorDataset(idx, x.float(), y.float()), batch_size=8))
+trainer.save_checkpoint({str(tmp_path / 'ck.ckpt')!r})
+export_weights({str(tmp_path / 'ck.ckpt')!r}, {str(tmp_path / 'w.pt')!r})
+weights = torch.load({str(tmp_path / 'w.pt')!r}, weights_only=True)
+print('OK', torch.distributed.get_backend(), next(iter(weights.values())).dtype)
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert "OK nccl" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

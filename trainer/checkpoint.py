@@ -1,6 +1,7 @@
 """Checkpoint content, crash-safe writes and safe loading (DESIGN.md section 8).
 
-A checkpoint is one file (rank 0 writes it; all ranks pass a barrier). Its top-level keys are the
+A checkpoint is one file (rank 0 writes it; all ranks pass a barrier), or, under a sharded strategy
+(FSDP), one folder in which every rank writes its shards (trainer/sharded_checkpoint.py). Its top-level keys are the
 constants below. Files are written to a temporary name in the same folder, fsynced, renamed over the
 target and the folder is fsynced, so a crash leaves either the old file or the new one, never a torn
 one. Loading always uses ``torch.load(weights_only=True)``: a checkpoint can never run code.
@@ -181,8 +182,9 @@ class CheckpointIO:
             raise CheckpointSaveError.for_file(target, state, cause, temporary=tmp_name is not None) from cause
         _fsync_dir(target.parent)
 
-    def load(self, path: str | os.PathLike) -> dict[str, Any]:
-        """Load with ``weights_only=True``. Raises :class:`CheckpointError` naming the file and the cause."""
+    def load(self, path: str | os.PathLike, *, required: tuple[str, ...] = REQUIRED_KEYS) -> dict[str, Any]:
+        """Load with ``weights_only=True``. Raises :class:`CheckpointError` naming the file and the cause.
+        ``required``: the top-level keys the file must hold (a sharded folder's keel.pt has no weights)."""
         path = Path(path)
         if not path.is_file():
             raise CheckpointError(f"Checkpoint {str(path)!r} does not exist.")
@@ -200,9 +202,9 @@ class CheckpointIO:
                 f"Checkpoint {str(path)!r} is truncated or corrupt ({type(exc).__name__}: "
                 f"{text.splitlines()[0] if text else ''})."
             ) from exc
-        if not isinstance(state, dict) or any(k not in state for k in REQUIRED_KEYS):
+        if not isinstance(state, dict) or any(k not in state for k in required):
             raise CheckpointError(
-                f"{str(path)!r} is not a keel checkpoint (missing {[k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]})."
+                f"{str(path)!r} is not a keel checkpoint (missing {[k for k in required if not isinstance(state, dict) or k not in state]})."
             )
         if state[K_FORMAT] > FORMAT_VERSION:
             raise CheckpointError(
@@ -345,8 +347,7 @@ def save(trainer: Trainer, path: str | os.PathLike, *, weights_only: bool = Fals
     """
     task = trainer.task
     if task is not None:
-        params = [p.detach() for p in task.parameters()]
-        if params and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+        if not trainer.strategy.weights_finite(task):  # the same answer on every rank
             raise FloatingPointError(
                 f"Refusing to write checkpoint {os.fspath(path)!r} at step {trainer.global_step}: the weights hold "
                 "NaN or inf (a non-finite step got through). The last good checkpoint is kept."
@@ -355,7 +356,13 @@ def save(trainer: Trainer, path: str | os.PathLike, *, weights_only: bool = Fals
     if weights_only:
         for key in (K_OPTIMIZERS, K_SCHEDULERS, K_SCALER, K_RNG, K_CALLBACKS, K_DATAMODULE):
             state.pop(key, None)
-    trainer._checkpoint_io.save(state, path, is_writer=trainer.is_global_zero)
+    if trainer.strategy.sharded:
+        from trainer import sharded_checkpoint
+
+        sharded_checkpoint.save(state, path, model_key=K_STATE_DICT, optimizers_key=K_OPTIMIZERS, task=task,
+                                optimizers=trainer.optimizers, is_writer=trainer.is_global_zero)
+    else:
+        trainer._checkpoint_io.save(state, path, is_writer=trainer.is_global_zero)
     dist.barrier(trainer.device)
 
 
@@ -392,12 +399,34 @@ def _is_plain(value: Any) -> bool:
     return False
 
 
+def load_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's state without loading sharded weights: the whole file, or a folder's ``keel.pt``
+    (after checking its metadata). Raises :class:`CheckpointError` naming the problem."""
+    if Path(path).is_dir():
+        from trainer import sharded_checkpoint
+
+        return sharded_checkpoint.read_keel_state(path)
+    return CheckpointIO().load(path)
+
+
+def load_with_weights(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint (file or sharded folder, saved at any world size) with ``state[K_STATE_DICT]`` as one
+    plain state dict of CPU tensors; no process group needed."""
+    state = load_meta(path)
+    if Path(path).is_dir():
+        from trainer import sharded_checkpoint
+
+        state[K_STATE_DICT] = sharded_checkpoint.read_model_state(path)
+    return state
+
+
 def export_weights(ckpt_path: str | os.PathLike, out_path: str | os.PathLike) -> None:
-    """Write the task weights of a keel checkpoint as a plain ``state_dict`` file.
+    """Write the task weights of a keel checkpoint (a file, or a sharded folder saved at any world size)
+    as one plain ``state_dict`` file, without a process group.
 
     The result loads with bare PyTorch: ``model.load_state_dict(torch.load(out_path, weights_only=True))``.
     """
-    state = CheckpointIO().load(ckpt_path)
+    state = load_with_weights(ckpt_path)
     CheckpointIO().save(dict(state[K_STATE_DICT]), out_path, is_writer=True)
 
 
@@ -407,13 +436,22 @@ def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
     if path is None:
         return
     trainer._ckpt_path = path  # Lightning's trainer.ckpt_path
-    state = trainer._checkpoint_io.load(path)
     task = trainer.task
     assert task is not None
+    folder = Path(path).is_dir()
+    state = load_meta(path)
+    if folder:  # the sharded weights, read into this run's layout (collective), applied after the hooks
+        from trainer import sharded_checkpoint
+
+        state[K_STATE_DICT], state[K_OPTIMIZERS] = sharded_checkpoint.load(path, task, trainer.optimizers if full else [])
     task.on_load_checkpoint(state)
     for cb in trainer.callbacks:
         cb.on_load_checkpoint(trainer, task, state)
-    trainer.strategy.load_model_state_dict(task, state[K_STATE_DICT], strict=True)
+    if folder:
+        sharded_checkpoint.apply(task, trainer.optimizers if full else [], state[K_STATE_DICT],
+                                 state[K_OPTIMIZERS] if full else [])
+    else:
+        trainer.strategy.load_model_state_dict(task, state[K_STATE_DICT], strict=True)
     log.info("Restored weights from %s.", path)
     if not full:
         return
@@ -425,8 +463,9 @@ def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
             f"Checkpoint {path!r} holds {len(state[K_OPTIMIZERS])} optimizer state(s) but configure_optimizers "
             f"returned {len(trainer.optimizers)}."
         )
-    for optimizer, opt_state in zip(trainer.optimizers, state[K_OPTIMIZERS]):
-        trainer.strategy.load_optimizer_state_dict(optimizer, opt_state)
+    if not folder:
+        for optimizer, opt_state in zip(trainer.optimizers, state[K_OPTIMIZERS]):
+            trainer.strategy.load_optimizer_state_dict(optimizer, opt_state)
     if len(state[K_SCHEDULERS]) != len(trainer.lr_scheduler_configs):
         raise CheckpointError(
             f"Checkpoint {path!r} holds {len(state[K_SCHEDULERS])} scheduler state(s) but configure_optimizers "
@@ -498,7 +537,7 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str) -> str | None:
             # A fresh process: the callback's state lives in the last checkpoint.
             for name in read_pointer(callback.dirpath):
                 try:
-                    state = trainer._checkpoint_io.load(os.path.join(callback.dirpath, name))
+                    state = load_meta(os.path.join(callback.dirpath, name))
                 except Exception:
                     continue
                 best = state.get("callbacks", {}).get(callback.state_key, {}).get("best_model_path", "")
@@ -514,7 +553,7 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str) -> str | None:
         for name in read_pointer(directory):
             candidate = os.path.join(directory, name)
             try:
-                trainer._checkpoint_io.load(candidate)
+                load_meta(candidate)
             except Exception as exc:
                 log.warning("Skipping checkpoint %s for ckpt_path='last': %s", candidate, exc)
                 continue

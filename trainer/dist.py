@@ -139,6 +139,7 @@ def ensure_process_group(
     timeout: datetime.timedelta,
     init_timeout: datetime.timedelta,
     backend_env: Mapping[str, str] | None = None,
+    single_process: bool = False,
 ) -> bool:
     """The Trainer's entry: create the default group for a distributed launch unless one exists.
 
@@ -151,6 +152,7 @@ def ensure_process_group(
         timeout: Limit for every collective of the group.
         init_timeout: Limit for joining the group.
         backend_env: Variables set (if unset) before an nccl group is created (the flight recorder).
+        single_process: Also create a one-rank group for a plain single process (FSDP needs a device mesh).
 
     Returns:
         True if this call created the group.
@@ -158,11 +160,17 @@ def ensure_process_group(
     Raises:
         RuntimeError: An existing group's world size differs from the launcher's, or init failed.
     """
-    if not env.is_distributed or is_initialized():
+    if is_initialized() or not (env.is_distributed or single_process):
         if is_initialized() and get_world_size() != env.world_size:
             raise RuntimeError("A process group exists whose world size does not match the launcher's.")
         return False
     backend = backend_for(device)
+    if not env.is_distributed:  # one rank, no launcher: an in-memory store, nothing to rendezvous with
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
+        _destroy_at_exit()
+        logger.info("Process group: backend=%s world_size=1 (a single process; the strategy needs a group).", backend)
+        return True
     if backend == "nccl":
         for key, value in (backend_env or {}).items():
             os.environ.setdefault(key, value)
@@ -214,10 +222,28 @@ def _rendezvous_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
     )
 
 
+_CHECKPOINT_GROUP: object | None = None
+
+
+def checkpoint_group() -> object | None:
+    """A gloo group of all ranks for background checkpoint traffic (created on first use: a collective,
+    so every rank must call it at the same point). Asynchronous sharded saves run their collectives on it
+    while training uses the default group (FSDP.md: on the training group they abort or hang). None
+    without a process group."""
+    global _CHECKPOINT_GROUP
+    if not is_initialized():
+        return None
+    if _CHECKPOINT_GROUP is None:
+        _CHECKPOINT_GROUP = dist.new_group(backend="gloo")
+    return _CHECKPOINT_GROUP
+
+
 def destroy_process_group() -> None:
     """Destroys the default process group; a no-op if none exists. Never raises."""
+    global _CHECKPOINT_GROUP
     if not is_initialized():
         return
+    _CHECKPOINT_GROUP = None  # destroyed with the default group
     try:
         dist.destroy_process_group()
     except Exception as exc:  # teardown runs on error paths; do not mask the original error

@@ -21,6 +21,7 @@ from trainer import watchdog as wd
 from trainer.compat import is_keel_default, takes_batch_idx
 from trainer.data import AdaptedLoader
 from trainer.metrics import MetricCollector
+from trainer.parallel import Strategy
 from trainer.precision import Precision
 from trainer.transfer import infer_batch_size, move_to_device
 
@@ -35,8 +36,9 @@ class EvaluationLoop:
     ``torch.no_grad()``, with the task in eval mode (restored to train mode afterwards if it was)."""
 
     def __init__(self, *, device: torch.device, precision: Precision, metrics: MetricCollector,
-                 beat: Callable[[str], None]) -> None:
+                 beat: Callable[[str], None], strategy: Strategy) -> None:
         self.device = device
+        self.strategy = strategy  # eval_context: e.g. FSDP keeps the parameters gathered for the whole loop
         self.precision = precision
         self.metrics = metrics
         self.beat = beat
@@ -92,7 +94,7 @@ class EvaluationLoop:
         with_idx = takes_batch_idx(step)  # Lightning calls validation_step(batch) when it takes no batch_idx
         phase = wd.PHASE_VALIDATION_STEP if validating else wd.PHASE_TEST_STEP
         many = len(loaders) > 1
-        with torch.no_grad():
+        with torch.no_grad(), self.strategy.eval_context(task):
             for loader_idx, (adapted, limit) in enumerate(zip(loaders, limits)):
                 for batch_idx, batch in enumerate(adapted.loader):
                     if limit is not None and batch_idx >= limit:
@@ -192,7 +194,7 @@ class EvaluationLoop:
         self.metrics.stage = "predict"
         results: list[list[Any] | None] = []
         with_idx = takes_batch_idx(task.predict_step)
-        with torch.no_grad():
+        with torch.no_grad(), self.strategy.eval_context(task):
             for loader_idx, (adapted, limit) in enumerate(zip(loaders, limits)):
                 local: list[Any] = []
                 for batch_idx, batch in enumerate(adapted.loader):

@@ -68,7 +68,7 @@ def setup_stage(
 ) -> None:
     """Seed (``seed + global_rank`` per rank), agree on the run directory's version (a collective), set up
     the profiler (it knows the run directory then), prepare and set up the data (``prepare_data`` on local
-    rank 0, the others wait at a barrier), then ``task.setup`` and the callbacks' ``setup``, in that order."""
+    rank 0, the others wait at a barrier), then ``task.setup``, the callbacks' ``setup`` and ``task.configure_model``, in that order."""
     if seed is not None:
         _seed_generators(seed + trainer.global_rank)
     if deterministic:
@@ -92,6 +92,7 @@ def setup_stage(
     task.setup(stage)
     for cb in callbacks:
         cb.setup(trainer, task, stage)
+    task.configure_model()  # build large layers late; the strategy wraps or shards what exists after it
 
 
 def teardown_stage(

@@ -278,9 +278,9 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
         updated with ``overrides``; then the weights are loaded (``weights_only=True``: nothing in the
         file can run code). The task is returned in eval mode.
         """
-        from trainer.checkpoint import K_HPARAMS, K_STATE_DICT, CheckpointIO
+        from trainer.checkpoint import K_HPARAMS, K_STATE_DICT, load_with_weights
 
-        state = CheckpointIO().load(checkpoint_path)
+        state = load_with_weights(checkpoint_path)  # a file, or a sharded folder saved at any world size
         kwargs = dict(state.get(K_HPARAMS, {}))
         kwargs.update(overrides)
         task = cls(**kwargs)
@@ -368,6 +368,13 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
     # ------------------------------------------------------------------ optional module hooks (no-ops)
     def setup(self, stage: str) -> None:
         """Called on every rank at the start of fit/validate/test/predict, before optimizers exist."""
+
+    def configure_model(self) -> None:
+        """Build large layers here instead of in ``__init__`` (Lightning's hook). Called on every rank in
+        every stage, after ``setup`` and before the task is moved to its device and wrapped or sharded
+        (``strategy="fsdp"`` shards what exists after it). It may run more than once per task (fit, then
+        test): build only what is missing. The weights rank 0 builds are broadcast to every rank before
+        training, so the initial weights are the same at every world size."""
 
     def teardown(self, stage: str) -> None:
         """Called on every rank at the end of a stage, also after an exception."""

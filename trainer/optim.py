@@ -182,7 +182,9 @@ class ManualOptimization:
                       sync: bool) -> tuple[dict[str, Any], torch.Tensor | None]:
         """Run one micro-batch (the task steps inside); ``(detached outputs, loss or None)``."""
         self.sync = sync
-        with self.precision.autocast():
+        # A wrapper that reduces inside backward (FSDP) is told whether this micro-batch syncs; DDP's
+        # manual path reduces in backward() below instead (average_gradients).
+        with self.strategy.gradient_sync(sync), self.precision.autocast():
             output = model(batch, batch_idx)
         if isinstance(output, torch.Tensor):
             output = {"loss": output}

@@ -31,7 +31,8 @@ _PRECISION_ALIASES: dict[str, str] = {
     "double": "64",
 }
 ACCELERATORS: tuple[str, ...] = ("auto", "cpu", "cuda")
-STRATEGIES: tuple[str | None, ...] = ("ddp", "auto", None)
+STRATEGIES: tuple[str | None, ...] = ("ddp", "fsdp", "auto", None)
+FSDP_REDUCE_GRADS: tuple[str, ...] = ("every_micro_batch", "last_micro_batch")
 CLIP_ALGORITHMS: tuple[str, ...] = ("norm", "value")
 
 
@@ -113,6 +114,12 @@ class TrainerOptions:
     bucket_cap_mb: float | None = None
     broadcast_buffers: bool = True
     sync_batchnorm: bool = False
+    # strategy="fsdp" (FSDP2; trainer/parallel.py). Units: class names (from YAML) or classes; None: every
+    # module held in an nn.ModuleList (the usual "blocks"). The task itself is always the root unit.
+    fsdp_units: list[Any] | None = None
+    fsdp_reshard_after_forward: bool = True
+    fsdp_cpu_offload: bool = False
+    fsdp_reduce_grads: str = "every_micro_batch"
     process_group_timeout: float = 1800.0
     init_timeout: float = 300.0
     watchdog_timeout: float | None = None
@@ -174,8 +181,6 @@ class TrainerOptions:
             raise _fail("benchmark", self.benchmark, "True, False or None (leave torch.backends.cudnn.benchmark as is)")
         if self.seed is not None and not _is_int(self.seed):
             raise _fail("seed", self.seed, "an int or None")
-        if self.seed is not None and not _is_int(self.seed):
-            raise _fail("seed", self.seed, "an int or None")
         for name in (
             "deterministic",
             "enable_progress_bar",
@@ -187,6 +192,8 @@ class TrainerOptions:
             "broadcast_buffers",
             "sync_batchnorm",
             "drop_incomplete_accumulation",
+            "fsdp_reshard_after_forward",
+            "fsdp_cpu_offload",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "True or False")
@@ -195,6 +202,7 @@ class TrainerOptions:
         self.devices = _normalise_devices(self.devices)
         _check_int("num_nodes", self.num_nodes, minimum=1, allow_none=True)
         _check_strategy(self.strategy)
+        _check_fsdp(self)
         if self.default_root_dir is not None and not isinstance(self.default_root_dir, (str, bytes)):
             try:
                 self.default_root_dir = str(self.default_root_dir.__fspath__())
@@ -375,6 +383,28 @@ def _normalise_devices(value: Any) -> int | str:
     raise _fail("devices", value, "an int >= 1 (processes per node), 'auto' or -1")
 
 
+def _check_fsdp(opts: TrainerOptions) -> None:
+    """The fsdp_* options: well-formed, and only with strategy='fsdp' (otherwise they would do nothing)."""
+    if opts.fsdp_reduce_grads not in FSDP_REDUCE_GRADS:
+        raise _fail("fsdp_reduce_grads", opts.fsdp_reduce_grads,
+                    "'every_micro_batch' (reduce-scatter each backward: sharded gradients, less memory, more "
+                    "traffic) or 'last_micro_batch' (once per accumulation window, like DDP's no_sync)")
+    units = opts.fsdp_units
+    if units is not None:
+        if isinstance(units, (str, type)):
+            units = opts.fsdp_units = [units]
+        if not isinstance(units, (list, tuple)) or not units or not all(isinstance(u, (str, type)) for u in units):
+            raise _fail("fsdp_units", opts.fsdp_units,
+                        "a non-empty list of module class names (e.g. ['Block']) or classes, or None (every "
+                        "module held in an nn.ModuleList)")
+        opts.fsdp_units = list(units)
+    changed = [name for name, default in (("fsdp_units", None), ("fsdp_reshard_after_forward", True),
+                                          ("fsdp_cpu_offload", False), ("fsdp_reduce_grads", "every_micro_batch"))
+               if getattr(opts, name) != default]
+    if changed and opts.strategy != "fsdp":
+        raise _fail(changed[0], getattr(opts, changed[0]), f"its default unless strategy='fsdp' (strategy={opts.strategy!r})")
+
+
 def _check_strategy(value: Any) -> None:
     if value in STRATEGIES:
         return
@@ -386,9 +416,10 @@ def _check_strategy(value: Any) -> None:
         hint = ("pass DDP settings as Trainer options instead of a strategy object: find_unused_parameters, "
                 "static_graph, gradient_as_bucket_view, bucket_cap_mb, broadcast_buffers, process_group_timeout")
     else:
-        hint = "keel runs DistributedDataParallel only (no FSDP, DeepSpeed or DataParallel)"
+        hint = ("keel runs DistributedDataParallel ('ddp') and FSDP2 ('fsdp', with the fsdp_* options); no "
+                "DeepSpeed or DataParallel")
     raise _fail("strategy", value if isinstance(value, str) else type(value).__name__,
-                f"'ddp', 'auto' or None; {hint}")
+                f"'ddp', 'fsdp', 'auto' or None; {hint}")
 
 
 def _launch_command(env: "DistEnv", nodes: int, per_node: int) -> str:

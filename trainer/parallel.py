@@ -12,9 +12,10 @@ Each method has a fixed signature and a contract:
 * **On which ranks**: on every rank, in the same order. Methods that communicate say so; nothing else
   blocks on another rank.
 
-Implementations: :class:`SingleDeviceStrategy` (one process, or any launch with world size 1) and
-:class:`DDPStrategy` (``DistributedDataParallel``). A new parallelism (FSDP, tensor parallel, HSDP) is a
-new subclass plus one line in :func:`select_strategy`; the loop does not change.
+Implementations: :class:`SingleDeviceStrategy` (one process, or any launch with world size 1),
+:class:`DDPStrategy` (``DistributedDataParallel``) and :class:`FSDPStrategy` (FSDP2, ``fully_shard``:
+parameters, gradients and optimizer state sharded over ranks). A new parallelism (tensor parallel, HSDP)
+is a new subclass plus one line in :func:`select_strategy`; the loop does not change.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ class Strategy:
     """
 
     name: ClassVar[str] = "single"
+    # A process group even in a single process (FSDP needs a device mesh), and checkpoints as sharded
+    # folders (every rank writes its shards; trainer/sharded_checkpoint.py) instead of one file.
+    needs_process_group: ClassVar[bool] = False
+    sharded: ClassVar[bool] = False
 
     def __init__(self, env: DistEnv, device: torch.device, options: TrainerOptions) -> None:
         self.env = env
@@ -168,6 +173,16 @@ class Strategy:
     def clip_grad_value(self, params: list[torch.Tensor], clip_value: float) -> None:
         """Clamp every gradient element of ``params`` to ``[-clip_value, clip_value]``."""
         nn.utils.clip_grad_value_(params, clip_value, foreach=True)
+
+    def eval_context(self, task: nn.Module) -> ContextManager[Any]:
+        """Entered by every rank around a whole validation / test / predict loop. Ranks run different
+        numbers of evaluation batches, so inside it nothing the task computes may communicate."""
+        return _NO_CONTEXT
+
+    def weights_finite(self, task: nn.Module) -> bool:
+        """Whether every weight is finite (before a checkpoint is written), the same answer on every rank."""
+        params = [p.detach() for p in task.parameters()]
+        return not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
 
     def raise_explained(self, exc: BaseException) -> None:
         """Called with an error raised by the wrapped module's forward. Raises a clearer error (chained
@@ -291,15 +306,191 @@ class DDPStrategy(Strategy):
             grad.copy_(synced)
 
 
-STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDPStrategy}
+class FSDPStrategy(Strategy):
+    """FSDP2 (``torch.distributed.fsdp.fully_shard``): each rank holds 1/world_size of the parameters,
+    gradients and optimizer state (DTensors sharded on dim 0); a unit's parameters are all-gathered for
+    its forward and backward and its gradients reduce-scattered after backward.
+
+    The task itself is the root unit (``task(x)``, ``validation_step`` and the others run on the sharded
+    task), plus one unit per module of ``fsdp_units`` (default: every module held in an ``nn.ModuleList``,
+    the usual transformer blocks); parameters outside every unit belong to the root. ``training_step`` is
+    registered as an FSDP forward method, so it all-gathers the root's parameters like ``forward`` does;
+    the evaluation loops run inside :meth:`eval_context`, with every unit gathered once for the whole loop
+    (registering the evaluation steps too would reshard after each nested ``self(x)`` and all-gather per
+    batch, which hangs when ranks run different numbers of batches).
+    Initial weights are rank 0's, broadcast before sharding, so they are the same at every world size.
+    Checkpoints are sharded folders (DCP). See README "Models that do not fit on one GPU".
+    """
+
+    name = "fsdp"
+    needs_process_group = True
+    sharded = True
+    STEP_METHODS = ("training_step",)
+
+    def __init__(self, env: DistEnv, device: torch.device, options: TrainerOptions) -> None:
+        super().__init__(env, device, options)
+        self.task: nn.Module | None = None
+        self._sync: bool | None = None  # the requires_gradient_sync flag last set on the units
+
+    def setup(self, task: nn.Module, *, manual: bool) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        opts = self.options
+        self._check_batchnorm(task)
+        if opts.sync_batchnorm:
+            converted = nn.SyncBatchNorm.convert_sync_batchnorm(task)
+            if converted is not task:
+                raise TypeError("sync_batchnorm: the task itself must not be a BatchNorm layer.")
+        if not any(p.requires_grad for p in task.parameters()):
+            raise ValueError(f"{type(task).__name__} has no trainable parameters; FSDP has nothing to shard.")
+        # Rank 0's weights and buffers everywhere (one broadcast per tensor, before sharding): initial
+        # weights do not depend on the world size (DTensor random init on a CPU mesh does).
+        for tensor in task.state_dict().values():
+            dist.broadcast(tensor, 0)
+        mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if opts.precision == "bf16-mixed" else MixedPrecisionPolicy())
+        offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if opts.fsdp_cpu_offload else OffloadPolicy()
+        kwargs = dict(mesh=mesh, reshard_after_forward=opts.fsdp_reshard_after_forward, mp_policy=mp,
+                      offload_policy=offload)
+        for unit in self.units(task):
+            fully_shard(unit, **kwargs)
+        fully_shard(task, **kwargs)  # the root: every parameter left outside the units
+        adapter = StepAdapter(task)  # before registration: it reads training_step's own signature
+        for method in self.STEP_METHODS:
+            if callable(getattr(task, method, None)):
+                register_fsdp_forward_method(task, method)
+        self.task, self._sync = task, None
+        return adapter
+
+    def units(self, task: nn.Module) -> list[nn.Module]:
+        """The modules that become FSDP units (besides the root), outermost first, none inside another.
+
+        Raises:
+            ValueError: ``fsdp_units`` names a class that no submodule of the task has.
+        """
+        wanted = self.options.fsdp_units
+        if wanted is None:
+            found = [m for holder in task.modules() if isinstance(holder, nn.ModuleList) for m in holder]
+        else:
+            names = {w for w in wanted if isinstance(w, str)}
+            types = tuple(w for w in wanted if isinstance(w, type))
+            found = [m for m in task.modules() if m is not task and (
+                type(m).__name__ in names or type(m).__qualname__ in names or (types and isinstance(m, types)))]
+            present = {type(m).__name__ for m in found} | {t.__name__ for t in types if any(isinstance(m, t) for m in found)}
+            missing = sorted(n for n in names if n not in present and not any(type(m).__qualname__ == n for m in found))
+            if missing:
+                classes = sorted({type(m).__name__ for m in task.modules() if m is not task})
+                raise ValueError(f"Trainer option fsdp_units names {missing}, which no submodule of "
+                                 f"{type(task).__name__} is; its module classes: {classes}.")
+        inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
+        units = [m for m in found if id(m) not in inner and any(True for _ in m.parameters())]
+        return units
+
+    def _check_batchnorm(self, task: nn.Module) -> None:
+        if self.options.sync_batchnorm:
+            return
+        bn = [name for name, m in task.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+              and not isinstance(m, nn.SyncBatchNorm)]
+        if bn:
+            raise ValueError(
+                f"strategy='fsdp': {type(task).__name__} has BatchNorm layers ({', '.join(bn[:5])}), whose running "
+                "statistics FSDP does not synchronise (each rank would drift, and a checkpoint keeps one rank's). "
+                "Pass sync_batchnorm=True (SyncBatchNorm: statistics over the global batch) or use LayerNorm/GroupNorm."
+            )
+
+    def teardown(self) -> None:
+        self._sync = None
+
+    def gradient_sync(self, sync: bool) -> ContextManager[Any]:
+        # 'last_micro_batch': reduce-scatter once per window (full-size unsharded gradients are held
+        # until then, like DDP's no_sync). 'every_micro_batch': every backward reduce-scatters, so
+        # gradients stay sharded (less memory, more traffic); the maths is the same.
+        if self.options.fsdp_reduce_grads == "every_micro_batch" or self.task is None:
+            return _NO_CONTEXT
+        if sync != self._sync:
+            self.task.set_requires_gradient_sync(sync)  # type: ignore[operator]
+            self._sync = sync
+        return _NO_CONTEXT
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> None:
+        # Every gradient is a DTensor (all parameters are in a unit): the norm is the global one.
+        nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+    def eval_context(self, task: nn.Module) -> ContextManager[Any]:
+        return _Unsharded(task, reshard_after_forward=self.options.fsdp_reshard_after_forward)
+
+    def weights_finite(self, task: nn.Module) -> bool:
+        local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in task.parameters()]
+        flag = torch.tensor([1.0 if all(bool(torch.isfinite(t).all()) for t in local) else 0.0], device=self.root_device)
+        return bool(dist.all_reduce(flag, "min").item() > 0)  # a collective: every rank answers the same
+
+    def model_state_dict(self, task: nn.Module) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(task)  # DTensor shards: written by DCP (trainer/sharded_checkpoint.py)
+
+    def load_model_state_dict(self, task: nn.Module, state: dict[str, Any], *, strict: bool = True) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        # A plain (full) state dict, e.g. from a DDP checkpoint file: every rank keeps its shard of it.
+        full = not any(hasattr(v, "device_mesh") for v in state.values())
+        set_model_state_dict(task, state, options=StateDictOptions(full_state_dict=full, strict=strict))
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.task, optimizer)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        groups = state.get("param_groups", [])
+        if groups and all(isinstance(i, int) for g in groups for i in g["params"]):
+            # A plain optimizer.state_dict() (a DDP checkpoint file): parameters by position; name them.
+            names = {id(p): n for n, p in self.task.named_parameters()}  # type: ignore[union-attr]
+            order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+            state = {"state": {order[i]: v for i, v in state["state"].items()},
+                     "param_groups": [dict(g, params=[order[i] for i in g["params"]]) for g in groups]}
+            set_optimizer_state_dict(self.task, optimizer, state, options=StateDictOptions(full_state_dict=True))
+            return
+        set_optimizer_state_dict(self.task, optimizer, state)
+
+
+class _Unsharded:
+    """FSDP evaluation: all-gather every unit once on entry (collectives, every rank in the same order)
+    and keep the parameters unsharded until exit, so per-batch forwards never communicate while ranks
+    run different numbers of batches. Costs the full parameters' memory for the loop's duration."""
+
+    def __init__(self, task: nn.Module, *, reshard_after_forward: bool) -> None:
+        self.modules = [m for m in task.modules() if hasattr(m, "unshard") and hasattr(m, "set_reshard_after_forward")]
+        self.reshard_after_forward = reshard_after_forward
+
+    def __enter__(self) -> None:
+        for m in self.modules:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+
+    def __exit__(self, *exc: Any) -> None:
+        for m in self.modules:
+            m.reshard()
+            m.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
+
+
+STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}
 
 
 def select_strategy(options: TrainerOptions, env: DistEnv, device: torch.device) -> Strategy:
     """The strategy for this run, from the ``strategy`` option and the launcher's world size.
 
     ``"auto"`` / ``"ddp"`` / None: DDP when the job has more than one process, else a single device.
-    Called in ``Trainer.__init__``, before any process group exists (nothing here communicates).
+    ``"fsdp"``: FSDP2 at any world size (1 included: a one-rank group is created). Called in
+    ``Trainer.__init__``, before any process group exists (nothing here communicates).
     """
+    if options.strategy == "fsdp":
+        return FSDPStrategy(env, device, options)
     if env.world_size == 1:
         return SingleDeviceStrategy(env, device, options)
     return STRATEGIES["ddp"](env, device, options)

@@ -122,7 +122,7 @@ class Trainer(TrainerAttributes):
         self._checkpoint_io = CheckpointIO()
         self._logged_options = False
         self._eval_loop = EvaluationLoop(device=self.device, precision=self._precision, metrics=self._metrics,
-                                         beat=self._beat)
+                                         beat=self._beat, strategy=self.strategy)
 
     # ------------------------------------------------------------------ public properties (more in trainer/compat.py)
     @property
@@ -280,6 +280,7 @@ class Trainer(TrainerAttributes):
             init_timeout=datetime.timedelta(seconds=opts.init_timeout),
             # NCCL's flight recorder on by default, so a collective timeout leaves a trace to read.
             backend_env=wd.nccl_flight_recorder_env_defaults(self.default_root_dir),
+            single_process=self.strategy.needs_process_group,
         ) or self._owns_group
 
     def _setup_stage(self, stage: str) -> None:

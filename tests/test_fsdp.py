@@ -1,0 +1,170 @@
+"""strategy="fsdp" (FSDP2): the same maths as DDP, evaluation on the sharded task, sharded crash-safe
+checkpoints that reshard, export to one plain file, and options refused before any process group."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import REPO_ROOT, python, torchrun
+
+SCRIPT = REPO_ROOT / "tests" / "scripts" / "fsdp_fit.py"
+pytestmark = pytest.mark.multiprocess
+
+
+def load(out: Path, rank: int = 0) -> dict:
+    return torch.load(out / f"rank{rank}.pt", weights_only=False)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def run2(tmp: Path, name: str, *args: str, timeout: float = 240) -> dict:
+    torchrun(SCRIPT, str(tmp / name), *args, nproc=2, timeout=timeout).check()
+    r0, r1 = load(tmp / name, 0), load(tmp / name, 1)
+    assert max_diff(r0["weights"], r1["weights"]) == 0.0  # every rank holds the same (gathered) model
+    return r0
+
+
+@pytest.mark.parametrize("case", [
+    ["--accumulate", "2", "--clip", "0.05"],
+    ["--accumulate", "2", "--items", "--reduce", "last_micro_batch"],
+])
+def test_two_rank_fsdp_equals_two_rank_ddp(tmp_path: Path, case: list[str]) -> None:
+    """Accumulation, global-norm clipping, token-normalised loss, both reduce settings: the DDP maths."""
+    ddp = run2(tmp_path, "ddp", "--strategy", "ddp", *case)
+    fsdp = run2(tmp_path, "fsdp", "--strategy", "fsdp", *case)
+    assert fsdp["strategy"] == "FSDPStrategy" and ddp["strategy"] == "DDPStrategy"
+    assert fsdp["global_step"] == ddp["global_step"] == 4  # 2 epochs of 3 micro-batches, windows of 2
+    assert max_diff(fsdp["weights"], ddp["weights"]) < 1e-10
+    # Evaluation, predict and task(x) on the sharded task (37 samples: uneven shards) equal DDP's.
+    for key in ("val", "test"):
+        for name, value in ddp[key][0].items():
+            assert abs(fsdp[key][0][name] - value) < 1e-10, (key, name)
+    assert (fsdp["predictions"] - ddp["predictions"]).abs().max() < 1e-10
+    assert (fsdp["direct"] - ddp["direct"]).abs().max() < 1e-10
+
+
+def test_fsdp_manual_optimization_and_configure_model_equal_ddp(tmp_path: Path) -> None:
+    args = ["--manual", "--configure-model"]  # the task steps every micro-batch: no accumulation window
+    ddp = run2(tmp_path, "ddp", "--strategy", "ddp", *args)
+    fsdp = run2(tmp_path, "fsdp", "--strategy", "fsdp", "--units", "Block", *args)
+    assert max_diff(fsdp["weights"], ddp["weights"]) < 1e-10
+
+
+def test_one_rank_fsdp_equals_a_single_process(tmp_path: Path) -> None:
+    """strategy='fsdp' without a launcher creates its own one-rank group; same result as no wrapper."""
+    python(SCRIPT, str(tmp_path / "plain"), "--strategy", "auto", "--batch", "16", timeout=180).check()
+    python(SCRIPT, str(tmp_path / "fsdp"), "--strategy", "fsdp", "--batch", "16", timeout=180).check()
+    plain, fsdp = load(tmp_path / "plain"), load(tmp_path / "fsdp")
+    assert fsdp["strategy"] == "FSDPStrategy" and fsdp["world_size"] == 1
+    assert max_diff(fsdp["weights"], plain["weights"]) < 1e-12
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_under_torchrun_resumes_bit_identical_and_reshards_to_one_rank(tmp_path: Path, mode: str) -> None:
+    """Also with ModelCheckpoint(async_save=True): shards staged to CPU, written on a gloo group of their
+    own, committed later; a SIGKILL with a save in flight resumes from the previous committed folder."""
+    saving = ["--async-save"] if mode == "async" else []
+    reference = run2(tmp_path, "ref", "--strategy", "fsdp", "--ckpt-dir", str(tmp_path / "ref_ck"), *saving)
+    ck = tmp_path / "ck"
+    torchrun(SCRIPT, str(tmp_path / "killed"), "--strategy", "fsdp", "--ckpt-dir", str(ck), "--kill-at", "4",
+             *saving, nproc=2, timeout=300, max_restarts=1).check()
+    resumed = load(tmp_path / "killed")
+    assert resumed["global_step"] == reference["global_step"] == 6
+    # The kill comes before step 4's save: the restarted workers resume from step 3 (sync) and train 3
+    # steps; with async saves step 3's save may still have been in flight: then from step 2.
+    assert len(resumed["seen"]) in ((3 * 8,) if mode == "sync" else (3 * 8, 4 * 8)) and len(reference["seen"]) == 6 * 8
+    assert max_diff(resumed["weights"], reference["weights"]) == 0.0  # bit for bit
+    # The committed checkpoints are folders: each rank's shards, DCP's index and keel's own file.
+    last = Path(resumed["last"])
+    assert last.is_dir() and {".metadata", "keel.pt", "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(last))
+    assert not [p for p in ck.iterdir() if ".tmp-" in p.name]
+    # Saved at 2 ranks (end of epoch 1), resumed in one process (DCP reshards): epoch 2 at 1 rank, 6 steps.
+    python(SCRIPT, str(tmp_path / "one"), "--strategy", "fsdp", "--ckpt-dir", str(ck), "--epochs", "3",
+           timeout=180).check()
+    one = load(tmp_path / "one")
+    assert one["global_step"] == 12 and one["world_size"] == 1
+    # export_weights: one plain file from the 2-rank folder, no process group, loads into the bare task.
+    out = tmp_path / "weights.pt"
+    code = ("import sys, torch; sys.path.insert(0, 'tests/scripts'); from trainer.checkpoint import export_weights; "
+            f"export_weights({str(last)!r}, {str(out)!r}); from fsdp_fit import BlockNet; t = BlockNet(); "
+            f"t.load_state_dict(torch.load({str(out)!r}, weights_only=True)); "
+            f"u = BlockNet.load_from_checkpoint({str(last)!r}); "
+            "print('OK', all(torch.equal(a, b) for a, b in zip(t.state_dict().values(), u.state_dict().values())))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert "OK True" in done.stdout, done.stdout + done.stderr
+    exported = torch.load(out, weights_only=True)
+    assert max_diff(exported, reference["weights"]) == 0.0  # the final checkpoint is the final model
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_crafted_metadata_is_refused_naming_the_file(tmp_path: Path) -> None:
+    from trainer.checkpoint import CheckpointError, load_meta
+
+    folder = tmp_path / "epoch=0-step=1.ckpt"
+    folder.mkdir()
+    torch.save({"keel_format_version": 1, "state_dict": {}}, folder / "keel.pt")
+    (folder / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(CheckpointError) as info:
+        load_meta(folder)
+    assert "posix.system" in str(info.value) or "os.system" in str(info.value)
+    assert str(folder / ".metadata") in str(info.value)
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({"strategy": "ddp", "fsdp_cpu_offload": True}, "unless strategy='fsdp'"),
+    ({"strategy": "fsdp", "fsdp_reduce_grads": "sometimes"}, "every_micro_batch"),
+    ({"strategy": "fsdp", "fsdp_units": [3]}, "class names"),
+])
+def test_bad_fsdp_options_are_refused_before_any_group(options: dict, expected: str) -> None:
+    from trainer import Trainer
+
+    with pytest.raises(ValueError) as info:
+        Trainer(logger=False, **options)
+    assert expected in str(info.value)
+
+
+def test_a_failed_sharded_save_names_the_folder_the_bytes_and_the_intact_checkpoint(tmp_path: Path) -> None:
+    """Disk full while DCP writes the shards (simulated: the shard writer raises ENOSPC): the error names
+    the folder, the bytes needed and free, and that the previous checkpoint is intact; no temp folder stays."""
+    code = f"""
+import errno, sys, torch
+sys.path.insert(0, 'tests/scripts')
+from torch.utils.data import DataLoader
+from torch.distributed.checkpoint import FileSystemWriter
+from fsdp_fit import BlockNet, data
+from trainer import Trainer
+from trainer.checkpoint import CheckpointSaveError
+trainer = Trainer(max_steps=2, strategy='fsdp', precision='64', logger=False, enable_progress_bar=False,
+                  enable_checkpointing=False, num_sanity_val_steps=0)
+task = BlockNet()
+trainer.fit(task, DataLoader(data(48, 0), batch_size=8))
+good = {str(tmp_path / 'good.ckpt')!r}
+trainer.save_checkpoint(good)
+def full(self, *a, **k):
+    raise OSError(errno.ENOSPC, 'No space left on device')
+FileSystemWriter.write_data = full
+try:
+    trainer.save_checkpoint({str(tmp_path / 'bad.ckpt')!r})
+except CheckpointSaveError as exc:
+    print('ERR', exc.errno == errno.ENOSPC, '|', exc)
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    assert "ERR True" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    message = done.stdout.split("|", 1)[1]
+    for part in ("bad.ckpt", "No space left on device", "needs about", "free in", "Nothing was replaced"):
+        assert part in message, (part, message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.ckpt"]  # the temporary folder was removed
