@@ -444,3 +444,23 @@ def test_manual_optimization_task_loss_is_checked_too() -> None:
 
     with pytest.raises(FloatingPointError, match="at step 3"):
         Trainer(**quiet(max_epochs=1)).fit(ManualNaN(), data())
+
+
+def test_lightning_keywords_of_validate_test_predict_and_log(caplog: pytest.LogCaptureFixture) -> None:
+    class Extra(Regression):
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val/loss", F.mse_loss(self(x), y), sync_dist=True, sync_dist_group=None, add_dataloader_idx=False,
+                     enable_graph=False, metric_attribute=None)
+
+    trainer = Trainer(**quiet(max_epochs=1))
+    task = Extra()
+    trainer.fit(task, data())
+    with caplog.at_level(logging.INFO, logger="trainer.evaluation"):
+        results = trainer.validate(task, data(16), verbose=True)
+    assert "Validate results: val/loss=" in caplog.text and "val/loss" in results[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainer.evaluation"):
+        trainer.test(task, data(16), verbose=False)
+    assert "results" not in caplog.text
+    assert trainer.predict(task, data(16), return_predictions=False) is None

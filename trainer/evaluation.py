@@ -12,6 +12,7 @@ them once per loader (DESIGN.md sections 6 and 7).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Literal, Sequence
 
 import torch
@@ -25,10 +26,22 @@ from trainer.parallel import Strategy
 from trainer.precision import Precision
 from trainer.transfer import infer_batch_size, move_to_device
 
+log = logging.getLogger(__name__)
+
 # publish(values, to_logger, to_bar): where the reduced epoch metrics of one loader go.
 # ``trainer``, ``task`` and ``callbacks`` are typed Any on purpose: this module must not import the
 # Trainer (or the Callback base, which type-hints it), so the split opens no import circle.
 Publish = Callable[[dict[str, float], dict[str, float], dict[str, float]], None]
+
+
+def log_results(stage: str, results: list[dict[str, float]], *, verbose: bool) -> list[dict[str, float]]:
+    """``validate(verbose=True)`` / ``test(verbose=True)``: log each loader's metrics at INFO (the caller
+    passes ``verbose`` False off rank 0), Lightning's results table as log lines; returns ``results``."""
+    if verbose:
+        for idx, metrics in enumerate(results):
+            shown = ", ".join(f"{name}={value:.6g}" for name, value in sorted(metrics.items())) or "(nothing logged)"
+            log.info("%s results%s: %s", stage.capitalize(), f" (dataloader {idx})" if len(results) > 1 else "", shown)
+    return results
 
 
 class EvaluationLoop:

@@ -304,6 +304,10 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
         reduce_fx: str | Callable = "mean",
         sync_dist: bool = False,
         rank_zero_only: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
+        enable_graph: bool = False,
+        metric_attribute: str | None = None,
     ) -> None:
         """Record a scalar metric, or a metric object (a torchmetrics ``Metric`` or anything with ``compute()``
         and ``reset()``: keel calls ``compute()`` at logging steps / the epoch end and ``reset()`` after the
@@ -314,7 +318,9 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
         not given). Values stay on their device: nothing is read back to the host except on logging
         steps and at epoch ends, where metrics are reduced across ranks with ``reduce_fx`` ("mean", "sum",
         "max", "min"), so ``sync_dist`` is accepted for Lightning compatibility and always on.
-        ``rank_zero_only=True`` uses rank 0's value as is, on every rank.
+        ``rank_zero_only=True`` uses rank 0's value as is, on every rank. Lightning's ``sync_dist_group``
+        (keel reduces over the default group), ``add_dataloader_idx`` (always added with several loaders),
+        ``enable_graph`` (values are always detached) and ``metric_attribute`` are accepted and have no effect.
 
         Raises:
             ValueError: for a non-scalar tensor or a non-numeric value, naming the metric.

@@ -30,7 +30,7 @@ from trainer.checkpoint import CheckpointIO
 from trainer.data import (
     AdaptedLoader, adapt_eval_loader, adapt_train_loader, limit_batches, plan_epoch, resolve_loaders, warn_if_unsharded,
 )
-from trainer.evaluation import EvaluationLoop
+from trainer.evaluation import EvaluationLoop, log_results
 from trainer.lifecycle import seed_everything, setup_stage, teardown_stage, with_default_callbacks  # noqa: F401 - re-exported
 from trainer.loggers import Logger, default_loggers, log_fit_start
 from trainer.metrics import MetricCollector
@@ -183,10 +183,12 @@ class Trainer(TrainerAttributes):
         dataloaders: Iterable | Sequence[Iterable] | None = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | None = None,
+        verbose: bool = True,
     ) -> list[dict[str, float]]:
         """Run the validation loop once. Returns one dict of epoch metrics per dataloader (reduced over
-        all ranks: means weighted by batch size), the same on every rank."""
-        body = lambda given: self._evaluate("validate", self._stage_loaders("validate", given, ckpt_path))  # noqa: E731
+        all ranks: means weighted by batch size), the same on every rank; ``verbose`` logs them (rank 0)."""
+        body = lambda given: log_results("validate", self._evaluate(  # noqa: E731
+            "validate", self._stage_loaders("validate", given, ckpt_path)), verbose=verbose and self.is_global_zero)
         return self._run("validate", model, datamodule, body, loaders=(dataloaders,))
 
     def test(
@@ -195,9 +197,11 @@ class Trainer(TrainerAttributes):
         dataloaders: Iterable | Sequence[Iterable] | None = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | None = None,
+        verbose: bool = True,
     ) -> list[dict[str, float]]:
-        """Run the test loop once; returns metrics like :meth:`validate`."""
-        body = lambda given: self._evaluate("test", self._stage_loaders("test", given, ckpt_path))  # noqa: E731
+        """Run the test loop once; returns (and with ``verbose`` logs) metrics like :meth:`validate`."""
+        body = lambda given: log_results("test", self._evaluate(  # noqa: E731
+            "test", self._stage_loaders("test", given, ckpt_path)), verbose=verbose and self.is_global_zero)
         return self._run("test", model, datamodule, body, loaders=(dataloaders,))
 
     def predict(
@@ -206,15 +210,17 @@ class Trainer(TrainerAttributes):
         dataloaders: Iterable | Sequence[Iterable] | None = None,
         datamodule: DataModule | None = None,
         ckpt_path: str | None = None,
+        return_predictions: bool | None = None,
     ) -> list[Any] | None:
         """Run ``predict_step`` over the data and return the per-batch outputs (moved to CPU) in dataset order.
 
         Each rank predicts a contiguous shard; the shards are gathered in rank order, so the list is in
         dataset order. With ``predict_return="all_ranks"`` (default) every rank returns the whole list;
         with ``"rank_zero"`` rank 0 returns it and other ranks return None. With several dataloaders the
-        result is a list of such lists.
+        result is a list of such lists. ``return_predictions=False`` (Lightning's) returns None everywhere.
         """
-        return self._run("predict", model, datamodule, lambda given: self._predict(given, ckpt_path), loaders=(dataloaders,))
+        out = self._run("predict", model, datamodule, lambda given: self._predict(given, ckpt_path), loaders=(dataloaders,))
+        return None if return_predictions is False else out
 
     def save_checkpoint(self, path: str | os.PathLike, weights_only: bool = False) -> None:
         """Write a checkpoint of the whole run state to ``path`` (rank 0 writes; all ranks must call).
