@@ -259,6 +259,38 @@ class TrainerAttributes:
     def log_every_n_steps(self) -> int:
         return self.options.log_every_n_steps
 
+    @property
+    def val_check_interval(self) -> int | None:
+        return self.options.val_check_interval
+
+    @property
+    def check_val_every_n_epoch(self) -> int | None:
+        return self.options.check_val_every_n_epoch
+
+    @property
+    def num_sanity_val_steps(self) -> int:
+        return self.options.num_sanity_val_steps
+
+    @property
+    def fast_dev_run(self) -> bool | int:
+        return self.options.fast_dev_run
+
+    @property
+    def limit_train_batches(self) -> int | float:
+        return self.options.limit_train_batches
+
+    @property
+    def limit_val_batches(self) -> int | float:
+        return self.options.limit_val_batches
+
+    @property
+    def limit_test_batches(self) -> int | float:
+        return self.options.limit_test_batches
+
+    @property
+    def gradient_clip_val(self) -> float | None:
+        return self.options.gradient_clip_val
+
     # ------------------------------------------------------------------ state
     @property
     def training(self) -> bool:
