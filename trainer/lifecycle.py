@@ -17,6 +17,7 @@ import torch
 
 from trainer import dist
 from trainer.compat import warn_uncalled_hooks
+from trainer.rank_zero import rank_zero_only
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,15 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
     if workers:
         os.environ["PL_SEED_WORKERS"] = "1"
     if verbose:
-        log.info("Seed set to %d", seed)
+        _log_seed(seed)
     _seed_generators(seed)
     return seed
+
+
+@rank_zero_only
+def _log_seed(seed: int) -> None:
+    # Rank 0 only, like Lightning's: seed_everything usually runs before the Trainer configures per-rank logging.
+    log.info("Seed set to %d", seed)
 
 
 def _seed_generators(seed: int) -> None:
