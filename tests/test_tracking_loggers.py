@@ -195,7 +195,9 @@ def test_wandb_resume_continues_the_run_id_and_skips_recorded_steps(tmp_path: Pa
     for step in range(1, 6):
         first.log_metrics({"train/loss": float(step)}, step=step)
     run_id = first.run_id
-    first.experiment.finish()  # what wandb-core does when the process is killed: the file is complete
+    run_file = first.experiment.settings.sync_file
+    first.experiment.finish()  # as at the end of a process: the file is complete
+    assert wandb_records.wait_for_exit(run_file, timeout=30)
     again = WandbLogger(save_dir=tmp_path, project="exp", offline=True, version=0)  # the restart
     for step in range(4, 8):  # resumed from step 3's checkpoint
         again.log_metrics({"train/loss": float(step), "val/loss": 10.0 + step}, step=step)

@@ -26,6 +26,7 @@ STATE_FILE = "wandb_run.json"
 # Seconds between W&B's flushes of its run file (its own default: 15). What a killed process had not flushed is
 # lost; a shorter interval loses less, and the resumed run re-logs whatever the file lacks after its checkpoint.
 FLUSH_INTERVAL = 1.0
+FINISH_TIMEOUT = 30.0  # seconds finalize waits for W&B to finish writing the run file
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 
 
@@ -212,8 +213,14 @@ class WandbLogger(Logger):
                     artifact.add_file(path)
                 self._run.log_artifact(artifact, aliases=["latest"])
         if self._own_run:
+            run_file = getattr(self._run.settings, "sync_file", None)
             self._run.finish(exit_code=0 if status == "success" else 1)
             self._run = None
+            # finish() returns before wandb's service has written the run file to the end; wait for it, so
+            # that a later stage or process that reads it (the steps already recorded) sees all of it.
+            written = bool(run_file) and os.path.isfile(run_file)  # none when disabled or without a run file
+            if written and not wandb_records.wait_for_exit(run_file, timeout=FINISH_TIMEOUT):
+                log.warning("W&B had not finished writing %s after %.0f s.", run_file, FINISH_TIMEOUT)
 
     def __repr__(self) -> str:
         return (f"WandbLogger(project={self.project!r}, save_dir={self.save_dir!r}, version={self.version!r}, "

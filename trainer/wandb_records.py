@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from pathlib import Path
 from typing import Any, Iterator
@@ -92,6 +93,21 @@ def last_steps(paths: list[str] | list[Path]) -> dict[str, int]:
                 if not key.startswith("_") and step > steps.get(key, -1):
                     steps[key] = step
     return steps
+
+
+def wait_for_exit(path: str | Path, timeout: float) -> bool:
+    """Waits until the file holds W&B's ``exit`` record (written last when a run finishes): ``run.finish()``
+    returns before wandb's service has written it. Returns False if it is still missing after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if any(record.WhichOneof("record_type") == "exit" for record in records(path)):
+                return True
+        except (OSError, ValueError):
+            pass  # not there yet, or a chunk being written
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
 
 
 def run_ids(path: str | Path) -> list[str]:
