@@ -67,6 +67,15 @@ def test_at_most_one_save_in_flight_and_commit_only_after_the_write() -> None:
     assert not checkpointer.wait() and not checkpointer.poll()  # nothing in flight: no-ops
 
 
+def test_commit_waits_for_the_ready_predicate() -> None:
+    checkpointer, commits, all_ranks_done = AsyncCheckpointer(), [], threading.Event()
+    checkpointer.submit(lambda: None, lambda staged: None, lambda: commits.append(1), ready=all_ranks_done.is_set)
+    checkpointer._job.done.wait(10)
+    assert not checkpointer.poll() and checkpointer.in_flight and not commits  # written, but not ready
+    threading.Timer(0.2, all_ranks_done.set).start()
+    assert checkpointer.wait() and commits == [1]
+
+
 def test_a_failed_write_is_raised_once_on_the_main_thread_and_never_commits() -> None:
     checkpointer, commits = AsyncCheckpointer(), []
 
@@ -178,17 +187,19 @@ class Gate(Callback):
             self.weights_at_3 = {k: v.clone() for k, v in task.state_dict().items()}
         if step == 4:
             self.release.set()
-            cb._checkpointer._job.done.wait(10)  # the write is done now; the commit waits for step 5's poll
-        self.pointer[step] = (read_pointer(cb.dirpath) or [None])[0]
+            cb._checkpointer._job.done.wait(10)  # written and committed now; reported done at step 5's poll
+        self.pointer[step] = (read_pointer(cb.dirpath) or [None])[0], cb._checkpointer.in_flight
         if step == 5:  # before step 6's save prunes it
             self.saved_3 = CheckpointIO().load(Path(cb.dirpath) / "epoch=0-step=3.ckpt")["state_dict"]
 
 
-def test_commit_happens_at_a_later_step_boundary_and_writes_the_state_of_its_step(tmp_path: Path, monkeypatch) -> None:
+def test_pointer_swaps_once_the_file_is_durable_and_the_file_holds_the_state_of_its_step(tmp_path: Path,
+                                                                                           monkeypatch) -> None:
     gate = Gate(monkeypatch)
     async_fit(tmp_path, [gate], every_n_train_steps=3, max_steps=7)
-    assert gate.pointer[3] is None and gate.pointer[4] is None  # step 3's save is still being written
-    assert gate.pointer[5] == "epoch=0-step=3.ckpt"  # committed by step 5's poll
+    assert gate.pointer[3] == (None, True)  # step 3's save is still being written: no pointer yet
+    assert gate.pointer[4] == ("epoch=0-step=3.ckpt", True)  # durable, then committed by the writer thread
+    assert gate.pointer[5] == ("epoch=0-step=3.ckpt", False)  # reported done by step 5's poll
     for name, value in gate.weights_at_3.items():  # steps 4 and 5 ran meanwhile; the file holds step 3
         assert torch.equal(gate.saved_3[name], value), name
     assert read_pointer(tmp_path / "ck")[0] == "epoch=1-step=6.ckpt"

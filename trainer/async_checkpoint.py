@@ -1,29 +1,31 @@
-"""Async checkpoint saves: stage on the main thread, write in the background, commit at a step boundary.
+"""Async checkpoint saves: stage on the main thread, write and commit in the background, finish at a step boundary.
 
-``ModelCheckpoint(async_save=True)`` saves through an :class:`AsyncCheckpointer`. One save is three parts:
+``ModelCheckpoint(async_save=True)`` saves through an :class:`AsyncCheckpointer`. One save has three parts:
 
 ``stage()``
     On the main thread, at the step boundary, now. Returns the payload to write: a copy that later
-    optimizer steps cannot change (for one file: every tensor cloned to CPU, see :func:`stage_to_cpu`).
-    Training continues as soon as it returns; this is the whole time the loop is blocked.
+    optimizer steps cannot change (for one file: every tensor copied to CPU, see :class:`CpuStager`).
+    Training continues as soon as it returns; with the wait for a save still in flight, this is the
+    whole time the loop is blocked.
 ``write(staged)``
-    On the checkpointer's worker thread: write, fsync, rename into place, fsync the folder. Everything
-    it writes carries a temporary name until its own atomic rename, so a SIGKILL here leaves the
-    previous checkpoint as ``last``. It must not touch the training process group (for DDP only rank 0
-    writes one file, so it needs no collective; FSDP writes through DCP on a gloo group of its own and
-    waits there until every rank's shards are durable before the folder rename).
-``commit()``
+    On the checkpointer's worker thread: write, fsync, rename into place, fsync the folder, and then the
+    commit: the ``last`` pointer swap, then pruning of what it replaces (:func:`save_async` does all of
+    it; unlinking a GiB file alone takes 0.3 s, kept off the loop). Everything it writes carries a
+    temporary name until its own atomic rename, so a SIGKILL here leaves the previous checkpoint as
+    ``last``. It must not touch the training process group (DDP: only rank 0 writes one file, so no
+    collective is needed; FSDP: DCP on a gloo group of its own, and a barrier there until every rank's
+    shards are durable before rank 0 renames the folder and swaps the pointer).
+``commit()`` (optional)
     On the main thread again, at a later step boundary (:meth:`AsyncCheckpointer.poll`, called from
     ``ModelCheckpoint.on_train_batch_end``: no collective, no host-device sync) or when waited on
-    (:meth:`AsyncCheckpointer.wait`): swaps the ``last`` pointer, then prunes what it replaces. It runs
-    only after ``write`` returned, and never when ``write`` raised (the previous checkpoint and every
-    file it would prune stay). Whatever needs "all ranks done" goes at the end of ``write`` (a barrier on
-    the checkpoint group) or in a ``ready`` predicate given to :meth:`AsyncCheckpointer.submit`.
+    (:meth:`AsyncCheckpointer.wait`), after ``write`` returned, and never when it raised: for what must
+    happen on the training thread. A ``ready`` predicate (polled without blocking) can hold it back
+    until, e.g., every rank reported done.
 
-At most one save is in flight: :meth:`AsyncCheckpointer.submit` first waits for (and commits) the
+At most one save is in flight: :meth:`AsyncCheckpointer.submit` first waits for (and finishes) the
 previous one. An error raised by ``write`` or ``commit`` is re-raised on the main thread at the next
-``poll``/``wait``/``submit``. Preemption, exception and end-of-fit paths wait, so a run never exits with
-a save in flight.
+``poll``/``wait``/``submit``: the save is reported done, or failed, at a step boundary. Preemption,
+exception and end-of-fit paths wait, so a run never exits with a save in flight.
 """
 
 from __future__ import annotations
@@ -251,8 +253,8 @@ def stage_to_cpu(obj: Any) -> Any:
 def save_async(trainer: Any, path: str, checkpointer: AsyncCheckpointer, commit: Callable[[], None] | None) -> None:
     """``Trainer.save_checkpoint`` in the background: assemble the state (collective: every rank calls
     this), then rank 0 stages a CPU copy and hands the write to ``checkpointer``; ``commit`` (rank 0: the
-    pointer swap and pruning) runs when the file is durable. No barrier: other ranks have nothing in
-    flight and continue at once. Non-finite weights are refused as by ``Trainer.save_checkpoint``, but
+    pointer swap and pruning) runs on the worker thread once the file is durable. No barrier: other
+    ranks have nothing in flight and continue at once. Non-finite weights are refused as by ``Trainer.save_checkpoint``, but
     checked on the staged copy in the background (a full pass over the weights is as slow as the copy):
     the FloatingPointError is raised at the next step boundary, and nothing is written.
 
@@ -292,8 +294,10 @@ def save_async(trainer: Any, path: str, checkpointer: AsyncCheckpointer, commit:
     def write(staged: dict[str, Any]) -> None:
         _refuse_non_finite(staged[ckpt.K_STATE_DICT], params, path, step)
         io.save(staged, path, is_writer=True)
+        if commit is not None:
+            commit()  # only now that the file is durable: the pointer swap, then pruning
 
-    checkpointer.submit(lambda: stager.stage(state), write, commit, what=str(path))
+    checkpointer.submit(lambda: stager.stage(state), write, what=str(path))
 
 
 def _refuse_non_finite(weights: dict[str, Any], params: list[str], path: str, step: int) -> None:

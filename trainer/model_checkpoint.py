@@ -102,10 +102,11 @@ class ModelCheckpoint(Callback):
         train_time_interval: save when this many seconds passed since the last save (checked at steps).
         save_on_exception: save when a loop raises (all ranks must reach the hook; a rank that died cannot).
         async_save: return to training once the state is staged in CPU memory (one copy of the weights
-            and optimizer state); the write, fsync and rename run on a background thread, and the ``last``
-            pointer swap and pruning at a later step boundary, once the file is durable. At most one save
-            is in flight; forced saves (preemption, exception) are synchronous, and the end of ``fit``
-            waits for the save in flight (trainer/async_checkpoint.py).
+            and optimizer state, kept between saves); the write, fsync and rename, then the ``last``
+            pointer swap and pruning, run on a background thread; the save is reported done (or its
+            error raised) at a later step boundary. At most one save is in flight; forced saves
+            (preemption, exception) are synchronous, and the end of ``fit`` waits for the save in flight
+            (trainer/async_checkpoint.py).
         verbose: log each save (and why) on rank 0 at INFO.
         save_weights_only: checkpoints hold the weights (and hyperparameters, step, epoch) only, not the
             optimizer, scheduler, callback or loop state: they load with ``load_from_checkpoint`` but cannot
