@@ -9,7 +9,7 @@
   happen), then ``scontrol requeue``: it resumes from the last periodic checkpoint, same weights;
 * slow (``--run-slow``): the same file without ``--signal``, killed by a real 1-minute time limit.
 
-The jobs run the digits recipe for 14 steps (10 per epoch on 2 ranks) with a checkpoint every 3 steps;
+The jobs run the digits recipe for 15 steps (10 per epoch on 2 ranks) with a checkpoint every 3 steps;
 tests/slurm/faults.py makes the first attempt wait at a known step. Skipped, with the reason, where the
 cluster cannot run (see the ``slurm_cluster`` fixture in conftest.py).
 """
@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
 TESTS_DIR = Path(__file__).resolve().parent
 README = REPO_ROOT / "README.md"
-STEPS, STEPS_PER_EPOCH, EVERY = 14, 10, 3
+STEPS, STEPS_PER_EPOCH, EVERY = 15, 10, 3  # the last periodic checkpoint holds the final weights
 RECIPE = [
     "logger=csv", "test=false", f"trainer.max_steps={STEPS}", "trainer.limit_val_batches=2",
     "trainer.num_sanity_val_steps=0", "trainer.log_every_n_steps=2", "trainer.preemption_check_interval=1",
@@ -62,10 +62,12 @@ def job_env(faults: Path, **extra: str) -> dict[str, str]:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The model weights of the run's ``last`` checkpoint (written at the end of fit)."""
+    """The model weights of the run's ``last`` checkpoint: the periodic one of the final step."""
     folder = run_dir / "checkpoints"
     name = json.loads((folder / "last").read_text())["last"]
-    return torch.load(folder / name, weights_only=True)["state_dict"]
+    checkpoint = torch.load(folder / name, weights_only=True)
+    assert checkpoint["loop"]["global_step"] == STEPS, (name, checkpoint["loop"])
+    return checkpoint["state_dict"]
 
 
 def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
