@@ -120,8 +120,20 @@ start() {
         if pid="$(our_pid "$DIR/$daemon.pid" "$daemon")"; then kill "$pid" 2>/dev/null || true; sleep 1; fi
     done
     slurmctld -f "$CONF"
+    # The state folder keeps job ids counting up across starts (a new job never takes the id, hence the
+    # run directory, of an old one), but jobs left in it by a start that was never stopped are stale:
+    # cancel them before the node comes up, so that none runs (or is requeued) again.
+    local deadline=$((SECONDS + WAIT_S)) jobs=""
+    until jobs="$(timeout 10 squeue -h -o %i 2>/dev/null)"; do
+        if [ $SECONDS -ge $deadline ]; then say "slurmctld does not answer"; tail -n 15 "$DIR/log/slurmctld.log" >&2; return 1; fi
+        sleep 0.5
+    done
+    if [ -n "$jobs" ]; then
+        say "cancelling jobs left from an earlier start: $(echo $jobs)"
+        # shellcheck disable=SC2086
+        timeout 10 scancel $jobs || true
+    fi
     slurmd -f "$CONF" -N "$NODE"
-    local deadline=$((SECONDS + WAIT_S))
     until usable; do
         if [ $SECONDS -ge $deadline ]; then
             say "the node did not become idle within ${WAIT_S}s; last log lines:"
