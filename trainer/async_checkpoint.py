@@ -13,8 +13,9 @@
     it; unlinking a GiB file alone takes 0.3 s, kept off the loop). Everything it writes carries a
     temporary name until its own atomic rename, so a SIGKILL here leaves the previous checkpoint as
     ``last``. It must not touch the training process group (DDP: only rank 0 writes one file, so no
-    collective is needed; FSDP: DCP on a gloo group of its own, and a barrier there until every rank's
-    shards are durable before rank 0 renames the folder and swaps the pointer).
+    collective is needed; FSDP, trainer/sharded_checkpoint.py: DCP on a gloo group of its own, whose
+    coordinator finishes only when every rank's shards are durable; rank 0 then renames the folder, and
+    swaps the pointer in ``commit``).
 ``commit()`` (optional)
     On the main thread again, at a later step boundary (:meth:`AsyncCheckpointer.poll`, called from
     ``ModelCheckpoint.on_train_batch_end``: no collective, no host-device sync) or when waited on
