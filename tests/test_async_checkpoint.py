@@ -22,6 +22,7 @@ from launch import REPO_ROOT, python, torchrun
 from models import Regression, loader, quiet, regression_data
 from trainer import Callback, Trainer
 from trainer import checkpoint as ckpt_module
+from trainer import checkpoint_io
 from trainer.async_checkpoint import AsyncCheckpointer, CpuStager, stage_to_cpu
 from trainer.checkpoint import POINTER_NAME, CheckpointIO, CheckpointSaveError, write_pointer
 from trainer.model_checkpoint import ModelCheckpoint, read_pointer
@@ -441,7 +442,7 @@ def test_permission_denied_simulated(tmp_path: Path, monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(tmp_path))
 
-    monkeypatch.setattr(ckpt_module.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(checkpoint_io.tempfile, "mkstemp", refuse)  # where CheckpointIO writes
     with pytest.raises(CheckpointSaveError) as info:
         CheckpointIO().save({"w": torch.zeros(3)}, tmp_path / "x.ckpt", is_writer=True)
     assert info.value.errno == errno.EACCES

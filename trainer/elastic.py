@@ -22,15 +22,13 @@ step, is refused with the reason; so is a micro-batch size that does not divide 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainer.accumulation import AccumulationSchedule
 from trainer.options import parse_global_batch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from trainer.trainer import Trainer
-
 log = logging.getLogger(__name__)
+# The functions below take the Trainer as ``Any``: this module does not import it (no import circle).
 
 OPTION = "global_batch_size"
 # Keys of the checkpoint's record of the global batch (checkpoint key trainer.checkpoint.K_GLOBAL_BATCH).
@@ -101,7 +99,7 @@ def _not_divisible(size: int, world_size: int, micro_batch: int, where: str = ""
     )
 
 
-def configure(trainer: Trainer, loader: Any) -> None:
+def configure(trainer: Any, loader: Any) -> None:
     """Set ``trainer.accumulation_schedule`` from ``global_batch_size`` for this (re)start (no-op without it).
 
     Called by ``Trainer.fit`` once the training loader is known, before ``configure_optimizers`` (so
@@ -126,13 +124,13 @@ def _spec(value: Any) -> Any:
     return {"clock": clock, "items": [[start, size] for start, size in items]}
 
 
-def _micro_of(trainer: Trainer) -> int | None:
+def _micro_of(trainer: Any) -> int | None:
     loader = trainer._train.loader if trainer._train is not None else None
     size = getattr(loader, "batch_size", None)
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
-def checkpoint_record(trainer: Trainer) -> dict[str, Any]:
+def checkpoint_record(trainer: Any) -> dict[str, Any]:
     """What a checkpoint records of the global batch: the option, and the layout of the step to come."""
     micro = _micro_of(trainer)
     # A save in on_train_epoch_end resumes at the next epoch: record the accumulation in force there.
@@ -146,7 +144,7 @@ def checkpoint_record(trainer: Trainer) -> dict[str, Any]:
     }
 
 
-def check_resume(trainer: Trainer, record: dict[str, Any] | None, *, path: str) -> None:
+def check_resume(trainer: Any, record: dict[str, Any] | None, *, path: str) -> None:
     """Refuse a resume that would change the run's samples per optimizer step.
 
     Call after the step clock is restored (the accumulation in force is read at it). A micro-batch size

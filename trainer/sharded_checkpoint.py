@@ -26,6 +26,7 @@ group.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import pickle
@@ -42,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer import dist
+from trainer.checkpoint_io import K_FORMAT, CheckpointError, CheckpointIO, CheckpointSaveError, _os_error
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +171,6 @@ def save_async(state: dict[str, Any], path: str | os.PathLike, *, model_key: str
     is done all of them are durable: rank 0 then adds ``keel.pt`` and renames the folder into place, and
     ``commit`` (the pointer swap, pruning) runs at a later step boundary on the main thread.
     """
-    from trainer.async_checkpoint import stage_to_cpu
-
     target = Path(path)
     group = dist.checkpoint_group()
     tmp_name = dist.broadcast_object(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}" if is_writer else None)
@@ -182,7 +182,7 @@ def save_async(state: dict[str, Any], path: str | os.PathLike, *, model_key: str
 
     def stage() -> Any:
         future = dcp.async_save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group)
-        return future, stage_to_cpu(rest) if is_writer else None
+        return future, _cpu_copy(rest) if is_writer else None
 
     def write(staged: Any) -> None:
         future, keel_state = staged
@@ -203,11 +203,20 @@ def save_async(state: dict[str, Any], path: str | os.PathLike, *, model_key: str
     checkpointer.submit(stage, write, commit if is_writer else None, what=str(target))
 
 
+def _cpu_copy(obj: Any) -> Any:
+    """A copy of keel.pt's small state (RNG, schedulers, loop, callbacks) that later steps cannot change."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
 def _save_error(target: Path, tensors: Any, exc: BaseException) -> BaseException:
     """A failed folder write, explained: the OSError of whichever rank failed (DCP collects every rank's
     failures in a CheckpointException, a BaseException), with the bytes needed (this rank's shards) and free."""
-    from trainer.checkpoint import CheckpointSaveError, _os_error
-
     causes = [exc] + [failure[0] if isinstance(failure, tuple) else failure
                       for failure in getattr(exc, "failures", {}).values()]
     for cause in causes:
@@ -232,9 +241,7 @@ def _commit(tmp: Path, target: Path) -> None:
 
 def read_keel_state(path: str | os.PathLike) -> dict[str, Any]:
     """``keel.pt`` of a sharded checkpoint (``weights_only=True``), after checking that ``.metadata``
-    exists and is safe. Raises what :func:`trainer.checkpoint.CheckpointIO.load` raises for a file."""
-    from trainer.checkpoint import K_FORMAT, CheckpointError, CheckpointIO
-
+    exists and is safe. Raises what :meth:`CheckpointIO.load` raises for a file."""
     folder = Path(path)
     metadata = folder / METADATA_FILE
     if not metadata.is_file():
@@ -262,8 +269,6 @@ def load(path: str | os.PathLike, task: torch.nn.Module, optimizers: list[torch.
     except BaseException as exc:  # CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        from trainer.checkpoint import CheckpointError
-
         raise CheckpointError(f"Sharded checkpoint {os.fspath(path)!r} could not be loaded into "
                               f"{type(task).__name__} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}).") from exc
     return tensors[K_MODEL], tensors.get(K_OPTIMIZERS, [])
