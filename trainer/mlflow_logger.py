@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer import tracking
 from trainer import dist
-from trainer.loggers import DummyExperiment, Logger
+from trainer.logger_base import DummyExperiment, Logger
 
 if TYPE_CHECKING:  # pragma: no cover
     from mlflow.tracking import MlflowClient

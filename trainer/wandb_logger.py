@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer import tracking, wandb_records
 from trainer import dist
-from trainer.loggers import DummyExperiment, Logger, _to_plain, _yaml_safe
+from trainer.logger_base import DummyExperiment, Logger, _to_plain, _yaml_safe
 
 if TYPE_CHECKING:  # pragma: no cover
     from wandb.sdk.wandb_run import Run
