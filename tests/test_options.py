@@ -74,6 +74,7 @@ INVALID = [
     ("fsdp_reshard_after_forward", "yes"),
     ("fsdp_cpu_offload", 1),
     ("fsdp_reduce_grads", "never"),
+    ("fsdp_bf16_params", "yes"),
     ("logger", "tensorboard"),
     ("profiler", "advanced"),
     ("profiler", True),

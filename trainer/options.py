@@ -120,6 +120,7 @@ class TrainerOptions:
     fsdp_reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
     fsdp_reduce_grads: str = "every_micro_batch"
+    fsdp_bf16_params: bool = False  # with precision="bf16-mixed": gather and compute with bf16 parameters
     process_group_timeout: float = 1800.0
     init_timeout: float = 300.0
     watchdog_timeout: float | None = None
@@ -194,6 +195,7 @@ class TrainerOptions:
             "drop_incomplete_accumulation",
             "fsdp_reshard_after_forward",
             "fsdp_cpu_offload",
+            "fsdp_bf16_params",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "True or False")
@@ -399,10 +401,13 @@ def _check_fsdp(opts: TrainerOptions) -> None:
                         "module held in an nn.ModuleList)")
         opts.fsdp_units = list(units)
     changed = [name for name, default in (("fsdp_units", None), ("fsdp_reshard_after_forward", True),
-                                          ("fsdp_cpu_offload", False), ("fsdp_reduce_grads", "every_micro_batch"))
+                                          ("fsdp_cpu_offload", False), ("fsdp_reduce_grads", "every_micro_batch"),
+                                          ("fsdp_bf16_params", False))
                if getattr(opts, name) != default]
     if changed and opts.strategy != "fsdp":
         raise _fail(changed[0], getattr(opts, changed[0]), f"its default unless strategy='fsdp' (strategy={opts.strategy!r})")
+    if opts.fsdp_bf16_params and opts.precision != "bf16-mixed":
+        raise _fail("fsdp_bf16_params", True, f"False unless precision='bf16-mixed' (precision={opts.precision!r})")
 
 
 def _check_strategy(value: Any) -> None:
