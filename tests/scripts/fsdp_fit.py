@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--precision", default="64")
     args = parser.parse_args()
     extra = {}  # the fsdp_* options are refused with another strategy: pass them to FSDP runs only
     if args.reduce and args.strategy == "fsdp":
@@ -143,12 +144,14 @@ def main() -> None:
     if args.ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_top_k=1,
                                          async_save=args.async_save))
-    trainer = Trainer(max_epochs=args.epochs, max_steps=args.steps, precision="64", strategy=args.strategy,
+    trainer = Trainer(max_epochs=args.epochs, max_steps=args.steps, precision=args.precision, strategy=args.strategy,
                       accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(args.ckpt_dir),
                       num_sanity_val_steps=0, log_every_n_steps=2, callbacks=callbacks, **extra)
     task = BlockNet(items=args.items, manual=args.manual, late=args.configure_model)
     train, val = data(48, 0), data(37, 1)
+    if args.precision != "64":  # float32 data for the other precisions
+        train, val = (TensorDataset(d.tensors[0], d.tensors[1].float(), d.tensors[2].float()) for d in (train, val))
     trainer.fit(task, DataLoader(train, batch_size=args.batch, shuffle=True), DataLoader(val, batch_size=5),
                 ckpt_path="last" if args.ckpt_dir else None)
     val_metrics = trainer.validate(task, DataLoader(val, batch_size=5))
