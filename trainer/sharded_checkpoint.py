@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer import dist
-from trainer.checkpoint_io import K_FORMAT, CheckpointError, CheckpointIO, CheckpointSaveError, _os_error
+from trainer.checkpoint_io import K_FORMAT, CheckpointError, CheckpointIO, CheckpointSaveError, _fsync_dir, _os_error
 
 log = logging.getLogger(__name__)
 
@@ -107,17 +107,15 @@ def is_sharded(path: str | os.PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / KEEL_FILE).is_file()
 
 
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
+def _finish(tmp: Path, target: Path, keel_state: dict[str, Any]) -> None:
+    """Rank 0, once every rank's shards are durable: add keel.pt (fsynced), fsync the folder, rename it
+    into place (:func:`_commit`)."""
+    with open(tmp / KEEL_FILE, "wb") as handle:
+        torch.save(keel_state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    _fsync_dir(tmp)
+    _commit(tmp, target)
 
 
 def save(state: dict[str, Any], path: str | os.PathLike, *, model_key: str, optimizers_key: str,
@@ -144,12 +142,7 @@ def save(state: dict[str, Any], path: str | os.PathLike, *, model_key: str, opti
         # DCP's own error type derives from BaseException: catch it here and say what happened.
         dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True))
         if is_writer:
-            with open(tmp / KEEL_FILE, "wb") as handle:
-                torch.save(rest, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            _fsync(tmp)
-            _commit(tmp, target)
+            _finish(tmp, target, rest)
     except BaseException as exc:
         if is_writer:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -189,12 +182,7 @@ def save_async(state: dict[str, Any], path: str | os.PathLike, *, model_key: str
         try:
             future.result()
             if is_writer:
-                with open(tmp / KEEL_FILE, "wb") as handle:
-                    torch.save(keel_state, handle)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                _fsync(tmp)
-                _commit(tmp, target)
+                _finish(tmp, target, keel_state)
         except BaseException as exc:
             if is_writer:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -234,7 +222,7 @@ def _commit(tmp: Path, target: Path) -> None:
         old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
         os.replace(target, old)
     os.replace(tmp, target)
-    _fsync(target.parent)
+    _fsync_dir(target.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
