@@ -2,9 +2,10 @@
 
 Checking every step's loss on the host would sync every step (DESIGN.md section 11). Instead the loop
 hands each optimizer step's loss (a detached device scalar) to :meth:`NonFiniteGuard.record`, which only
-keeps the reference; every so many steps the kept losses are folded on the device into (any bad, first bad
-index, its loss) (a few kernels, no host read; the step numbers stay on the host). :meth:`NonFiniteGuard.check` reads that scalar once and agrees
-on it across ranks; the loop calls it where it syncs anyway: on logging steps, at epoch ends, before
+keeps the reference; every so many steps the kept losses are stacked into one device tensor (one kernel,
+no host read; the step numbers stay on the host). :meth:`NonFiniteGuard.check` reads one number, the sum
+of the kept losses, and agrees on the verdict across ranks; only a non-finite sum leads to the search
+for the first bad step. The loop calls it where it syncs anyway: on logging steps, at epoch ends, before
 every checkpoint and at the end of ``fit``. All ranks call it at the same points, so all of them raise
 together, naming the same step.
 """
@@ -40,8 +41,8 @@ class NonFiniteGuard:
     def reset(self) -> None:
         self._steps: list[int] = []
         self._losses: list[torch.Tensor] = []
-        # One entry per fold: (any bad, index of the first bad, its loss) on the device, and the fold's steps.
-        self._folds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]] = []
+        # One entry per fold: the fold's losses stacked into one device tensor, and their steps.
+        self._folds: list[tuple[torch.Tensor, list[int]]] = []
 
     def record(self, step: int, loss: torch.Tensor | None) -> None:
         """The loss of optimizer step ``step`` (after the step). A list append; no kernel, no sync."""
@@ -53,23 +54,42 @@ class NonFiniteGuard:
             self._fold()
 
     def _fold(self) -> None:
-        """Reduce the kept losses to (any bad, first bad index, its loss) on the device: a handful of kernels
-        per :data:`_FOLD_EVERY` steps, no host read (the steps stay a host list)."""
+        """Stack the kept losses into one device tensor: one kernel per :data:`_FOLD_EVERY` steps (bounds the
+        list of references), no host read (the steps stay a host list)."""
         if not self._losses:
             return
         try:
             losses = torch.stack(self._losses).reshape(len(self._losses))
         except RuntimeError:  # mixed dtypes or devices: align them first (rare)
             losses = torch.stack([t.reshape(()).to(self.device, torch.float64) for t in self._losses])
-        bad = ~torch.isfinite(losses)
-        first = bad.to(torch.int32).argmax()  # the first True (argmax returns the first maximum)
-        value = losses.gather(0, first.reshape(1)).reshape(())  # not losses[first]: a 0-dim index reads to the host
-        self._folds.append((bad.any(), first, value, self._steps))
+        self._folds.append((losses, self._steps))
         self._steps, self._losses = [], []
+
+    def _first_bad(self) -> tuple[float, float]:
+        """``(step, loss)`` of the first non-finite loss since the last check, ``(inf, 0)`` if none.
+
+        The usual answer costs two kernels and one host read: the sum of all kept losses is finite exactly
+        when every one of them is (a NaN or inf makes it non-finite; finite losses whose sum overflows are
+        told apart by the exact search that a non-finite sum triggers, with one more read)."""
+        self._fold()
+        folds = self._folds
+        self.reset()
+        if not folds:
+            return _NONE, 0.0
+        losses = folds[0][0] if len(folds) == 1 else torch.cat([f[0].to(folds[0][0].dtype) for f in folds])
+        if math.isfinite(losses.double().sum().item()):
+            return _NONE, 0.0
+        bad = (~torch.isfinite(losses)).tolist()
+        if True not in bad:  # the sum overflowed, every loss is finite
+            return _NONE, 0.0
+        index = bad.index(True)
+        steps = [step for _, fold_steps in folds for step in fold_steps]
+        return float(steps[index]), float(losses[index].item())
 
     def check(self, where: str) -> None:
         """Raise on every rank if any rank recorded a non-finite loss since the last check (one host read,
-        and one collective with several ranks). ``where`` names the check point in the message.
+        and with several ranks one small all-reduce; the bad step's details are gathered only when one is
+        found). ``where`` names the check point in the message.
 
         Raises:
             FloatingPointError: naming the first bad step, its loss, the rank and the usual fixes.
@@ -77,17 +97,15 @@ class NonFiniteGuard:
         if not self.enabled:
             self.reset()
             return
-        self._fold()
-        folds = self._folds
-        self.reset()
-        local: tuple[float, float] = (_NONE, 0.0)
-        if folds:  # one host read for every fold since the last check
-            read = torch.stack([torch.stack([a.double(), i.double(), v.double()]) for a, i, v, _ in folds]).tolist()
-            for (any_bad, index, value), (*_, steps) in zip(read, folds):
-                if any_bad:
-                    local = (float(steps[int(index)]), value)
-                    break
-        found = [local] if self.world_size <= 1 else dist.all_gather_object(local)  # collective
+        local = self._first_bad()
+        if self.world_size > 1:
+            flag = torch.tensor([0.0 if math.isinf(local[0]) else 1.0], device=self.device)
+            dist.all_reduce(flag, "max")  # collective: every rank learns whether any rank saw one
+            if flag.item() == 0:
+                return
+            found = dist.all_gather_object(local)  # collective, only on the way to the error
+        else:
+            found = [local]
         step, loss = min(found, key=lambda item: item[0])  # type: ignore[index]
         if math.isinf(step):
             return
