@@ -37,6 +37,9 @@ class MicroBatch:
     is_epoch_end: bool
 
 
+_HALF = frozenset((torch.float16, torch.bfloat16))
+
+
 def micro_batches(
     batches: Iterable[Any],
     *,
@@ -125,8 +128,11 @@ class AccumulationSchedule:
             self.clock, self.items = "epoch", [(0, schedule)]
         else:
             self.clock, self.items = parse_schedule(schedule)
+        self.constant: int | None = self.items[0][1] if len(self.items) == 1 and self.items[0][0] == 0 else None
 
     def k(self, *, epoch: int, global_step: int) -> int:
+        if self.constant is not None:  # asked at every window start: the usual case costs one check
+            return self.constant
         now = epoch if self.clock == "epoch" else global_step
         value = 1
         for start, k in self.items:
@@ -154,21 +160,26 @@ class StepNormaliser:
         self.divided_by_planned = False  # mean mode without a known window length: losses / k
         self.accumulate = 1  # planned k of this window
 
-    def scale(self, loss: torch.Tensor, num_items: Any, micro: MicroBatch) -> torch.Tensor:
-        """The tensor to backward for one micro-batch's loss."""
+    def scale(self, loss: torch.Tensor, num_items: Any, micro: MicroBatch,
+              detached: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor to backward for one micro-batch's (scalar) loss; ``detached``: ``loss.detach()`` if
+        the caller has it already."""
         window_len = micro.window_len
         self.accumulate = micro.accumulate
         mode = "mean" if num_items is None else "items"
-        if self.mode is None:
+        if self.mode != mode:
+            if self.mode is not None:
+                raise ValueError(
+                    "training_step returned 'num_items' for some micro-batches of an optimizer step but not "
+                    "for others; return it on every step or never."
+                )
             self.mode = mode
-        elif self.mode != mode:
-            raise ValueError(
-                "training_step returned 'num_items' for some micro-batches of an optimizer step but not "
-                "for others; return it on every step or never."
-            )
         self.ran += 1
-        detached = loss.detach()
-        if detached.dtype in (torch.float16, torch.bfloat16):
+        if detached is None:
+            detached = loss.detach()
+        elif detached.ndim:
+            detached = detached.reshape(())
+        if detached.dtype in _HALF:
             detached = detached.float()
         self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
         if mode == "items":
@@ -238,7 +249,7 @@ def split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any], Any]:
         raise ValueError(
             f"training_step returned {type(output).__name__}; return a scalar loss tensor or a dict with 'loss'."
         )
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+    if not isinstance(loss, torch.Tensor) or (loss.ndim and loss.numel() != 1):
         raise ValueError(
             f"training_step's loss must be a scalar tensor; got "
             f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}."
@@ -246,7 +257,8 @@ def split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any], Any]:
     if not loss.requires_grad:
         raise ValueError("training_step's loss does not require grad: it was computed without the task's parameters "
                          "(or under torch.no_grad()).")
-    return (loss if loss.dim() == 0 else loss.reshape(())), dict(extras, loss=loss.detach()), num_items
+    extras["loss"] = loss.detach()
+    return (loss.reshape(()) if loss.ndim else loss), extras, num_items
 
 
 def estimate_stepping_batches(

@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from trainer.accumulation import estimate_stepping_batches
+
 log = logging.getLogger(__name__)
 
 
@@ -163,9 +165,26 @@ class TrainerAttributes:
     sanity_checking: bool
     global_step: int
     current_epoch: int
+    accumulation_schedule: Any
+    _train: Any
+    _limit: Callable[[Any, str], int | None]
     _stop_requested: bool = False
     _ckpt_path: str | None = None
     _min_logged: bool = False
+
+    @property
+    def estimated_stepping_batches(self) -> int | float:
+        """Optimizer steps this ``fit`` will take (for LR schedules), from ``max_steps``, ``max_epochs``, the
+        training loader's length after ``limit_train_batches`` and the accumulation schedule. ``inf``
+        when neither limit bounds it. Available from ``configure_optimizers`` on."""
+        if self._train is None:
+            raise RuntimeError("estimated_stepping_batches is known once fit() has its training dataloader.")
+        opts = self.options
+        return estimate_stepping_batches(
+            self.accumulation_schedule, batches=self._limit(self._train.loader, "limit_train_batches"),
+            epochs=1 if opts.fast_dev_run else opts.max_epochs, max_steps=opts.max_steps,
+            drop_incomplete=opts.drop_incomplete_accumulation,
+        )
 
     # ------------------------------------------------------------------ stopping
     @property

@@ -24,7 +24,7 @@ from trainer.data import AdaptedLoader
 from trainer.metrics import MetricCollector
 from trainer.parallel import Strategy
 from trainer.precision import Precision
-from trainer.transfer import infer_batch_size, move_to_device
+from trainer.transfer import move_to_device
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class EvaluationLoop:
                         break
                     self.beat(phase)
                     batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
-                    self.metrics.batch_size = infer_batch_size(batch)
+                    self.metrics.batch = batch
                     if validating:
                         task.on_validation_batch_start(batch, batch_idx, loader_idx)
                         for cb in callbacks:

@@ -44,6 +44,7 @@ from typing import Any, Literal
 import torch
 
 from trainer import dist
+from trainer.transfer import infer_batch_size
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,10 @@ class MetricCollector:
 
     def __init__(self) -> None:
         self.stage: str = "train"
-        self.batch_size: int | None = None  # set by the loop from the current batch (shape read, no sync)
+        # The loop stores the current batch; its size (a shape read, no sync) is inferred only when a
+        # self.log call needs it, so steps that log nothing never walk the batch.
+        self.batch: Any = None
+        self._batch_size: tuple[Any, int | None] | None = None  # (batch, its size) of the last inference
         self._step: dict[str, _StepValue] = {}
         self._epochs: dict[str, dict[str, _Entry | _MetricRef]] = {"train": {}, "eval": {}}
         self._warned: set[str] = set()
@@ -182,6 +186,14 @@ class MetricCollector:
         # (device tensors, this rank's value: no sync, as in Lightning); logging steps and epoch ends
         # then overwrite them with the values reduced over ranks.
         self.live: dict[str, torch.Tensor] = {}
+
+    @property
+    def batch_size(self) -> int | None:
+        """Size of the first dimension of the first tensor of the current batch (None: no tensor)."""
+        cached = self._batch_size
+        if cached is None or cached[0] is not self.batch:
+            cached = self._batch_size = (self.batch, infer_batch_size(self.batch))
+        return cached[1]
 
     @property
     def _epoch(self) -> dict[str, _Entry | _MetricRef]:

@@ -10,9 +10,12 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, ContextManager
 
 import torch
+
+_NO_AUTOCAST = contextlib.nullcontext()  # reusable: "32" and "64" enter it on every step
 
 
 class Precision:
@@ -30,6 +33,13 @@ class Precision:
         self.scaler: torch.amp.GradScaler | None = (
             torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
         )
+        self.autocasts = precision in ("bf16-mixed", "16-mixed")  # autocast() is a real context
+        if self.scaler is None:
+            # Without a scaler the plugin adds nothing to backward and step: bind torch's own calls, so the
+            # step runs no extra Python frame for them (each distinct frame costs a small step, README
+            # "Performance"). ``backward(loss)`` is ``loss.backward()``, ``optimizer_step(o)`` is ``o.step()``.
+            self.backward = torch.Tensor.backward  # type: ignore[method-assign, assignment]
+            self.optimizer_step = operator.methodcaller("step")  # type: ignore[method-assign, assignment]
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.param_dtype is not None:
@@ -41,7 +51,7 @@ class Precision:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         if self.precision == "16-mixed":
             return torch.autocast(self.device.type, dtype=torch.float16)
-        return contextlib.nullcontext()
+        return _NO_AUTOCAST
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.scaler is not None:

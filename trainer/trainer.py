@@ -21,7 +21,7 @@ from trainer import checkpoint as ckpt
 from trainer import dist, elastic
 from trainer import watchdog as wd
 from trainer.accumulation import (
-    AccumulationSchedule, MicroBatch, StepNormaliser, estimate_stepping_batches, finite_on_all_ranks, micro_batches,
+    AccumulationSchedule, MicroBatch, StepNormaliser, finite_on_all_ranks, micro_batches,
     split_step_output,
 )
 from trainer.callback import Callback, check_callbacks
@@ -31,6 +31,7 @@ from trainer.data import (
     AdaptedLoader, adapt_eval_loader, adapt_train_loader, limit_batches, plan_epoch, resolve_loaders, warn_if_unsharded,
 )
 from trainer.evaluation import EvaluationLoop, log_results
+from trainer.hooks import TrainHooks
 from trainer.lifecycle import seed_everything, setup_stage, teardown_stage, with_default_callbacks  # noqa: F401 - re-exported
 from trainer.loggers import Logger, default_loggers, log_fit_start
 from trainer.metrics import MetricCollector
@@ -44,7 +45,7 @@ from trainer.precision import Precision
 from trainer.progress import ProgressBar
 from trainer.preemption import PreemptionWatcher, save_and_exit
 from trainer.rank_zero import configure_logging
-from trainer.transfer import infer_batch_size, move_to_device
+from trainer.transfer import BatchCopier
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class Trainer(TrainerAttributes):
         configure_logging(self.env.rank)
         self.device = dist.select_device(opts.accelerator, self.env)  # type: ignore[arg-type]
         self._precision = Precision(opts.precision, self.device)
+        self._moves_batches = self.device.type != "cpu" or self._precision.param_dtype is not None
         # How the task is replicated or sharded (trainer/parallel.py); chosen before any process group.
         self.strategy: Strategy = select_strategy(opts, self.env, self.device)
         self.callbacks: list[Callback] = check_callbacks(with_default_callbacks(
@@ -102,6 +104,8 @@ class Trainer(TrainerAttributes):
         self.lr_scheduler_configs: list[SchedulerConfig] = []
         self._model: torch.nn.Module | None = None  # what strategy.setup returned: runs training_step
         self._train: AdaptedLoader | None = None
+        self._hooks: TrainHooks | None = None  # the epoch's overridden per-batch hooks (trainer/hooks.py)
+        self._beating = False  # a watchdog or profiler listens to the step's phase beats
         self.num_training_batches: int | None = None
         self.num_val_batches: list[int | None] = []  # per validation loader of the current fit
         self._metrics = MetricCollector()
@@ -131,26 +135,19 @@ class Trainer(TrainerAttributes):
         return self.accumulation_schedule.k(epoch=self.current_epoch, global_step=self.global_step)
 
     @property
-    def estimated_stepping_batches(self) -> int | float:
-        """Optimizer steps this ``fit`` will take (for LR schedules), from ``max_steps``, ``max_epochs``, the
-        training loader's length after ``limit_train_batches`` and the accumulation schedule. ``inf``
-        when neither limit bounds it. Available from ``configure_optimizers`` on."""
-        if self._train is None:
-            raise RuntimeError("estimated_stepping_batches is known once fit() has its training dataloader.")
-        opts = self.options
-        return estimate_stepping_batches(
-            self.accumulation_schedule, batches=self._limit(self._train.loader, "limit_train_batches"),
-            epochs=1 if opts.fast_dev_run else opts.max_epochs, max_steps=opts.max_steps,
-            drop_incomplete=opts.drop_incomplete_accumulation,
-        )
-
-    @property
     def is_logging_step(self) -> bool:
         """True during ``on_train_batch_end`` of a micro-batch that completed a logging step."""
         return self.optimizer_stepped and self._logging_due()
 
     def _logging_due(self) -> bool:
         return bool(self.options.fast_dev_run) or self.global_step % self.options.log_every_n_steps == 0
+
+    def _window_k(self) -> int:
+        """``accumulate_grad_batches`` for the window starting now; keel's constant schedule costs no call."""
+        schedule = self.accumulation_schedule
+        if type(schedule) is AccumulationSchedule and schedule.constant is not None:
+            return schedule.constant
+        return schedule.k(epoch=self.current_epoch, global_step=self.global_step)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Send host-side scalars (already agreed across ranks) to every logger; rank 0 writes.
@@ -258,6 +255,8 @@ class Trainer(TrainerAttributes):
             self._watchdog = wd.start_for_run(
                 self.options.watchdog_timeout, world_size=self.world_size, rank=self.global_rank,
                 process_group_timeout=self.options.process_group_timeout, run_dir=self.log_dir)
+            # Beats on the hot path are skipped outright when nothing listens (no watchdog, no profiler).
+            self._beating = self._watchdog is not None or self.profiler.enabled
             self._beat(wd.PHASE_SETUP)
             result = body(*loaders)
         except BaseException as exc:
@@ -305,7 +304,7 @@ class Trainer(TrainerAttributes):
             teardown_stage(self, stage, task=self.task, datamodule=self.datamodule, callbacks=self.callbacks,
                            loggers=self.loggers, failed=failed, profiler=self.profiler)
         finally:
-            self._model = None
+            self._model = self._hooks = self._metrics.batch = None
             self.strategy.teardown()
             self.state_stage = None
 
@@ -335,6 +334,8 @@ class Trainer(TrainerAttributes):
             train_loaders[0], num_replicas=self.world_size, rank=self.global_rank, seed=opts.seed or 0
         )
         elastic.configure(self, self._train.loader)  # global_batch_size -> accumulation at this world size
+        self._copy_batch = BatchCopier(self.device, float_dtype=self._precision.param_dtype,
+                                       overlap=bool(getattr(self._train.loader, "pin_memory", False)))
         val_loaders, self.num_val_batches = fit_validation(  # none without validation_step or with limit 0
             task, self._eval_loaders("validate", val_dataloaders), lambda v: self._limit(v.loader, "limit_val_batches"))
         self._check_sharding = self.world_size > 1 and self._train.sampler is None
@@ -414,10 +415,14 @@ class Trainer(TrainerAttributes):
         task.on_train_epoch_start()
         for cb in self.callbacks:
             cb.on_train_epoch_start(self, task)
+        hooks = self._hooks = TrainHooks(self, task, self.callbacks)  # the overridden per-batch hooks, in order
         normaliser = StepNormaliser(world_size=self.world_size, device=self.device)
-        k_now = lambda: self.accumulate_grad_batches  # noqa: E731 - read at each window start
         completed = True  # False when training stops before the epoch's data is exhausted
-        for micro in micro_batches(train.loader, start_idx=plan.start, num_batches=num_batches, accumulate=k_now,
+        # Read once: the per-step checks below are plain comparisons (a 0.2 ms step notices every call).
+        preemption, multi_rank = self._preemption, self.world_size > 1
+        preempt_every = opts.preemption_check_interval or opts.log_every_n_steps
+        log_every, max_steps = (1 if opts.fast_dev_run else opts.log_every_n_steps), opts.max_steps
+        for micro in micro_batches(train.loader, start_idx=plan.start, num_batches=num_batches, accumulate=self._window_k,
                                    drop_incomplete=opts.drop_incomplete_accumulation, agree=plan.agree):
             if self._check_sharding:
                 self._check_sharding = False
@@ -439,22 +444,26 @@ class Trainer(TrainerAttributes):
                     stepped = True
                 else:
                     stepped = self._optimizer_step(normaliser)
-            if stepped and self._logging_due():
+            if stepped and self.global_step % log_every == 0:
                 self._log_step_metrics()  # a logging step: the only place step metrics are read
             self.optimizer_stepped = stepped
-            self._beat(wd.PHASE_CALLBACKS)
-            task.on_train_batch_end(outputs, micro.batch, micro.batch_idx)
-            for cb in self.callbacks:
-                cb.on_train_batch_end(self, task, outputs, micro.batch, micro.batch_idx)
+            if self._beating:
+                self._beat(wd.PHASE_CALLBACKS)
+            for hook in hooks.on_train_batch_end:
+                hook(outputs, micro.batch, micro.batch_idx)
             self.optimizer_stepped = False
-            self._beat(wd.PHASE_DATA)  # next: fetching the next batch
+            if self._beating:
+                self._beat(wd.PHASE_DATA)  # next: fetching the next batch
+            if not micro.is_step_end:
+                continue
             if stepped and val_loaders and self.val_check_due:
                 self._evaluate("validate", val_loaders)
-            if stepped and self._preemption.due(self.global_step, device=self.device, world_size=self.world_size,
-                                                interval=opts.preemption_check_interval or opts.log_every_n_steps):
-                save_and_exit(self, self._preemption)
+            # Preemption: a signal seen here (one process), or every preempt_every steps all ranks agree.
+            if stepped and (preemption.requested or (multi_rank and self.global_step % preempt_every == 0)) and \
+                    preemption.due(self.global_step, device=self.device, world_size=self.world_size, interval=preempt_every):
+                save_and_exit(self, preemption)
             # should_stop (callbacks) takes effect at an optimizer-step boundary, never inside a window.
-            if (self.should_stop and micro.is_step_end) or self._done_training(None):
+            if (self._stop_requested and self.should_stop) or (max_steps != -1 and self.global_step >= max_steps):
                 completed = micro.is_epoch_end
                 break
         self._epoch_end(val_loaders, completed=completed)
@@ -467,14 +476,15 @@ class Trainer(TrainerAttributes):
 
     def _training_micro_batch(self, micro: MicroBatch, normaliser: StepNormaliser) -> dict[str, Any]:
         """Forward and backward of one micro-batch; gradients sync only on the step's last one."""
-        self._beat(wd.PHASE_TRAINING_STEP)
-        batch = move_to_device(micro.batch, self.device, float_dtype=self._precision.param_dtype)
-        micro.batch = batch
-        self._metrics.batch_size = infer_batch_size(batch)
-        task = self.task
-        task.on_train_batch_start(batch, micro.batch_idx)
-        for cb in self.callbacks:
-            cb.on_train_batch_start(self, task, batch, micro.batch_idx)
+        if self._beating:
+            self._beat(wd.PHASE_TRAINING_STEP)
+        batch = micro.batch
+        if self._moves_batches:  # CUDA, or float64 batches: a copy; a CPU batch is used as the loader made it
+            batch = micro.batch = self._copy_batch(batch)
+        self._metrics.batch = batch  # self.log reads its size only when it needs one
+        hooks = self._hooks
+        for hook in hooks.on_train_batch_start:
+            hook(batch, micro.batch_idx)
         if self._manual_mode:
             outputs, loss = self._manual.training_step(self._model, batch, micro.batch_idx, sync=micro.is_step_end)
             if loss is not None:
@@ -482,29 +492,38 @@ class Trainer(TrainerAttributes):
             return outputs
         # Forward AND backward inside the strategy's sync context: on every micro-batch but the step's
         # last, gradients accumulate locally and the wrapper reduces them once per optimizer step.
+        if not self.strategy.has_sync_context:  # one process: nothing to enter
+            return self._forward_backward(batch, micro, normaliser)
         with self.strategy.gradient_sync(micro.is_step_end):
-            with self._precision.autocast():
-                try:
+            return self._forward_backward(batch, micro, normaliser)
+
+    def _forward_backward(self, batch: Any, micro: MicroBatch, normaliser: StepNormaliser) -> dict[str, Any]:
+        precision, hooks = self._precision, self._hooks
+        try:
+            if precision.autocasts:  # the forward only: backward runs outside autocast
+                with precision.autocast():
                     output = self._model(batch, micro.batch_idx)
-                except RuntimeError as exc:
-                    self.strategy.raise_explained(exc)  # a wrapper error it can explain, else re-raise as is
-                    raise
-            loss, outputs, num_items = split_step_output(output)
-            scaled = normaliser.scale(loss, num_items, micro)
-            task.on_before_backward(scaled)
-            for cb in self.callbacks:
-                cb.on_before_backward(self, task, scaled)
+            else:
+                output = self._model(batch, micro.batch_idx)
+        except RuntimeError as exc:
+            self.strategy.raise_explained(exc)  # a wrapper error it can explain, else re-raise as is
+            raise
+        loss, outputs, num_items = split_step_output(output)
+        scaled = normaliser.scale(loss, num_items, micro, detached=outputs["loss"])
+        for hook in hooks.on_before_backward:
+            hook(scaled)
+        if self._beating:
             self._beat(wd.PHASE_BACKWARD)
-            self._precision.backward(scaled)
-            task.on_after_backward()
-            for cb in self.callbacks:
-                cb.on_after_backward(self, task)
+        precision.backward(scaled)
+        for hook in hooks.on_after_backward:
+            hook()
         return outputs
 
     def _optimizer_step(self, normaliser: StepNormaliser) -> bool:
         """Complete the step: normalise, unscale, hook, clip, step, schedule, zero. False if skipped."""
-        opts = self.options
-        self._beat(wd.PHASE_OPTIMIZER_STEP)
+        opts, precision = self.options, self._precision
+        if self._beating:
+            self._beat(wd.PHASE_OPTIMIZER_STEP)
         grad_factor, step_loss, skip = normaliser.finish()
         normaliser.reset()
         if not skip and opts.on_nonfinite == "skip" and not finite_on_all_ranks(step_loss, self.world_size):
@@ -519,28 +538,31 @@ class Trainer(TrainerAttributes):
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
             return False
-        for optimizer in self.optimizers:
-            self._precision.unscale(optimizer)
+        scaling = precision.scaler is not None  # 16-mixed: unscale before the hooks and clipping see gradients
+        if scaling:
+            for optimizer in self.optimizers:
+                precision.unscale(optimizer)
         if grad_factor is not None:
             grads = [p.grad for p in params if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, grad_factor)
-        task = self.task
+        hooks = self._hooks
         for optimizer in self.optimizers:
-            task.on_before_optimizer_step(optimizer)
-            for cb in self.callbacks:
-                cb.on_before_optimizer_step(self, task, optimizer)
-        self.strategy.clip_gradients(params, opts.gradient_clip_val, opts.gradient_clip_algorithm)
+            for hook in hooks.on_before_optimizer_step:
+                hook(optimizer)
+        if opts.gradient_clip_val is not None:
+            self.strategy.clip_gradients(params, opts.gradient_clip_val, opts.gradient_clip_algorithm)
         for optimizer in self.optimizers:
-            self._precision.optimizer_step(optimizer)
-        self._precision.update()
+            precision.optimizer_step(optimizer)
+        if scaling:
+            precision.update()
         for optimizer in self.optimizers:
-            task.on_before_zero_grad(optimizer)
-            for cb in self.callbacks:
-                cb.on_before_zero_grad(self, task, optimizer)
+            for hook in hooks.on_before_zero_grad:
+                hook(optimizer)
             optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
-        step_schedulers(self.lr_scheduler_configs, "step", self.global_step, self.callback_metrics)
+        if self.lr_scheduler_configs:
+            step_schedulers(self.lr_scheduler_configs, "step", self.global_step, self.callback_metrics)
         self._step_loss = step_loss
         self._nonfinite.record(self.global_step, step_loss)  # a list append: read on logging steps, epoch ends, saves
         return True

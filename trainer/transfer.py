@@ -53,3 +53,51 @@ def infer_batch_size(batch: Any) -> int | None:
         if size is not None:
             return size
     return None
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+    return []
+
+
+class BatchCopier:
+    """Moves training batches to the device; on CUDA from a pinned loader, on a copy stream of its own.
+
+    A ``non_blocking`` copy on the compute stream waits behind the kernels of the step before it. With
+    pinned batches (``DataLoader(pin_memory=True)``) the copy is issued on a side stream instead, so it
+    runs while the previous step's kernels still execute (the host queues them and moves on to fetch the
+    next batch); the compute stream then waits for the copy on the device (``wait_stream``, no host sync),
+    and each copied tensor is marked used by the compute stream (``record_stream``) so the caching
+    allocator keeps its memory until that stream is done with it. Unpinned batches (a pageable copy
+    blocks the host anyway), a CPU device, or ``overlap=False`` use :func:`move_to_device` as is.
+
+    Args:
+        device: The training device.
+        float_dtype: Floating-point tensors are converted to it during the copy (precision "64").
+        overlap: Whether the loader pins its batches (``pin_memory``); the side stream is only used then.
+    """
+
+    def __init__(self, device: torch.device, *, float_dtype: torch.dtype | None, overlap: bool) -> None:
+        self.device = device
+        self.float_dtype = float_dtype
+        self.stream = torch.cuda.Stream(device) if overlap and device.type == "cuda" else None
+
+    def __call__(self, batch: Any) -> Any:
+        stream = self.stream
+        if stream is None or not all(t.is_pinned() for t in _tensors(batch) if t.device.type == "cpu"):
+            return move_to_device(batch, self.device, float_dtype=self.float_dtype)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(stream):
+            moved = move_to_device(batch, self.device, float_dtype=self.float_dtype)
+        compute.wait_stream(stream)
+        for tensor in _tensors(moved):
+            if tensor.device.type == "cuda":
+                tensor.record_stream(compute)
+        return moved

@@ -1,0 +1,162 @@
+"""The per-step shortcuts of the training loop (issue: overhead within 5% of a hand-written loop) keep
+every behaviour: hooks resolved per epoch are exactly the overridden ones, in order; the non-finite
+check's one-number verdict finds the same step as a full search; batch sizes for self.log are still
+inferred; torch's own backward/step under the precision plugin; the batch copier's fallbacks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from models import Regression, quiet, regression_data
+from trainer import Callback, TaskModule, Trainer
+from trainer.hooks import TrainHooks, overrides
+from trainer.nonfinite import NonFiniteGuard
+from trainer.precision import Precision
+from trainer.transfer import BatchCopier
+
+
+class Recorder(Callback):
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log_, self.name = log, name
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+        self.log_.append(f"{self.name}.end")
+
+
+class AllHooks(Callback):
+    def __init__(self, log: list[str]) -> None:
+        self.log_ = log
+
+    def on_train_batch_start(self, trainer, task, batch, batch_idx) -> None:
+        self.log_.append("all.on_train_batch_start")
+
+    def on_before_backward(self, trainer, task, loss) -> None:
+        self.log_.append("all.on_before_backward")
+
+    def on_after_backward(self, trainer, task) -> None:
+        self.log_.append("all.on_after_backward")
+
+    def on_before_optimizer_step(self, trainer, task, optimizer) -> None:
+        self.log_.append("all.on_before_optimizer_step")
+
+    def on_before_zero_grad(self, trainer, task, optimizer) -> None:
+        self.log_.append("all.on_before_zero_grad")
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+        self.log_.append("all.on_train_batch_end")
+
+
+class HookedTask(Regression):
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log_ = log
+
+    def on_before_backward(self, loss) -> None:
+        self.log_.append("task.before_backward")
+
+
+def test_only_overridden_hooks_are_resolved_in_calling_order() -> None:
+    log: list[str] = []
+    task = HookedTask(log)
+    first, second, plain = Recorder(log, "first"), Recorder(log, "second"), Callback()
+    second.on_after_backward = lambda trainer, t: log.append("second.after_backward (instance)")
+    hooks = TrainHooks("trainer", task, [first, plain, second])
+    assert len(hooks.on_before_backward) == 1 and hooks.on_before_backward[0] == task.on_before_backward
+    assert len(hooks.on_train_batch_end) == 2  # first, second; the plain Callback's no-op is left out
+    assert len(hooks.on_after_backward) == 1 and hooks.on_train_batch_start == () and hooks.on_before_zero_grad == ()
+    for hook in hooks.on_train_batch_end:
+        hook(None, None, 0)
+    hooks.on_after_backward[0]()
+    assert log == ["first.end", "second.end", "second.after_backward (instance)"]
+    assert overrides(object(), Callback, "on_before_zero_grad")  # not a Callback at all: never skipped
+
+
+def test_a_fit_calls_every_overridden_hook_every_step_in_order() -> None:
+    log: list[str] = []
+    task = HookedTask(log)
+    Trainer(**quiet(max_steps=3, callbacks=[Recorder(log, "cb"), AllHooks(log)])).fit(
+        task, DataLoader(regression_data(24), batch_size=8))
+    step = ["all.on_train_batch_start", "task.before_backward", "all.on_before_backward", "all.on_after_backward",
+            "all.on_before_optimizer_step", "all.on_before_zero_grad", "cb.end", "all.on_train_batch_end"]
+    assert log == step * 3
+
+
+def test_a_callback_added_in_on_train_epoch_start_runs_that_epoch() -> None:
+    log: list[str] = []
+
+    class Adder(Callback):
+        def on_train_epoch_start(self, trainer, task) -> None:
+            if trainer.current_epoch == 0:
+                trainer.callbacks.append(Recorder(log, "late"))
+
+    Trainer(**quiet(max_epochs=1, callbacks=[Adder()])).fit(Regression(), DataLoader(regression_data(16), batch_size=8))
+    assert log == ["late.end", "late.end"]
+
+
+@pytest.mark.parametrize("bad_at", [None, 0, 37, 1023, 1024, 1500])
+def test_nonfinite_check_names_the_first_bad_step_across_folds(bad_at) -> None:
+    guard = NonFiniteGuard(enabled=True, world_size=1, device=torch.device("cpu"))
+    for step in range(1, 1601):
+        value = float("nan") if bad_at is not None and step - 1 in (bad_at, bad_at + 5) else float(step)
+        guard.record(step, torch.tensor(value))
+    if bad_at is None:
+        guard.check("here")
+        return
+    with pytest.raises(FloatingPointError, match=rf"\(nan\) at step {bad_at + 1} on rank 0 \(caught here"):
+        guard.check("here")
+
+
+def test_finite_losses_whose_sum_overflows_are_not_reported() -> None:
+    guard = NonFiniteGuard(enabled=True, world_size=1, device=torch.device("cpu"))
+    for step in range(1, 4):
+        guard.record(step, torch.tensor(1e308, dtype=torch.float64))
+    guard.check("here")  # the sum is inf; the exact search finds every loss finite
+    guard.record(4, torch.tensor(math.inf))
+    with pytest.raises(FloatingPointError, match=r"\(inf\) at step 4"):
+        guard.check("again")
+
+
+def test_self_log_still_weights_epoch_means_by_the_batch_size() -> None:
+    class Sizes(Regression):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("size", float(batch[0].shape[0]), on_step=False, on_epoch=True)  # mean weighted by batch size
+            return loss
+
+    trainer = Trainer(**quiet(max_epochs=1))
+    trainer.fit(Sizes(), DataLoader(regression_data(20), batch_size=8))  # batches of 8, 8, 4
+    assert float(trainer.callback_metrics["size"]) == pytest.approx((8 * 8 + 8 * 8 + 4 * 4) / 20)
+    assert trainer._metrics.batch is None  # no batch kept after the stage
+
+
+def test_plain_precision_binds_torchs_own_backward_and_step() -> None:
+    plain, mixed = Precision("32", torch.device("cpu")), Precision("bf16-mixed", torch.device("cpu"))
+    assert plain.backward is torch.Tensor.backward and not plain.autocasts and mixed.autocasts
+    w = torch.zeros(2, requires_grad=True)
+    optimizer = torch.optim.SGD([w], lr=1.0)
+    plain.backward((w * torch.tensor([1.0, 2.0])).sum())
+    plain.optimizer_step(optimizer)
+    assert w.tolist() == [-1.0, -2.0]
+
+
+def test_batch_copier_on_cpu_is_move_to_device() -> None:
+    batch = [torch.ones(2), {"y": torch.zeros(2, dtype=torch.float32)}]
+    assert BatchCopier(torch.device("cpu"), float_dtype=None, overlap=True)(batch) is batch
+    moved = BatchCopier(torch.device("cpu"), float_dtype=torch.float64, overlap=True)(batch)
+    assert moved[0].dtype == torch.float64 and moved[1]["y"].dtype == torch.float64
+
+
+def test_step_adapter_runs_training_step_without_module_dispatch() -> None:
+    from trainer.parallel import StepAdapter
+
+    class Task(TaskModule):
+        def training_step(self, batch):  # no batch_idx, as Lightning allows
+            return batch * 2
+
+    adapter = StepAdapter(Task())
+    adapter.register_forward_pre_hook(lambda *a: pytest.fail("internal adapter: module hooks are not dispatched"))
+    assert adapter(torch.tensor(3.0), 0).item() == 6.0
