@@ -24,3 +24,15 @@ def test_overhead_benchmark_quick_single_process(tmp_path) -> None:
     for case in record["cases"]:
         assert case["ratio"] > 0 and case["loop_steps_per_s"] > 0 and case["trainer_steps_per_s"] > 0
     assert json.loads(result.stdout.strip().splitlines()[-1]) == record  # the same line is printed last
+
+
+def test_gpu_benchmark_refuses_without_cuda_and_runs_its_cpu_smoke(tmp_path) -> None:
+    refused = python(REPO_ROOT / "benchmarks" / "gpu.py", timeout=60, cwd=REPO_ROOT)
+    assert refused.returncode != 0 and "needs a CUDA GPU" in refused.stdout and "is_available() is False" in refused.stdout
+    smoke = python(REPO_ROOT / "benchmarks" / "gpu.py", "--smoke-on-cpu", timeout=240, cwd=REPO_ROOT).check()
+    row = json.loads(smoke.stdout.strip().splitlines()[-1])
+    assert row["benchmark"] == "keel-gpu" and row["params"] > 0
+    for run in ("loop_ddp", "keel_ddp", "loop_fsdp", "keel_fsdp"):
+        assert row[run]["tokens_per_s"] > 0
+    for run in ("keel_ddp", "keel_fsdp"):
+        assert set(row[run]["save_blocked_s"]) == {"sync", "async"}

@@ -95,3 +95,20 @@ print('OK', torch.distributed.get_backend(), next(iter(weights.values())).dtype)
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert "OK nccl" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("precision,clip", [("32", 1.0), ("bf16-mixed", 1.0), ("16-mixed", 1.0), ("32", None)])
+def test_ordinary_steps_never_sync_the_host(tmp_path, strategy, precision, clip) -> None:
+    """Ordinary steps under torch.cuda.set_sync_debug_mode("error") (DDP and FSDP at one nccl rank, with a
+    pinned loader, a step scheduler, self.log on every step and global-norm clipping): a synchronising CUDA
+    call raises. Logging steps may sync once (tests/scripts/cuda_sync_free.py)."""
+    script = REPO_ROOT / "tests" / "scripts" / "cuda_sync_free.py"
+    args = [str(tmp_path), "--strategy", strategy, "--precision", precision] + ([] if clip is None else ["--clip", str(clip)])
+    torchrun(script, *args, nproc=1, timeout=300).check()
+    import json
+
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["global_step"] == 14 and len(result["strict_steps"]) == 12, result
+    if precision == "16-mixed":
+        assert result["scale"] is not None and result["scale"] > 1.0
