@@ -75,13 +75,28 @@ class FakeWorld:
         self.barrier = threading.Barrier(n, timeout=10)
         self.slots: list[Any] = [None] * n
         self.local = threading.local()
+        self.calls: list[str] = []  # collectives, as seen by the ranks (each appends its own)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def _gather(self, obj: Any) -> list[Any]:
         self.slots[self.local.rank] = obj
         self.barrier.wait()
         out = list(self.slots)
         self.barrier.wait()
         return out
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        self.calls.append("all_gather_object")
+        return self._gather(obj)
+
+    def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.calls.append("all_gather_tensor")
+        return [t.clone() for t in self._gather(tensor)]
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        assert op == "max", op
+        self.calls.append("all_reduce")
+        tensor.copy_(torch.stack(self._gather(tensor)).max(dim=0).values)
+        return tensor
 
     def run(self, fn: Callable[[int], Any]) -> list[Any]:
         results: list[Any] = [None] * self.n
@@ -108,7 +123,10 @@ class FakeWorld:
 @pytest.fixture
 def world(monkeypatch: pytest.MonkeyPatch) -> FakeWorld:
     w = FakeWorld(2)
-    monkeypatch.setattr(metrics_mod.dist, "all_gather_object", w.all_gather_object)
+    for name in ("all_gather_object", "all_gather_tensor", "all_reduce"):
+        monkeypatch.setattr(metrics_mod.dist, name, getattr(w, name))
+    monkeypatch.setattr(metrics_mod.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(metrics_mod.dist, "get_world_size", lambda: w.n)
     monkeypatch.setattr(metrics_mod.dist, "is_rank_zero", lambda: w.local.rank == 0)
     return w
 
@@ -129,6 +147,36 @@ def forwards_rank_zero_only() -> bool:
 
 
 # ---------------------------------------------------------------------------- collector on a simulated world
+
+
+def test_step_metrics_with_the_same_names_everywhere_take_tensor_collectives(world: FakeWorld) -> None:
+    def rank_fn(rank: int):
+        c = MetricCollector()
+        for fx in ("sum", "max", "min", "mean"):
+            log(c, f"s_{fx}", torch.tensor(float(rank + 1)), reduce_fx=fx)
+        log(c, "r0", float(100 + rank), rank_zero_only=True)
+        values, _, _, flags = c.reduce_step(flags=(float(rank == 1), 0.0))
+        return values, flags
+
+    (r0, f0), (r1, f1) = world.run(rank_fn)
+    assert r0 == r1 == {"s_sum": 3.0, "s_max": 2.0, "s_min": 1.0, "s_mean": 1.5, "r0": 100.0}
+    assert f0 == f1 == [1.0, 0.0]  # the max over ranks of each flag rides along
+    # Per rank: one all-reduce (the names' hash and the flags) and one all-gather of the values; nothing pickled.
+    assert sorted(world.calls) == ["all_gather_tensor"] * 2 + ["all_reduce"] * 2
+
+
+def test_step_metrics_with_different_names_fall_back_and_keep_the_flags(world: FakeWorld) -> None:
+    def rank_fn(rank: int):
+        c = MetricCollector()
+        log(c, "shared", float(rank), reduce_fx="sum")
+        if rank == 1:
+            log(c, "only_rank1", 7.0, reduce_fx="sum")
+        values, _, _, flags = c.reduce_step(flags=(0.0, float(rank == 0)))
+        return values, flags
+
+    (r0, f0), (r1, f1) = world.run(rank_fn)
+    assert r0 == r1 == {"shared": 1.0, "only_rank1": 7.0} and f0 == f1 == [0.0, 1.0]
+    assert sorted(world.calls) == ["all_gather_object"] * 2 + ["all_reduce"] * 2
 
 
 def test_step_metrics_honour_reduce_fx_across_ranks(world: FakeWorld) -> None:

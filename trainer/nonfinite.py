@@ -86,6 +86,14 @@ class NonFiniteGuard:
         steps = [step for _, fold_steps in folds for step in fold_steps]
         return float(steps[index]), float(losses[index].item())
 
+    def verdict(self) -> tuple[float, float]:
+        """This rank's ``(step, loss)`` of the first non-finite loss since the last check (``(inf, 0)``:
+        none, or disabled), and forget the kept losses. One host read; no collective (see :meth:`check`)."""
+        if not self.enabled:
+            self.reset()
+            return _NONE, 0.0
+        return self._first_bad()
+
     def check(self, where: str) -> None:
         """Raise on every rank if any rank recorded a non-finite loss since the last check (one host read,
         and with several ranks one small all-reduce; the bad step's details are gathered only when one is
@@ -103,9 +111,12 @@ class NonFiniteGuard:
             dist.all_reduce(flag, "max")  # collective: every rank learns whether any rank saw one
             if flag.item() == 0:
                 return
-            found = dist.all_gather_object(local)  # collective, only on the way to the error
-        else:
-            found = [local]
+        self.fail(local, where)
+
+    def fail(self, local: tuple[float, float], where: str) -> None:
+        """Raise on every rank for the first bad step over all ranks (collective with several ranks: every
+        rank calls it once they agreed that some rank saw one); returns if none did."""
+        found = [local] if self.world_size <= 1 else dist.all_gather_object(local)
         step, loss = min(found, key=lambda item: item[0])  # type: ignore[index]
         if math.isinf(step):
             return

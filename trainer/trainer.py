@@ -568,16 +568,20 @@ class Trainer(TrainerAttributes):
         return True
 
     def _log_step_metrics(self) -> None:
-        """Logging step: one host read and one collective for all step metrics (DESIGN.md section 11)."""
-        self._nonfinite.check(f"at logging step {self.global_step}")  # one more read + collective, logging steps only
+        """Logging step: one host read of the step metrics and, with several ranks, two small collectives
+        that also carry the non-finite verdict and the preemption flag (DESIGN.md section 11)."""
+        bad = self._nonfinite.verdict()  # this rank's first non-finite loss since the last check
         if self._step_loss is not None:
             self._metrics.log("loss", self._step_loss, on_step=True, on_epoch=False, prog_bar=True, logger=False,
                               batch_size=None, reduce_fx="mean")
-        if not self._metrics.has_step_metrics():
-            return
         self._beat(wd.PHASE_METRICS_REDUCTION)
-        values, to_logger, to_bar = self._metrics.reduce_step()
-        self._publish(values, to_logger, to_bar)
+        values, to_logger, to_bar, (any_bad, any_signal) = self._metrics.reduce_step(
+            device=self.device, flags=(float(bad[0] != float("inf")), float(self._preemption.requested)))
+        if any_bad:
+            self._nonfinite.fail(bad, f"at logging step {self.global_step}")  # raises on every rank
+        self._preemption.note_agreed(self.global_step, bool(any_signal))
+        if values:
+            self._publish(values, to_logger, to_bar)
 
     def _publish(self, values: dict[str, float], to_logger: dict[str, float], to_bar: dict[str, float]) -> None:
         self.callback_metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()})

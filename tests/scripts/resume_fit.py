@@ -4,6 +4,7 @@ Faults on demand (first attempt only, TORCHELASTIC_RESTART_COUNT == 0 or unset):
   --crash-at S        raise an exception at step S (after that step's checkpoint)
   --kill-at S         SIGKILL rank --kill-rank at step S (before that step's checkpoint)
   --sigterm-at S      SIGTERM to rank --kill-rank at step S (keel saves and exits 75)
+  --check-on-logging-steps   preemption checked on the logging steps (every 3), not every 2 steps
   --kill-in-save-at S SIGKILL the writer halfway through writing the checkpoint of step S
 Writes OUT/rank{R}.pt with the final weights when the fit completes.
 """
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("--crash-at", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--sigterm-at", type=int, default=-1)
+    parser.add_argument("--check-on-logging-steps", action="store_true",
+                        help="preemption_check_interval=None: ranks agree on the logging steps' collective")
     parser.add_argument("--kill-in-save-at", type=int, default=-1)
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--resumed", action="store_true", help="a manual second run: inject no faults")
@@ -117,7 +120,8 @@ def main() -> None:
     checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_top_k=1)
     callbacks = [Faults(args), checkpoint, CrashAfterSave(args)]
     trainer = Trainer(max_steps=args.steps, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
-                      num_sanity_val_steps=0, log_every_n_steps=3, preemption_check_interval=2,
+                      num_sanity_val_steps=0, log_every_n_steps=3,
+                      preemption_check_interval=None if args.check_on_logging_steps else 2,
                       callbacks=callbacks, seed=7)
     task = Classifier()
     if args.save_on_crash_dir:
