@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from launch import REPO_ROOT, python, torchrun
+from trainer.checkpoint import read_pointer
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "fsdp_fit.py"
 pytestmark = pytest.mark.multiprocess
@@ -168,3 +169,33 @@ except CheckpointSaveError as exc:
     for part in ("bad.ckpt", "No space left on device", "needs about", "free in", "Nothing was replaced"):
         assert part in message, (part, message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.ckpt"]  # the temporary folder was removed
+
+
+def test_async_staging_reuses_its_cpu_buffers_and_always_copies_the_current_values() -> None:
+    from trainer.sharded_checkpoint import ReusedStaging
+
+    w = torch.arange(4.0)
+    state = {"model": {"w": w}, "optimizers": [{"state": {"w": {"step": torch.tensor(1.0)}}, "param_groups": [{"lr": 0.1}]}]}
+    stager = ReusedStaging()
+    first = stager.stage(state)
+    w.add_(10)
+    state["optimizers"][0]["param_groups"][0]["lr"] = 0.05
+    second = stager.stage(state)
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr() != w.data_ptr()  # one buffer, reused
+    assert second["model"]["w"].tolist() == [10.0, 11.0, 12.0, 13.0] and second["optimizers"][0]["param_groups"][0]["lr"] == 0.05
+    w.add_(1)
+    assert second["model"]["w"].tolist() == [10.0, 11.0, 12.0, 13.0]  # training goes on; the staged copy stays
+    state["optimizers"][0]["state"]["w"]["exp_avg"] = torch.zeros(4)  # new optimizer state: a new layout
+    third = stager.stage(state)
+    assert third["optimizers"][0]["state"]["w"]["exp_avg"].tolist() == [0.0] * 4 and third["model"]["w"].tolist()[0] == 11.0
+
+
+def test_async_sharded_save_refuses_non_finite_weights_on_every_rank(tmp_path: Path) -> None:
+    """A NaN in rank 1's shard only: the background check votes on the checkpoint group, so both ranks
+    raise, nothing is committed for that step, and `last` stays at the step before."""
+    ck = tmp_path / "ck"
+    result = torchrun(SCRIPT, str(tmp_path / "out"), "--strategy", "fsdp", "--ckpt-dir", str(ck), "--async-save",
+                      "--nan-at", "3", "--steps", "6", nproc=2, timeout=300)
+    assert result.returncode != 0
+    assert result.stdout.count("FloatingPointError: Refusing to write checkpoint") >= 2, result.tail()
+    assert "step=2" in read_pointer(ck)[0] and not list(ck.glob("*step=3*")) and not [p for p in ck.iterdir() if ".tmp-" in p.name]

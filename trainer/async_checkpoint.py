@@ -275,11 +275,7 @@ def save_async(trainer: Any, path: str, checkpointer: AsyncCheckpointer, commit:
     if getattr(trainer.strategy, "sharded", False):  # every rank writes its shards: trainer/sharded_checkpoint.py
         from trainer import sharded_checkpoint
 
-        task = trainer.task
-        if task is not None and not trainer.strategy.weights_finite(task):  # collective: all ranks agree
-            raise FloatingPointError(
-                f"Refusing to write checkpoint {path!r} at step {trainer.global_step}: the weights hold NaN or inf "
-                "(a non-finite step got through). The last good checkpoint is kept.")
+        task = trainer.task  # non-finite weights: refused on the staged copy, in the background (as below)
         checkpointer.wait()  # the save in flight first: its DCP collectives come before this one's
         sharded_checkpoint.save_async(ckpt.assemble(trainer), path, model_key=ckpt.K_STATE_DICT,
                                       optimizers_key=ckpt.K_OPTIMIZERS, task=task, optimizers=trainer.optimizers,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import pickle
 import shutil
@@ -36,8 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
@@ -172,23 +175,106 @@ def save_async(state: dict[str, Any], path: str | os.PathLike, *, model_key: str
         target.parent.mkdir(parents=True, exist_ok=True)
     tensors = {K_MODEL: get_model_state_dict(task), K_OPTIMIZERS: [get_optimizer_state_dict(task, o) for o in optimizers]}
     rest = {k: v for k, v in state.items() if k not in (model_key, optimizers_key)}
+    stager = checkpointer.__dict__.setdefault("dcp_stager", ReusedStaging())
 
     def stage() -> Any:
-        future = dcp.async_save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group)
+        future = dcp.async_save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
+                                async_stager=stager)
         return future, _cpu_copy(rest) if is_writer else None
+
+    params = [name for name, p in task.named_parameters() if p.is_floating_point()]
 
     def write(staged: Any) -> None:
         future, keel_state = staged
         try:
             future.result()
-            if is_writer:
-                _finish(tmp, target, keel_state)
+            # Non-finite weights are refused on the staged copy, here in the background (a pass over the
+            # weights costs as much as the copy), as the one-file path does; every rank votes on the
+            # checkpoint group, so all agree. Nothing is committed: rank 0 removes the folder.
+            finite = _staged_finite(stager, params)
         except BaseException as exc:
             if is_writer:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise _save_error(target, tensors, exc) from exc
+        if not finite:
+            if is_writer:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise FloatingPointError(
+                f"Refusing to write checkpoint {str(target)!r}: the weights hold NaN or inf (a non-finite step got "
+                "through). The last good checkpoint is kept.")
+        try:
+            if is_writer:
+                _finish(tmp, target, keel_state)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _save_error(target, tensors, exc) from exc
 
     checkpointer.submit(stage, write, commit if is_writer else None, what=str(target))
+
+
+class ReusedStaging(AsyncStager):
+    """DCP's staging of this rank's shards to CPU memory, into the buffers of the previous async save.
+
+    DCP's default stager allocates a fresh CPU copy on every save; allocating and first touching it was
+    most of the time an async FSDP save blocked the loop (benchmarks/fsdp.py), as for the one-file path,
+    whose :class:`~trainer.async_checkpoint.CpuStager` reuses its buffers the same way. The buffers are
+    free again when the next save stages: the checkpointer waits for the save in flight first. One copy of
+    the shards (pinned on CUDA) stays in memory between saves; a different layout (optimizer state that
+    appeared, a resized parameter) allocates anew. Blocking: the copy is done when :meth:`stage` returns.
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._buffers: Any = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict, _create_cpu_state_dict
+
+        cuda = any(t.device.type == "cuda" for t in _tensors(state_dict))
+        staged = None
+        if self._buffers is not None:
+            try:
+                staged = _copy_state_dict(state_dict, self._buffers, non_blocking=cuda)
+            except (CompanionMismatch, RuntimeError):  # another structure, or a tensor of another shape
+                staged = None
+        if staged is None:
+            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=cuda)
+            staged = _copy_state_dict(state_dict, self._buffers, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()  # the copies are complete before training changes the weights
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once the copy is complete."""
+
+    def close(self) -> None:
+        self._buffers = None
+
+
+def _staged_finite(stager: ReusedStaging, params: list[str]) -> bool:
+    """Whether this rank's staged shards of every parameter are finite on all ranks (a collective on the
+    checkpoint group: every rank's checkpoint thread calls it for the same save)."""
+    model = (stager._buffers or {}).get(K_MODEL, {})
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in (model.get(n) for n in params) if t is not None]
+    local = [t for t in local if t.numel()]
+    ok = not local or bool(torch.isfinite(torch.stack(torch._foreach_norm(local, ord=math.inf))).all())
+    group = dist.checkpoint_group()
+    if group is None:
+        return ok
+    flag = torch.tensor([1.0 if ok else 0.0])
+    tdist.all_reduce(flag, op=tdist.ReduceOp.MIN, group=group)  # type: ignore[arg-type]
+    return bool(flag.item() > 0)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def _cpu_copy(obj: Any) -> Any:

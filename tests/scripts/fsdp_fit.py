@@ -116,6 +116,19 @@ def full_weights(task: TaskModule) -> dict[str, torch.Tensor]:
             for k, v in task.state_dict().items()}
 
 
+class NanInShard(Callback):
+    """After step ``step``, before that step's checkpoint: a NaN in rank 1's local shard of the first block."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == 1:
+            weight = next(task.parameters())
+            with torch.no_grad():
+                (weight.to_local() if hasattr(weight, "to_local") else weight).view(-1)[0] = float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -134,6 +147,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--precision", default="64")
+    parser.add_argument("--nan-at", type=int, default=-1, help="a NaN in rank 1's shard after step N (on_nonfinite=skip)")
     args = parser.parse_args()
     extra = {}  # the fsdp_* options are refused with another strategy: pass them to FSDP runs only
     if args.reduce and args.strategy == "fsdp":
@@ -141,6 +155,9 @@ def main() -> None:
     if args.units and args.strategy == "fsdp":
         extra["fsdp_units"] = args.units.split(",")
     callbacks = [Kill(args.kill_at)] if args.kill_at > 0 else []
+    if args.nan_at > 0:
+        callbacks.append(NanInShard(args.nan_at))
+        extra["on_nonfinite"] = "skip"  # the NaN loss that follows skips steps; the save must still be refused
     if args.ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_top_k=1,
                                          async_save=args.async_save))
