@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer import dist
 from trainer.checkpoint_io import K_FORMAT, CheckpointError, CheckpointIO, CheckpointSaveError, _fsync_dir, _os_error
+from trainer.transfer import tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +232,7 @@ class ReusedStaging(AsyncStager):
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict, _create_cpu_state_dict
 
-        cuda = any(t.device.type == "cuda" for t in _tensors(state_dict))
+        cuda = any(t.device.type == "cuda" for t in tensors_in(state_dict))
         staged = None
         if self._buffers is not None:
             try:
@@ -265,16 +266,6 @@ def _staged_finite(stager: ReusedStaging, params: list[str]) -> bool:
     flag = torch.tensor([1.0 if ok else 0.0])
     tdist.all_reduce(flag, op=tdist.ReduceOp.MIN, group=group)  # type: ignore[arg-type]
     return bool(flag.item() > 0)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def _cpu_copy(obj: Any) -> Any:

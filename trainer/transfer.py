@@ -55,15 +55,16 @@ def infer_batch_size(batch: Any) -> int | None:
     return None
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested structure (tensors, lists, tuples, mappings, dataclasses), in order."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in _tensors(v)]
+        return [t for v in obj.values() for t in tensors_in(v)]
     if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
+        return [t for v in obj for t in tensors_in(v)]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+        return [t for f in dataclasses.fields(obj) for t in tensors_in(getattr(obj, f.name))]
     return []
 
 
@@ -91,13 +92,13 @@ class BatchCopier:
 
     def __call__(self, batch: Any) -> Any:
         stream = self.stream
-        if stream is None or not all(t.is_pinned() for t in _tensors(batch) if t.device.type == "cpu"):
+        if stream is None or not all(t.is_pinned() for t in tensors_in(batch) if t.device.type == "cpu"):
             return move_to_device(batch, self.device, float_dtype=self.float_dtype)
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(stream):
             moved = move_to_device(batch, self.device, float_dtype=self.float_dtype)
         compute.wait_stream(stream)
-        for tensor in _tensors(moved):
+        for tensor in tensors_in(moved):
             if tensor.device.type == "cuda":
                 tensor.record_stream(compute)
         return moved
