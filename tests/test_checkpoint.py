@@ -107,13 +107,14 @@ def test_sigterm_on_one_rank_stops_both(tmp_path: Path, ddp_reference: list[dict
         assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])
 
 
-def test_sigterm_agreed_on_the_logging_steps_collective(tmp_path: Path, ddp_reference: list[dict]) -> None:
-    """preemption_check_interval=None: the flag rides on the logging step's metric reduction (every 3 steps).
-    The signal arrives in on_train_batch_end of step 3, after that step's exchange: both ranks stop at 6."""
+def test_sigterm_during_a_logging_steps_hooks_is_acted_on_at_that_step(tmp_path: Path, ddp_reference: list[dict]) -> None:
+    """preemption_check_interval=None: ranks agree on logging steps (every 3), after on_train_batch_end, so
+    a signal that arrives in on_train_batch_end of step 3 (after the step's metric reduction) stops both
+    ranks at step 3, not one interval later."""
     args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck"), "--check-on-logging-steps"]
     first = torchrun(SCRIPT, *args, "--sigterm-at", "3", "--kill-rank", "1", nproc=2, timeout=180)
     assert first.returncode != 0
-    assert "step=6-preempted" in read_pointer(tmp_path / "ck")[0], first.tail()
+    assert "step=3-preempted" in read_pointer(tmp_path / "ck")[0], first.tail()
     torchrun(SCRIPT, *args, "--resumed", nproc=2, timeout=180).check()
     for rank in (0, 1):
         assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])

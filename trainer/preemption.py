@@ -34,7 +34,6 @@ class PreemptionWatcher:
         self.requested = False
         self.signal_name: str | None = None
         self._previous: dict[int, Any] = {}
-        self._agreed_at: tuple[int, bool] | None = None  # (step, any rank signalled) agreed elsewhere
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.requested = True  # nothing else: the loop acts on it at a step boundary
@@ -54,20 +53,12 @@ class PreemptionWatcher:
 
     def due(self, global_step: int, *, interval: int, device: torch.device, world_size: int) -> bool:
         """Checked after every optimizer step: every step in one process (no collective); in a
-        distributed run only every ``interval`` steps, where all ranks check together (no collective of
-        its own when the ranks already agreed at this step, see :meth:`note_agreed`)."""
+        distributed run only every ``interval`` steps, where all ranks check together."""
         if world_size == 1:
             return self.requested
         if global_step % interval != 0:
             return False
-        if self._agreed_at is not None and self._agreed_at[0] == global_step:
-            return self._agreed_at[1]
         return self.agreed(device, world_size=world_size)
-
-    def note_agreed(self, global_step: int, any_requested: bool) -> None:
-        """The ranks agreed at ``global_step`` (on another collective: the logging step's) whether any got a
-        signal; :meth:`due` at that step uses it. A signal arriving after it waits for the next check."""
-        self._agreed_at = (global_step, any_requested)
 
     def agreed(self, device: torch.device, *, world_size: int) -> bool:
         """True when any rank got a signal. Collective when ``world_size > 1``: all ranks call it at the same step."""

@@ -569,17 +569,17 @@ class Trainer(TrainerAttributes):
 
     def _log_step_metrics(self) -> None:
         """Logging step: one host read of the step metrics and, with several ranks, two small collectives
-        that also carry the non-finite verdict and the preemption flag (DESIGN.md section 11)."""
+        that also carry the non-finite verdict (DESIGN.md section 11). Preemption is agreed later, after
+        ``on_train_batch_end``, so a signal that arrives during those hooks is acted on at this step."""
         bad = self._nonfinite.verdict()  # this rank's first non-finite loss since the last check
         if self._step_loss is not None:
             self._metrics.log("loss", self._step_loss, on_step=True, on_epoch=False, prog_bar=True, logger=False,
                               batch_size=None, reduce_fx="mean")
         self._beat(wd.PHASE_METRICS_REDUCTION)
-        values, to_logger, to_bar, (any_bad, any_signal) = self._metrics.reduce_step(
-            device=self.device, flags=(float(bad[0] != float("inf")), float(self._preemption.requested)))
+        values, to_logger, to_bar, (any_bad,) = self._metrics.reduce_step(
+            device=self.device, flags=(float(bad[0] != float("inf")),))
         if any_bad:
             self._nonfinite.fail(bad, f"at logging step {self.global_step}")  # raises on every rank
-        self._preemption.note_agreed(self.global_step, bool(any_signal))
         if values:
             self._publish(values, to_logger, to_bar)
 
