@@ -302,8 +302,7 @@ class MetricCollector:
         """Reduce the latest per-step values across ranks with each one's ``reduce_fx`` (see module doc).
 
         Metric objects are read with ``compute()`` here (their own collective). ``flags``: numbers of this
-        rank (the loop's "non-finite loss seen", "preemption signal seen") whose maximum over ranks rides
-        on the same collectives. Returns ``(all, for_logger, for_progress_bar, max of flags)`` and clears
+        rank (the loop's "non-finite loss seen") whose maximum over ranks rides on the same collectives. Returns ``(all, for_logger, for_progress_bar, max of flags)`` and clears
         the step values. All ranks must call it at the same step: with several ranks it does one small
         all-reduce and one all-gather of the values when every rank logged the same names (the usual
         case; else one ``all_gather_object``). ``device``: where the collectives' tensors live (nccl: CUDA).
