@@ -160,3 +160,44 @@ def test_step_adapter_runs_training_step_without_module_dispatch() -> None:
     adapter = StepAdapter(Task())
     adapter.register_forward_pre_hook(lambda *a: pytest.fail("internal adapter: module hooks are not dispatched"))
     assert adapter(torch.tensor(3.0), 0).item() == 6.0
+
+
+def test_step_adapter_binds_a_training_step_replaced_on_the_instance() -> None:
+    from trainer.parallel import StepAdapter
+
+    task = Regression()
+    adapter = StepAdapter(task)
+    assert adapter.run_step == task.training_step
+    task.training_step = lambda batch, batch_idx: torch.tensor(7.0)  # as FSDP's register_fsdp_forward_method does
+    adapter.bind()
+    assert adapter(None, 0).item() == 7.0
+
+
+class _CountHostReads(torch.overrides.TorchFunctionMode):
+    READS = {"item", "cpu", "__bool__", "tolist", "__float__", "__int__", "numpy"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_logging_step_reads_the_host_once_in_one_process() -> None:
+    """The step metrics and the non-finite verdict travel in one device-to-host copy (on CUDA: the
+    logging step's only sync); ordinary steps read nothing."""
+    mode, per_step = _CountHostReads(), []
+
+    class Windows(Callback):
+        def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+            per_step.append(mode.count)
+            mode.count = 0
+
+    trainer = Trainer(**quiet(max_steps=12, log_every_n_steps=4, callbacks=[Windows()]))
+    with mode:
+        trainer.fit(Regression(), DataLoader(regression_data(128), batch_size=8))
+    assert per_step[1:] == [0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1]  # steps 2..12; the first window holds the setup
+    assert set(trainer.callback_metrics) >= {"loss", "train/loss"}

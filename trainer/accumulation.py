@@ -27,7 +27,7 @@ import torch
 from trainer import dist
 
 
-@dataclass
+@dataclass(slots=True)
 class MicroBatch:
     batch_idx: int  # index of the batch in the epoch
     batch: Any
@@ -66,6 +66,15 @@ def micro_batches(
     pending = next(iterator, sentinel) if num_batches is None else None
     while True:
         k = accumulate()
+        if k == 1 and num_batches is not None:  # the usual window: one micro-batch, the step ends with it
+            if idx >= num_batches:
+                return
+            batch = next(iterator, sentinel)
+            if batch is sentinel:
+                return
+            yield MicroBatch(idx, batch, 1, 1, True, idx == num_batches - 1)
+            idx += 1
+            continue
         if num_batches is not None:
             window_len = min(k, num_batches - idx)
             if window_len <= 0 or (drop_incomplete and window_len < k):
@@ -157,15 +166,44 @@ class StepNormaliser:
         self.mode: str | None = None  # "mean" or "items"
         self.loss_sum: torch.Tensor | None = None  # detached; summed over micro-batches (on device)
         self.items: torch.Tensor | None = None  # items-mode count (on device)
-        self.divided_by_planned = False  # mean mode without a known window length: losses / k
-        self.accumulate = 1  # planned k of this window
+        self.planned: int | None = None  # mean mode without a known window length: losses were divided by k
 
     def scale(self, loss: torch.Tensor, num_items: Any, micro: MicroBatch,
               detached: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor to backward for one micro-batch's (scalar) loss; ``detached``: ``loss.detach()`` if
         the caller has it already."""
-        window_len = micro.window_len
-        self.accumulate = micro.accumulate
+        if detached is None:
+            detached = loss.detach()
+        elif detached.ndim:
+            detached = detached.reshape(())
+        if detached.dtype in _HALF:
+            detached = detached.float()
+        if num_items is None and self.mode is None:  # the usual case: a window's first micro-batch, mean mode
+            self.mode, self.ran, self.loss_sum = "mean", 1, detached
+        else:
+            self._add(detached, num_items)
+            if num_items is not None:
+                return loss  # items mode: a sum, normalised by the global count at the end of the step
+        divisor = micro.window_len
+        if divisor is None:
+            divisor = self.planned = micro.accumulate
+        return loss if divisor == 1 else loss / divisor
+
+    def take(self, output: Any, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        """:func:`split_step_output` then :meth:`scale`: ``(tensor to backward, detached outputs)`` of what
+        ``training_step`` returned. A 0-dim loss in mean mode, the usual return, takes the short way."""
+        if isinstance(output, torch.Tensor) and not output.ndim and output.requires_grad and self.mode is None:
+            detached = output.detach()
+            self.mode, self.ran = "mean", 1
+            self.loss_sum = detached.float() if detached.dtype in _HALF else detached
+            divisor = micro.window_len
+            if divisor is None:
+                divisor = self.planned = micro.accumulate
+            return (output if divisor == 1 else output / divisor), {"loss": detached}
+        loss, outputs, num_items = split_step_output(output)
+        return self.scale(loss, num_items, micro, detached=outputs["loss"]), outputs
+
+    def _add(self, detached: torch.Tensor, num_items: Any) -> None:
         mode = "mean" if num_items is None else "items"
         if self.mode != mode:
             if self.mode is not None:
@@ -175,23 +213,13 @@ class StepNormaliser:
                 )
             self.mode = mode
         self.ran += 1
-        if detached is None:
-            detached = loss.detach()
-        elif detached.ndim:
-            detached = detached.reshape(())
-        if detached.dtype in _HALF:
-            detached = detached.float()
         self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
-        if mode == "items":
+        if num_items is not None:
             count = _check_num_items(num_items, self.device)
             self.items = count if self.items is None else self.items + count
-            return loss
-        self.divided_by_planned = window_len is None
-        divisor = window_len if window_len is not None else self.accumulate
-        return loss if divisor == 1 else loss / divisor
 
     def finish(self) -> tuple[float | torch.Tensor | None, torch.Tensor | None, bool]:
-        """End of the window: ``(grad_factor, step_loss, skip)``.
+        """End of the window: ``(grad_factor, step_loss, skip)``, and :meth:`reset` for the next one.
 
         ``grad_factor`` multiplies the synchronised gradients (None: leave them). ``step_loss`` is the
         optimised loss of the step: the local mean over micro-batches (mean mode; reduced across
@@ -199,14 +227,18 @@ class StepNormaliser:
         step saw zero items on all ranks. Items mode does one all-reduce and reads the count on the
         host (to decide ``skip``); mean mode does neither.
         """
-        assert self.loss_sum is not None, "finish() before any micro-batch"
+        loss_sum, ran, planned = self.loss_sum, self.ran, self.planned
+        assert loss_sum is not None, "finish() before any micro-batch"
         if self.mode == "mean":
-            step_loss = self.loss_sum if self.ran == 1 else self.loss_sum / self.ran
-            if self.divided_by_planned and self.ran < self.accumulate:
-                return self.accumulate / self.ran, step_loss, False
-            return None, step_loss, False
-        assert self.items is not None
-        packed = torch.stack([self.loss_sum.to(torch.float64), self.items.to(torch.float64)])
+            self.mode, self.ran, self.loss_sum, self.planned = None, 0, None, None  # reset(); items is None
+            if ran == 1 and planned is None:
+                return None, loss_sum, False
+            factor = planned / ran if planned is not None and ran < planned else None  # an unknown-length window ended early
+            return factor, (loss_sum if ran == 1 else loss_sum / ran), False
+        items = self.items
+        self.reset()
+        assert items is not None
+        packed = torch.stack([loss_sum.to(torch.float64), items.to(torch.float64)])
         dist.all_reduce(packed, "sum")
         total = float(packed[1].item())  # host read: the skip decision needs it
         if total <= 0:
@@ -237,6 +269,8 @@ def split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any], Any]:
         ValueError: naming what was returned and what is expected.
     """
     if isinstance(output, torch.Tensor):
+        if not output.ndim and output.requires_grad:  # the usual return, and all the checks below pass
+            return output, {"loss": output.detach()}, None
         loss, extras, num_items = output, {}, None
     elif isinstance(output, dict):
         if "loss" not in output:

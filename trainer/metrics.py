@@ -160,13 +160,23 @@ def _compute(name: str, metric: Any) -> torch.Tensor | float:
     return _to_scalar(name, value)
 
 
-def _read(values: list[torch.Tensor | float]) -> list[float]:
-    """Host copies of ``values`` with ONE device-to-host transfer for all tensors (a sync point)."""
+def _read(values: list[torch.Tensor | float], also: Sequence[torch.Tensor] = ()) -> tuple[list[float], list[list[float]]]:
+    """Host copies of ``values`` (scalars) and of the tensors ``also`` (any shape, flattened) with ONE
+    device-to-host transfer for all of them (a sync point)."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     # A metric object's state may sit on another device than the logged tensors: gather on the first one.
-    device = tensors[0].device if tensors else None
-    read = iter(torch.stack([t.to(device, torch.float64) for t in tensors]).tolist()) if tensors else iter(())
-    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+    parts = [t.reshape(1) for t in tensors] + [t.reshape(-1) for t in also]
+    if not parts:
+        return [float(v) for v in values], []
+    device = parts[0].device
+    flat = torch.cat([t.to(device, torch.float64) for t in parts]).tolist() if len(parts) > 1 else \
+        parts[0].to(torch.float64).tolist()
+    read = iter(flat[:len(tensors)])
+    out, start = [], len(tensors)
+    for t in also:
+        out.append(flat[start:start + t.numel()])
+        start += t.numel()
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values], out
 
 
 def _exchange(local: dict[str, tuple[Any, ...]], flags: list[float],
@@ -301,18 +311,32 @@ class MetricCollector:
     ) -> tuple[dict[str, float], dict[str, float], dict[str, float], list[float]]:
         """Reduce the latest per-step values across ranks with each one's ``reduce_fx`` (see module doc).
 
-        Metric objects are read with ``compute()`` here (their own collective). ``flags``: numbers of this
-        rank (the loop's "non-finite loss seen") whose maximum over ranks rides on the same collectives. Returns ``(all, for_logger, for_progress_bar, max of flags)`` and clears
-        the step values. All ranks must call it at the same step: with several ranks it does one small
-        all-reduce and one all-gather of the values when every rank logged the same names (the usual
-        case; else one ``all_gather_object``). ``device``: where the collectives' tensors live (nccl: CUDA).
+        :meth:`read_step` then :meth:`exchange_step`. Returns ``(all, for_logger, for_progress_bar, max
+        of flags)`` and clears the step values. Collective: all ranks call it at the same step.
         """
+        return self.exchange_step(self.read_step()[0], device=device, flags=flags)
+
+    def read_step(self, also: Sequence[torch.Tensor] = ()) -> tuple[dict[str, tuple[Any, ...]], list[list[float]]]:
+        """This rank's step values on the host, and the host values of the tensors ``also`` (flattened), in ONE
+        device-to-host transfer (a logging step's only sync in one process); clears the step values.
+
+        Metric objects are read with ``compute()`` here (their own collective)."""
         names = list(self._step)
         items = [self._step[n] for n in names]
         values = [_compute(n, s.value) if is_metric_object(s.value) else s.value for n, s in zip(names, items)]
-        local = {n: (v, s.reduce_fx, s.mode, s.prog_bar, s.logger)
-                 for n, v, s in zip(names, _read(values), items)}
+        read, extra = _read(values, also)
         self._step.clear()
+        local = {n: (v, s.reduce_fx, s.mode, s.prog_bar, s.logger) for n, v, s in zip(names, read, items)}
+        return local, extra
+
+    def exchange_step(
+        self, local: dict[str, tuple[Any, ...]], *, device: torch.device | None = None, flags: Sequence[float] = (),
+    ) -> tuple[dict[str, float], dict[str, float], dict[str, float], list[float]]:
+        """Reduce what :meth:`read_step` returned across ranks. ``flags``: numbers of this rank (the loop's
+        "non-finite loss seen") whose maximum over ranks rides on the same collectives. With several
+        ranks: one small all-reduce and one all-gather of the values when every rank logged the same
+        names (the usual case; else one ``all_gather_object``). ``device``: where the collectives'
+        tensors live (nccl: CUDA). Returns ``(all, for_logger, for_progress_bar, max of flags)``."""
         per_rank, reduced_flags = _exchange(local, list(flags), device)
         gathered: dict[str, list[tuple[int, float, float]]] = {}
         options: dict[str, tuple[str, Mode, bool, bool]] = {}
@@ -339,7 +363,7 @@ class MetricCollector:
             if isinstance(entry, _MetricRef):
                 entry.metric.reset()  # after compute(): the next epoch starts from an empty state
         local = {}
-        for value, entry in zip(_read(values), entries):
+        for value, entry in zip(_read(values)[0], entries):
             weight, fx = (entry.weight, entry.reduce_fx) if isinstance(entry, _Entry) else (1.0, "mean")
             local[entry.out_name] = (value, weight, fx, entry.mode, entry.prog_bar, entry.logger)
         gathered: dict[str, list[tuple[int, float, float]]] = {}

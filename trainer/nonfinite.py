@@ -13,6 +13,7 @@ together, naming the same step.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
@@ -46,12 +47,12 @@ class NonFiniteGuard:
 
     def record(self, step: int, loss: torch.Tensor | None) -> None:
         """The loss of optimizer step ``step`` (after the step). A list append; no kernel, no sync."""
-        if loss is None or not self.enabled:
-            return
-        self._steps.append(step)
-        self._losses.append(loss)
-        if len(self._losses) >= _FOLD_EVERY:
-            self._fold()
+        if loss is not None and self.enabled:
+            losses = self._losses
+            losses.append(loss)
+            self._steps.append(step)
+            if len(losses) >= _FOLD_EVERY:
+                self._fold()
 
     def _fold(self) -> None:
         """Stack the kept losses into one device tensor: one kernel per :data:`_FOLD_EVERY` steps (bounds the
@@ -65,34 +66,40 @@ class NonFiniteGuard:
         self._folds.append((losses, self._steps))
         self._steps, self._losses = [], []
 
-    def _first_bad(self) -> tuple[float, float]:
-        """``(step, loss)`` of the first non-finite loss since the last check, ``(inf, 0)`` if none.
-
-        The usual answer costs two kernels and one host read: the sum of all kept losses is finite exactly
-        when every one of them is (a NaN or inf makes it non-finite; finite losses whose sum overflows are
-        told apart by the exact search that a non-finite sum triggers, with one more read)."""
+    def pending(self) -> torch.Tensor | None:
+        """The losses kept since the last check, as one 1-D device tensor in step order (None: none kept,
+        or disabled): one stack per fold, no host read. Read it on the host with whatever else the caller
+        reads there and pass the numbers to :meth:`judge` (a logging step reads them with the step
+        metrics: one transfer of a few hundred bytes)."""
+        if not self.enabled:
+            self.reset()
+            return None
         self._fold()
         folds = self._folds
-        self.reset()
         if not folds:
+            return None
+        if len(folds) > 1:  # merged once, so that judge() indexes one list of steps
+            losses = torch.cat([f[0].to(folds[0][0].dtype) for f in folds])
+            self._folds = folds = [(losses, [step for _, fold_steps in folds for step in fold_steps])]
+        return folds[0][0]
+
+    def judge(self, losses: Sequence[float] | None) -> tuple[float, float]:
+        """``(step, loss)`` of the first non-finite loss since the last check, ``(inf, 0)`` if none, given
+        ``losses``: the host values of :meth:`pending`. Forgets the kept losses."""
+        folds = self._folds
+        self.reset()
+        if not losses or not folds:
             return _NONE, 0.0
-        losses = folds[0][0] if len(folds) == 1 else torch.cat([f[0].to(folds[0][0].dtype) for f in folds])
-        if math.isfinite(losses.double().sum().item()):
-            return _NONE, 0.0
-        bad = (~torch.isfinite(losses)).tolist()
-        if True not in bad:  # the sum overflowed, every loss is finite
-            return _NONE, 0.0
-        index = bad.index(True)
-        steps = [step for _, fold_steps in folds for step in fold_steps]
-        return float(steps[index]), float(losses[index].item())
+        for index, loss in enumerate(losses):
+            if not math.isfinite(loss):
+                return float(folds[0][1][index]), float(loss)
+        return _NONE, 0.0
 
     def verdict(self) -> tuple[float, float]:
         """This rank's ``(step, loss)`` of the first non-finite loss since the last check (``(inf, 0)``:
         none, or disabled), and forget the kept losses. One host read; no collective (see :meth:`check`)."""
-        if not self.enabled:
-            self.reset()
-            return _NONE, 0.0
-        return self._first_bad()
+        losses = self.pending()
+        return self.judge(None if losses is None else losses.tolist())
 
     def check(self, where: str) -> None:
         """Raise on every rank if any rank recorded a non-finite loss since the last check (one host read,
@@ -105,7 +112,7 @@ class NonFiniteGuard:
         if not self.enabled:
             self.reset()
             return
-        local = self._first_bad()
+        local = self.verdict()
         if self.world_size > 1:
             flag = torch.tensor([0.0 if math.isinf(local[0]) else 1.0], device=self.device)
             dist.all_reduce(flag, "max")  # collective: every rank learns whether any rank saw one

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+from functools import partial
 from typing import Any, ClassVar, ContextManager
 
 import torch
@@ -36,6 +37,10 @@ from trainer.options import TrainerOptions
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it costs nothing on the hot path
 
 
+def _without_batch_idx(training_step: Any, batch: Any, batch_idx: int) -> Any:
+    return training_step(batch)
+
+
 class StepAdapter(nn.Module):
     """What a wrapper such as DDP wraps: its ``forward`` is the task's ``training_step``, so the
     wrapper's gradient hooks see the parameters the step used while the user's ``forward`` stays
@@ -44,14 +49,22 @@ class StepAdapter(nn.Module):
 
     def __init__(self, task: nn.Module) -> None:
         super().__init__()
-        self.task = task
+        self.task = task  # a registered submodule: the wrapper sees its parameters
         # Lightning calls training_step(batch) when it takes no batch_idx: decided here, once per fit.
         self.with_batch_idx = takes_batch_idx(task.training_step)
+        self.bind()
+
+    def bind(self) -> None:
+        """Read ``task.training_step`` (again: after something replaced it on the instance, as FSDP's
+        ``register_fsdp_forward_method`` does) into ``run_step(batch, batch_idx)``, a plain callable.
+        Calling it is calling this adapter; the loop calls it directly when nothing wraps the adapter,
+        since reading attributes of an nn.Module (which defines __getattr__) and calling one skip the
+        interpreter's fast paths, on every step."""
+        step = self.task.training_step
+        self.__dict__["run_step"] = step if self.with_batch_idx else partial(_without_batch_idx, step)
 
     def forward(self, batch: Any, batch_idx: int) -> Any:
-        if self.with_batch_idx:
-            return self.task.training_step(batch, batch_idx)
-        return self.task.training_step(batch)
+        return self.run_step(batch, batch_idx)
 
     # Nothing registers module hooks on this internal adapter (the task's own modules keep theirs), so
     # calling it skips nn.Module's hook dispatch, about a microsecond of every step. A wrapper around it
@@ -376,6 +389,7 @@ class FSDPStrategy(Strategy):
         for method in self.STEP_METHODS:
             if callable(getattr(task, method, None)):
                 register_fsdp_forward_method(task, method)
+        adapter.bind()  # the registered training_step, which unshards around the step
         self.task, self._sync = task, None
         return adapter
 

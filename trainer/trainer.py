@@ -22,7 +22,6 @@ from trainer import dist, elastic
 from trainer import watchdog as wd
 from trainer.accumulation import (
     AccumulationSchedule, MicroBatch, StepNormaliser, finite_on_all_ranks, micro_batches,
-    split_step_output,
 )
 from trainer.callback import Callback, check_callbacks
 from trainer.compat import TrainerAttributes, compile_step, fit_validation
@@ -40,7 +39,7 @@ from trainer.module import DataModule, TaskModule, check_stage_inputs
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import ManualOptimization, SchedulerConfig, parse_optimizers, step_schedulers
 from trainer.options import TrainerOptions, check_lightning_keywords
-from trainer.parallel import Strategy, select_strategy
+from trainer.parallel import StepAdapter, Strategy, select_strategy
 from trainer.precision import Precision
 from trainer.progress import ProgressBar
 from trainer.preemption import PreemptionWatcher, save_and_exit
@@ -117,6 +116,7 @@ class Trainer(TrainerAttributes):
         self.progress_bar_metrics: dict[str, float] = {}
         self._owns_group = False
         self._nonfinite = NonFiniteGuard(enabled=opts.on_nonfinite == "error", world_size=self.world_size, device=self.device)
+        self._skip_nonfinite = opts.on_nonfinite == "skip"
         self._dynamo_ctx: Any = None  # torch.compile settings when fit() got torch.compile(task)
         self._preemption = PreemptionWatcher()
         self._watchdog: wd.Watchdog | None = None
@@ -304,7 +304,7 @@ class Trainer(TrainerAttributes):
             teardown_stage(self, stage, task=self.task, datamodule=self.datamodule, callbacks=self.callbacks,
                            loggers=self.loggers, failed=failed, profiler=self.profiler)
         finally:
-            self._model = self._hooks = self._metrics.batch = None
+            self._model = self._run_step = self._hooks = self._metrics.batch = None
             self.strategy.teardown()
             self.state_stage = None
 
@@ -389,7 +389,8 @@ class Trainer(TrainerAttributes):
         assert task is not None
         opts = self.options
         self._manual_mode = not task.automatic_optimization
-        self._model = compile_step(self.strategy.setup(task, manual=self._manual_mode), self._dynamo_ctx)
+        self._model = model = compile_step(self.strategy.setup(task, manual=self._manual_mode), self._dynamo_ctx)
+        self._run_step = model.run_step if type(model) is StepAdapter else model  # unwrapped: the step itself
         self.optimizers, self.lr_scheduler_configs = parse_optimizers(task.configure_optimizers())
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
@@ -422,21 +423,23 @@ class Trainer(TrainerAttributes):
         preemption, multi_rank = self._preemption, self.world_size > 1
         preempt_every = opts.preemption_check_interval or opts.log_every_n_steps
         log_every, max_steps = (1 if opts.fast_dev_run else opts.log_every_n_steps), opts.max_steps
+        drop_incomplete, manual, beating = opts.drop_incomplete_accumulation, self._manual_mode, self._beating
+        samples_per_batch, batch_end_hooks = plan.samples_per_batch, hooks.on_train_batch_end
         for micro in micro_batches(train.loader, start_idx=plan.start, num_batches=num_batches, accumulate=self._window_k,
-                                   drop_incomplete=opts.drop_incomplete_accumulation, agree=plan.agree):
+                                   drop_incomplete=drop_incomplete, agree=plan.agree):
             if self._check_sharding:
                 self._check_sharding = False
                 warn_if_unsharded(micro.batch, train.loader)
             outputs = self._training_micro_batch(micro, normaliser)
             self._epoch_batches_done = micro.batch_idx + 1
-            self._epoch_samples += plan.samples_per_batch
+            self._epoch_samples += samples_per_batch
             stepped = False
             if micro.is_step_end:
-                if opts.drop_incomplete_accumulation and micro.window_len is None and normaliser.ran < micro.accumulate:
+                if drop_incomplete and micro.window_len is None and normaliser.ran < micro.accumulate:
                     for optimizer in self.optimizers:  # unknown-length epoch ended inside a window: discard it
                         optimizer.zero_grad(set_to_none=True)
                     normaliser.reset()
-                elif self._manual_mode:
+                elif manual:
                     # One training iteration (whatever number of optimizer calls) is one step.
                     self._precision.update()
                     self.global_step += 1
@@ -447,12 +450,12 @@ class Trainer(TrainerAttributes):
             if stepped and self.global_step % log_every == 0:
                 self._log_step_metrics()  # a logging step: the only place step metrics are read
             self.optimizer_stepped = stepped
-            if self._beating:
+            if beating:
                 self._beat(wd.PHASE_CALLBACKS)
-            for hook in hooks.on_train_batch_end:
+            for hook in batch_end_hooks:
                 hook(outputs, micro.batch, micro.batch_idx)
             self.optimizer_stepped = False
-            if self._beating:
+            if beating:
                 self._beat(wd.PHASE_DATA)  # next: fetching the next batch
             if not micro.is_step_end:
                 continue
@@ -498,65 +501,56 @@ class Trainer(TrainerAttributes):
             return self._forward_backward(batch, micro, normaliser)
 
     def _forward_backward(self, batch: Any, micro: MicroBatch, normaliser: StepNormaliser) -> dict[str, Any]:
-        precision, hooks = self._precision, self._hooks
+        precision, hooks, run_step = self._precision, self._hooks, self._run_step
         try:
             if precision.autocasts:  # the forward only: backward runs outside autocast
                 with precision.autocast():
-                    output = self._model(batch, micro.batch_idx)
+                    output = run_step(batch, micro.batch_idx)
             else:
-                output = self._model(batch, micro.batch_idx)
+                output = run_step(batch, micro.batch_idx)
         except RuntimeError as exc:
             self.strategy.raise_explained(exc)  # a wrapper error it can explain, else re-raise as is
             raise
-        loss, outputs, num_items = split_step_output(output)
-        scaled = normaliser.scale(loss, num_items, micro, detached=outputs["loss"])
+        scaled, outputs = normaliser.take(output, micro)  # checks what the step returned, divides for accumulation
         for hook in hooks.on_before_backward:
             hook(scaled)
         if self._beating:
             self._beat(wd.PHASE_BACKWARD)
-        precision.backward(scaled)
+        backward = precision.backward  # a local: the interpreter calls it without a method lookup
+        backward(scaled)
         for hook in hooks.on_after_backward:
             hook()
         return outputs
 
     def _optimizer_step(self, normaliser: StepNormaliser) -> bool:
         """Complete the step: normalise, unscale, hook, clip, step, schedule, zero. False if skipped."""
-        opts, precision = self.options, self._precision
         if self._beating:
             self._beat(wd.PHASE_OPTIMIZER_STEP)
-        grad_factor, step_loss, skip = normaliser.finish()
-        normaliser.reset()
-        if not skip and opts.on_nonfinite == "skip" and not finite_on_all_ranks(step_loss, self.world_size):
-            log.warning("Non-finite loss at step %d: the optimizer step is skipped on every rank (on_nonfinite='skip').",
-                        self.global_step + 1)
-            skip = True
-        params = self._params
-        if skip:
-            if step_loss is None:
-                log.warning("Step %d saw zero items (num_items) on every rank; the optimizer step is skipped.",
-                            self.global_step)
-            for optimizer in self.optimizers:
-                optimizer.zero_grad(set_to_none=True)
-            return False
+        grad_factor, step_loss, skip = normaliser.finish()  # and the normaliser starts the next window
+        if skip or (self._skip_nonfinite and not finite_on_all_ranks(step_loss, self.world_size)):
+            return self._skip_step(step_loss, skip)
+        precision, hooks, optimizers = self._precision, self._hooks, self.optimizers
         scaling = precision.scaler is not None  # 16-mixed: unscale before the hooks and clipping see gradients
         if scaling:
-            for optimizer in self.optimizers:
+            for optimizer in optimizers:
                 precision.unscale(optimizer)
         if grad_factor is not None:
-            grads = [p.grad for p in params if p.grad is not None]
+            grads = [p.grad for p in self._params if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, grad_factor)
-        hooks = self._hooks
-        for optimizer in self.optimizers:
-            for hook in hooks.on_before_optimizer_step:
-                hook(optimizer)
-        if opts.gradient_clip_val is not None:
-            self.strategy.clip_gradients(params, opts.gradient_clip_val, opts.gradient_clip_algorithm)
-        for optimizer in self.optimizers:
-            precision.optimizer_step(optimizer)
+        if hooks.on_before_optimizer_step:
+            for optimizer in optimizers:
+                for hook in hooks.on_before_optimizer_step:
+                    hook(optimizer)
+        clip = self.options.gradient_clip_val
+        if clip is not None:
+            self.strategy.clip_gradients(self._params, clip, self.options.gradient_clip_algorithm)
+        optimizer_step = precision.optimizer_step
+        for optimizer in optimizers:
+            optimizer_step(optimizer)
         if scaling:
             precision.update()
-        for optimizer in self.optimizers:
+        for optimizer in optimizers:
             for hook in hooks.on_before_zero_grad:
                 hook(optimizer)
             optimizer.zero_grad(set_to_none=True)
@@ -567,24 +561,39 @@ class Trainer(TrainerAttributes):
         self._nonfinite.record(self.global_step, step_loss)  # a list append: read on logging steps, epoch ends, saves
         return True
 
+    def _skip_step(self, step_loss: torch.Tensor | None, no_items: bool) -> bool:
+        """A step that does not update: zero items on every rank, or a non-finite loss under 'skip'."""
+        if no_items:
+            log.warning("Step %d saw zero items (num_items) on every rank; the optimizer step is skipped.",
+                        self.global_step)
+        else:
+            log.warning("Non-finite loss at step %d: the optimizer step is skipped on every rank (on_nonfinite='skip').",
+                        self.global_step + 1)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        return False
+
     def _log_step_metrics(self) -> None:
-        """Logging step: one host read of the step metrics and, with several ranks, two small collectives
-        that also carry the non-finite verdict (DESIGN.md section 11). Preemption is agreed later, after
-        ``on_train_batch_end``, so a signal that arrives during those hooks is acted on at this step."""
-        bad = self._nonfinite.verdict()  # this rank's first non-finite loss since the last check
+        """Logging step: ONE host read for the step metrics and the non-finite verdict and, with several
+        ranks, two small collectives that also carry the verdict (DESIGN.md section 11). Preemption is
+        agreed later, after ``on_train_batch_end``, so a signal that arrives during those hooks is acted
+        on at this step."""
+        pending = self._nonfinite.pending()  # the losses kept since the last check (device)
         if self._step_loss is not None:
             self._metrics.log("loss", self._step_loss, on_step=True, on_epoch=False, prog_bar=True, logger=False,
                               batch_size=None, reduce_fx="mean")
         self._beat(wd.PHASE_METRICS_REDUCTION)
-        values, to_logger, to_bar, (any_bad,) = self._metrics.reduce_step(
-            device=self.device, flags=(float(bad[0] != float("inf")),))
+        local, kept = self._metrics.read_step(also=() if pending is None else (pending,))
+        bad = self._nonfinite.judge(kept[0] if kept else None)  # this rank's first non-finite loss, if any
+        values, to_logger, to_bar, (any_bad,) = self._metrics.exchange_step(
+            local, device=self.device, flags=(float(bad[0] != float("inf")),))
         if any_bad:
             self._nonfinite.fail(bad, f"at logging step {self.global_step}")  # raises on every rank
         if values:
             self._publish(values, to_logger, to_bar)
 
     def _publish(self, values: dict[str, float], to_logger: dict[str, float], to_bar: dict[str, float]) -> None:
-        self.callback_metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()})
+        self.callback_metrics.update({k: torch.scalar_tensor(v, dtype=torch.float64) for k, v in values.items()})
         self.progress_bar_metrics.update(to_bar)
         if to_logger and not self.sanity_checking:
             self.log_metrics(dict(to_logger, epoch=self.current_epoch))
