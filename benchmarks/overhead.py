@@ -233,7 +233,7 @@ def profile(args: argparse.Namespace) -> None:
         stats = pstats.Stats(prof).sort_stats("tottime")
         print(f"\n=== cProfile: Trainer.fit, {name}, {total} steps, by own time ===")
         stats.print_stats(args.profile_top)
-        print(f"\n=== the same, keel's own code only (trainer/, callbacks/) ===")
+        print("\n=== the same, keel's own code only (trainer/, callbacks/) ===")
         stats.print_stats(r"keel|/(trainer|callbacks)/", args.profile_top)
 
 
@@ -350,7 +350,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", help=f"timed steps per run: one int, or model=int pairs "
                                    f"(default: {STEPS}; --quick: {QUICK_STEPS})")
     p.add_argument("--warmup", type=int, help="untimed steps at the start of each run (default: 10; --quick: 3)")
-    p.add_argument("--repeats", type=int, help="repeats of (loop, trainer, trainer+self.log) (default: 5; --quick: 2)")
+    p.add_argument("--repeats", type=int, help="repeats of (loop, trainer, trainer+self.log) (default: 9; --quick: 2)")
     p.add_argument("--nproc", type=int, default=2, help="processes of the DDP cases (default: 2)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds before a child launch is killed with all its ranks (default: 600)")
@@ -375,7 +375,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 steps[m] = int(value)
     args.steps = steps
     args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 10)
-    args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+    args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 9)  # odd: a true median
     if args.warmup < 1 or args.repeats < 1 or min(steps.values()) < 1:
         p.error("--warmup, --repeats and --steps must be >= 1")
     if args.single_only and args.ddp_only:

@@ -201,3 +201,13 @@ def test_a_logging_step_reads_the_host_once_in_one_process() -> None:
         trainer.fit(Regression(), DataLoader(regression_data(128), batch_size=8))
     assert per_step[1:] == [0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1]  # steps 2..12; the first window holds the setup
     assert set(trainer.callback_metrics) >= {"loss", "train/loss"}
+
+
+def test_read_to_host_keeps_every_value_exact_in_one_read() -> None:
+    from trainer.transfer import read_to_host
+
+    assert read_to_host([]) == []
+    assert read_to_host([torch.tensor(1.5), torch.tensor(float("nan"))])[0] == 1.5
+    assert read_to_host([torch.tensor(2**40 + 1), torch.tensor(1.0)]) == [2.0**40 + 1, 1.0]  # no float32 rounding
+    assert read_to_host([torch.ones(2), torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor(True)]) == [1.0, 1.0, 0.5, 1.0]
+    assert all(type(v) is float for v in read_to_host([torch.tensor(3), torch.tensor(4)]))

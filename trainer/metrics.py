@@ -47,7 +47,7 @@ from typing import Any, Literal, Sequence
 import torch
 
 from trainer import dist
-from trainer.transfer import infer_batch_size
+from trainer.transfer import infer_batch_size, read_to_host
 
 log = logging.getLogger(__name__)
 
@@ -160,23 +160,13 @@ def _compute(name: str, metric: Any) -> torch.Tensor | float:
     return _to_scalar(name, value)
 
 
-def _read(values: list[torch.Tensor | float], also: Sequence[torch.Tensor] = ()) -> tuple[list[float], list[list[float]]]:
-    """Host copies of ``values`` (scalars) and of the tensors ``also`` (any shape, flattened) with ONE
+def _read(values: list[torch.Tensor | float], also: Sequence[torch.Tensor] = ()) -> tuple[list[float], list[float]]:
+    """Host copies of ``values`` (scalars) and of the tensors ``also`` (flattened, in order) with ONE
     device-to-host transfer for all of them (a sync point)."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    # A metric object's state may sit on another device than the logged tensors: gather on the first one.
-    parts = [t.reshape(1) for t in tensors] + [t.reshape(-1) for t in also]
-    if not parts:
-        return [float(v) for v in values], []
-    device = parts[0].device
-    flat = torch.cat([t.to(device, torch.float64) for t in parts]).tolist() if len(parts) > 1 else \
-        parts[0].to(torch.float64).tolist()
+    flat = read_to_host(tensors + list(also))
     read = iter(flat[:len(tensors)])
-    out, start = [], len(tensors)
-    for t in also:
-        out.append(flat[start:start + t.numel()])
-        start += t.numel()
-    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values], out
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values], flat[len(tensors):]
 
 
 def _exchange(local: dict[str, tuple[Any, ...]], flags: list[float],
@@ -316,9 +306,10 @@ class MetricCollector:
         """
         return self.exchange_step(self.read_step()[0], device=device, flags=flags)
 
-    def read_step(self, also: Sequence[torch.Tensor] = ()) -> tuple[dict[str, tuple[Any, ...]], list[list[float]]]:
-        """This rank's step values on the host, and the host values of the tensors ``also`` (flattened), in ONE
-        device-to-host transfer (a logging step's only sync in one process); clears the step values.
+    def read_step(self, also: Sequence[torch.Tensor] = ()) -> tuple[dict[str, tuple[Any, ...]], list[float]]:
+        """This rank's step values on the host, and the host values of the tensors ``also`` (flattened, in
+        order), in ONE device-to-host transfer (a logging step's only sync in one process); clears the
+        step values.
 
         Metric objects are read with ``compute()`` here (their own collective)."""
         names = list(self._step)

@@ -3,11 +3,11 @@
 Checking every step's loss on the host would sync every step (DESIGN.md section 11). Instead the loop
 hands each optimizer step's loss (a detached device scalar) to :meth:`NonFiniteGuard.record`, which only
 keeps the reference; every so many steps the kept losses are stacked into one device tensor (one kernel,
-no host read; the step numbers stay on the host). :meth:`NonFiniteGuard.check` reads one number, the sum
-of the kept losses, and agrees on the verdict across ranks; only a non-finite sum leads to the search
-for the first bad step. The loop calls it where it syncs anyway: on logging steps, at epoch ends, before
-every checkpoint and at the end of ``fit``. All ranks call it at the same points, so all of them raise
-together, naming the same step.
+no host read; the step numbers stay on the host). The loop reads them where it syncs anyway, in the same
+transfer as what it reads there: on logging steps with the step metrics (:meth:`NonFiniteGuard.pending`
+and :meth:`NonFiniteGuard.judge`), and at epoch ends, before every checkpoint and at the end of ``fit``
+(:meth:`NonFiniteGuard.check`, which also agrees on the verdict across ranks). All ranks check at the same
+points, so all of them raise together, naming the same step.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from trainer import dist
+from trainer.transfer import read_to_host
 
 _FOLD_EVERY = 1024  # kept references before a device-side fold (bounds the list, never syncs)
 _NONE = float("inf")  # "no bad step" on the device
@@ -66,40 +67,33 @@ class NonFiniteGuard:
         self._folds.append((losses, self._steps))
         self._steps, self._losses = [], []
 
-    def pending(self) -> torch.Tensor | None:
-        """The losses kept since the last check, as one 1-D device tensor in step order (None: none kept,
-        or disabled): one stack per fold, no host read. Read it on the host with whatever else the caller
-        reads there and pass the numbers to :meth:`judge` (a logging step reads them with the step
-        metrics: one transfer of a few hundred bytes)."""
+    def pending(self) -> list[torch.Tensor]:
+        """The losses kept since the last check, in step order (each fold's 1-D tensor, then the scalars
+        recorded since): empty when none, or disabled. No kernel, no host read: the caller reads them on
+        the host together with whatever else it reads there (a logging step: with the step metrics, in
+        one stack and one transfer of a few hundred bytes) and passes the numbers to :meth:`judge`."""
         if not self.enabled:
             self.reset()
-            return None
-        self._fold()
-        folds = self._folds
-        if not folds:
-            return None
-        if len(folds) > 1:  # merged once, so that judge() indexes one list of steps
-            losses = torch.cat([f[0].to(folds[0][0].dtype) for f in folds])
-            self._folds = folds = [(losses, [step for _, fold_steps in folds for step in fold_steps])]
-        return folds[0][0]
+            return []
+        return [losses for losses, _ in self._folds] + self._losses
 
-    def judge(self, losses: Sequence[float] | None) -> tuple[float, float]:
+    def judge(self, losses: Sequence[float]) -> tuple[float, float]:
         """``(step, loss)`` of the first non-finite loss since the last check, ``(inf, 0)`` if none, given
-        ``losses``: the host values of :meth:`pending`. Forgets the kept losses."""
+        ``losses``: the host values of :meth:`pending`, in order. Forgets the kept losses."""
+        steps = self._steps
         folds = self._folds
         self.reset()
-        if not losses or not folds:
+        if math.isfinite(sum(losses)):  # a NaN or inf makes the sum non-finite; so can an overflow (searched)
             return _NONE, 0.0
         for index, loss in enumerate(losses):
             if not math.isfinite(loss):
-                return float(folds[0][1][index]), float(loss)
+                return float(([s for _, fold_steps in folds for s in fold_steps] + steps)[index]), float(loss)
         return _NONE, 0.0
 
     def verdict(self) -> tuple[float, float]:
         """This rank's ``(step, loss)`` of the first non-finite loss since the last check (``(inf, 0)``:
         none, or disabled), and forget the kept losses. One host read; no collective (see :meth:`check`)."""
-        losses = self.pending()
-        return self.judge(None if losses is None else losses.tolist())
+        return self.judge(read_to_host(self.pending()))
 
     def check(self, where: str) -> None:
         """Raise on every rank if any rank recorded a non-finite loss since the last check (one host read,

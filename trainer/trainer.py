@@ -583,8 +583,8 @@ class Trainer(TrainerAttributes):
             self._metrics.log("loss", self._step_loss, on_step=True, on_epoch=False, prog_bar=True, logger=False,
                               batch_size=None, reduce_fx="mean")
         self._beat(wd.PHASE_METRICS_REDUCTION)
-        local, kept = self._metrics.read_step(also=() if pending is None else (pending,))
-        bad = self._nonfinite.judge(kept[0] if kept else None)  # this rank's first non-finite loss, if any
+        local, kept = self._metrics.read_step(also=pending)
+        bad = self._nonfinite.judge(kept)  # this rank's first non-finite loss, if any
         values, to_logger, to_bar, (any_bad,) = self._metrics.exchange_step(
             local, device=self.device, flags=(float(bad[0] != float("inf")),))
         if any_bad:

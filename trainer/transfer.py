@@ -1,9 +1,11 @@
-"""Moving batches to the device and reading their size, without host-device syncs."""
+"""Moving batches to the device and reading their size without host-device syncs, and reading many small
+tensors back to the host in one transfer."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import operator
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -34,6 +36,23 @@ def move_to_device(batch: Any, device: torch.device, *, float_dtype: torch.dtype
         return obj
 
     return move(batch)
+
+
+_KIND = operator.attrgetter("dtype", "device", "ndim")
+
+
+def read_to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """The values of ``tensors`` (any shapes, flattened in order) as Python floats, with ONE device-to-host
+    transfer (one sync on CUDA), usually after a single stack. Mixed dtypes or devices go through float64
+    on the first tensor's device, which keeps ints and every float dtype exact."""
+    if not tensors:
+        return []
+    kinds = set(map(_KIND, tensors))  # one pass in C: a logging step reads ~50 scalars
+    dtype, _, ndim = next(iter(kinds))
+    if len(kinds) == 1 and ndim == 0 and dtype.is_floating_point:  # the usual case: float scalars, one device
+        return torch.stack(list(tensors)).tolist()
+    device = tensors[0].device
+    return torch.cat([t.reshape(-1).to(device, torch.float64) for t in tensors]).tolist()
 
 
 def infer_batch_size(batch: Any) -> int | None:
