@@ -168,42 +168,22 @@ class StepNormaliser:
         self.items: torch.Tensor | None = None  # items-mode count (on device)
         self.planned: int | None = None  # mean mode without a known window length: losses were divided by k
 
-    def scale(self, loss: torch.Tensor, num_items: Any, micro: MicroBatch,
-              detached: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor to backward for one micro-batch's (scalar) loss; ``detached``: ``loss.detach()`` if
-        the caller has it already."""
-        if detached is None:
-            detached = loss.detach()
-        elif detached.ndim:
-            detached = detached.reshape(())
-        if detached.dtype in _HALF:
-            detached = detached.float()
-        if num_items is None and self.mode is None:  # the usual case: a window's first micro-batch, mean mode
-            self.mode, self.ran, self.loss_sum = "mean", 1, detached
-        else:
-            self._add(detached, num_items)
-            if num_items is not None:
-                return loss  # items mode: a sum, normalised by the global count at the end of the step
-        divisor = micro.window_len
-        if divisor is None:
-            divisor = self.planned = micro.accumulate
-        return loss if divisor == 1 else loss / divisor
-
     def take(self, output: Any, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
-        """:func:`split_step_output` then :meth:`scale`: ``(tensor to backward, detached outputs)`` of what
-        ``training_step`` returned. A 0-dim loss in mean mode, the usual return, takes the short way."""
+        """``(tensor to backward, detached outputs for callbacks)`` for what ``training_step`` returned
+        (checked by :func:`split_step_output`). A 0-dim loss in mean mode on a window's first micro-batch,
+        the usual case, takes the short way."""
         if isinstance(output, torch.Tensor) and not output.ndim and output.requires_grad and self.mode is None:
             detached = output.detach()
             self.mode, self.ran = "mean", 1
             self.loss_sum = detached.float() if detached.dtype in _HALF else detached
-            divisor = micro.window_len
-            if divisor is None:
-                divisor = self.planned = micro.accumulate
-            return (output if divisor == 1 else output / divisor), {"loss": detached}
+            return self._divide(output, micro), {"loss": detached}
         loss, outputs, num_items = split_step_output(output)
         return self.scale(loss, num_items, micro, detached=outputs["loss"]), outputs
 
-    def _add(self, detached: torch.Tensor, num_items: Any) -> None:
+    def scale(self, loss: torch.Tensor, num_items: Any, micro: MicroBatch,
+              detached: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor to backward for one micro-batch's (scalar) loss; ``detached``: ``loss.detach()`` if
+        the caller has it already."""
         mode = "mean" if num_items is None else "items"
         if self.mode != mode:
             if self.mode is not None:
@@ -213,10 +193,25 @@ class StepNormaliser:
                 )
             self.mode = mode
         self.ran += 1
+        if detached is None:
+            detached = loss.detach()
+        elif detached.ndim:
+            detached = detached.reshape(())
+        if detached.dtype in _HALF:
+            detached = detached.float()
         self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
         if num_items is not None:
             count = _check_num_items(num_items, self.device)
             self.items = count if self.items is None else self.items + count
+            return loss  # items mode: a sum, normalised by the global count at the end of the step
+        return self._divide(loss, micro)
+
+    def _divide(self, loss: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
+        """Mean mode: by the real window length when known, else by the planned ``k`` (corrected in finish)."""
+        divisor = micro.window_len
+        if divisor is None:
+            divisor = self.planned = micro.accumulate
+        return loss if divisor == 1 else loss / divisor
 
     def finish(self) -> tuple[float | torch.Tensor | None, torch.Tensor | None, bool]:
         """End of the window: ``(grad_factor, step_loss, skip)``, and :meth:`reset` for the next one.
