@@ -264,8 +264,6 @@ def split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any], Any]:
         ValueError: naming what was returned and what is expected.
     """
     if isinstance(output, torch.Tensor):
-        if not output.ndim and output.requires_grad:  # the usual return, and all the checks below pass
-            return output, {"loss": output.detach()}, None
         loss, extras, num_items = output, {}, None
     elif isinstance(output, dict):
         if "loss" not in output:
