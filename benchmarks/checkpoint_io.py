@@ -32,8 +32,8 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from trainer import TaskModule, Trainer  # noqa: E402
-from trainer.checkpoint import CheckpointIO  # noqa: E402
-from trainer.model_checkpoint import ModelCheckpoint  # noqa: E402
+from trainer.checkpoint.files import CheckpointIO  # noqa: E402
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint  # noqa: E402
 
 
 class Big(TaskModule):

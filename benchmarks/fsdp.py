@@ -42,7 +42,7 @@ def _worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from trainer import Callback, TaskModule, Trainer
-    from trainer.model_checkpoint import ModelCheckpoint
+    from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 
     class Stack(TaskModule):
         def __init__(self) -> None:

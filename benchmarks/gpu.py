@@ -58,7 +58,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     from recipes.charlm import CharGPT
     from trainer import Callback, Trainer
-    from trainer.model_checkpoint import ModelCheckpoint
+    from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 
     cfg = SMOKE if args.smoke_on_cpu else FULL
     cuda = not args.smoke_on_cpu
@@ -168,7 +168,7 @@ def copy_overlap(device_index: int = 0) -> dict:
     compute stream vs keel's BatchCopier side stream: overlap shows as the second close to the larger part."""
     import torch
 
-    from trainer.transfer import BatchCopier, move_to_device
+    from trainer.data.transfer import BatchCopier, move_to_device
 
     device = torch.device("cuda", device_index)
     a = torch.randn(4096, 4096, device=device)

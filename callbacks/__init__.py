@@ -17,8 +17,8 @@ from callbacks.model_summary import ModelSummary
 from callbacks.throughput import ThroughputMonitor
 from callbacks.timer import Timer
 from trainer.callback import Callback
-from trainer.model_checkpoint import ModelCheckpoint
-from trainer.progress import ProgressBar
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+from trainer.observability.progress import ProgressBar
 
 __all__ = [
     "Callback",

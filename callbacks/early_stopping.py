@@ -6,7 +6,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any, Literal
 
-from trainer import dist
+from trainer.distributed import comm
 from trainer.callback import Callback
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -160,7 +160,7 @@ class EarlyStopping(Callback):
         # of this rank (float() syncs then, at a check only). Rank 0's value decides on every rank.
         value = float(trainer.callback_metrics[self.monitor])
         if trainer.world_size > 1:
-            value = float(dist.broadcast_object(value))  # type: ignore[arg-type]
+            value = float(comm.broadcast_object(value))  # type: ignore[arg-type]
         reason: str | None = None
         better = (lambda a, b: a < b) if self.mode == "min" else (lambda a, b: a > b)
         if self.check_finite and not math.isfinite(value):

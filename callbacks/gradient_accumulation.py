@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trainer.accumulation import AccumulationSchedule
+from trainer.step.accumulation import AccumulationSchedule
 from trainer.callback import Callback
 
 if TYPE_CHECKING:  # pragma: no cover

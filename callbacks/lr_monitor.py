@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from trainer.callback import Callback
-from trainer.rank_zero import rank_zero_warn
+from trainer.observability.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.module import TaskModule

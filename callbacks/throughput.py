@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer import dist
+from trainer.distributed import comm
 from trainer.callback import Callback
-from trainer.transfer import infer_batch_size
+from trainer.data.transfer import infer_batch_size
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.module import TaskModule
@@ -140,7 +140,7 @@ class ThroughputMonitor(Callback):
             local_items = sum(numbers) + (float(torch.stack(tensors).sum()) if tensors else 0.0)  # one host read
         if trainer.world_size > 1:
             # Collective on every rank (even those without num_items), on logging steps only.
-            gathered = [v for v in dist.all_gather_object(local_items) if v is not None]
+            gathered = [v for v in comm.all_gather_object(local_items) if v is not None]
             global_items = sum(gathered) if gathered else None  # type: ignore[arg-type]
         else:
             global_items = local_items

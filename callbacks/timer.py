@@ -8,7 +8,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
-from trainer import dist
+from trainer.distributed import comm
 from trainer.callback import Callback
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -140,7 +140,7 @@ class Timer(Callback):
 
     def _check(self, trainer: Trainer) -> None:
         """Collective: rank 0's elapsed time, broadcast; every rank then takes the same decision."""
-        elapsed = float(dist.broadcast_object(self.time_elapsed() if trainer.is_global_zero else None))
+        elapsed = float(comm.broadcast_object(self.time_elapsed() if trainer.is_global_zero else None))
         assert self.duration is not None
         if elapsed >= self.duration:
             trainer.should_stop = True

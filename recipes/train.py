@@ -34,11 +34,12 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.config_callback import CONFIG_FILE, SaveConfig  # noqa: F401  (CONFIG_FILE: re-exported)
+from recipes.config_callback import SaveConfig
 from recipes.config_dir import config_dir
 from recipes.trainer_schema import check_overrides  # importing it registers trainer/options_schema
 from trainer import Callback, DataModule, TaskModule, Trainer, seed_everything
-from trainer.loggers import CSVLogger, Logger, TensorBoardLogger, run_identity
+from trainer.loggers.local import CSVLogger, TensorBoardLogger
+from trainer.loggers.logger import Logger, run_identity
 
 log = logging.getLogger("recipes.train")  # also when run as __main__ (python -m recipes.train)
 
@@ -189,7 +190,7 @@ def _check_sweep_launcher() -> None:
     """Refuses a ``-m`` sweep run by Hydra's basic launcher inside a torchrun/SLURM job.
 
     The basic launcher runs the sweep's jobs one after another in this process. Inside a torchrun or
-    SLURM job they would all share the job's run identity (``trainer.loggers.run_identity``), so every
+    SLURM job they would all share the job's run identity (``trainer.loggers.local.run_identity``), so every
     job after the first would land in the first job's run directory and resume its checkpoint. Hydra's
     submitit launcher runs each job as its own SLURM job and is not affected.
     """

@@ -13,7 +13,7 @@ from callbacks import GradientAccumulationScheduler
 from launch import REPO_ROOT, python, torchrun
 from models import Regression, loader, make_net, quiet, regression_data
 from trainer import Callback, Trainer
-from trainer.accumulation import AccumulationSchedule
+from trainer.step.accumulation import AccumulationSchedule
 
 TOKENS = REPO_ROOT / "tests" / "scripts" / "token_accum.py"
 

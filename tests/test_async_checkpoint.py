@@ -1,4 +1,4 @@
-"""Async checkpoint saves (ModelCheckpoint(async_save=True), trainer/async_checkpoint.py), failed saves
+"""Async checkpoint saves (ModelCheckpoint(async_save=True), trainer/checkpoint/async_save.py), failed saves
 (disk full, no permission: the error names the file, bytes needed and free, and the intact previous
 checkpoint) and the ``last`` pointer's file mode."""
 
@@ -21,12 +21,14 @@ from torch import nn
 from launch import REPO_ROOT, python, torchrun
 from models import Regression, loader, quiet, regression_data
 from trainer import Callback, Trainer
-from trainer import checkpoint as ckpt_module
-from trainer import checkpoint_io
-from trainer.async_checkpoint import AsyncCheckpointer, CpuStager, stage_to_cpu
-from trainer.checkpoint import POINTER_NAME, CheckpointIO, CheckpointSaveError, write_pointer
-from trainer.model_checkpoint import ModelCheckpoint, read_pointer
-from trainer.preemption import PREEMPTED_EXIT_CODE
+from trainer.checkpoint import state as ckpt_module
+from trainer.checkpoint import files as checkpoint_io
+from trainer.checkpoint.files import tensor_bytes
+from trainer.checkpoint.async_save import AsyncCheckpointer, CpuStager, stage_to_cpu
+from trainer.checkpoint.files import POINTER_NAME, CheckpointIO, CheckpointSaveError, write_pointer
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+from trainer.checkpoint.files import read_pointer
+from trainer.distributed.preemption import PREEMPTED_EXIT_CODE
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "async_fit.py"
 SYNC_SCRIPT = REPO_ROOT / "tests" / "scripts" / "resume_fit.py"
@@ -395,7 +397,7 @@ def test_async_save_on_a_full_disk_fails_the_fit_naming_the_file(small_disk: Pat
     assert info.value.errno == errno.ENOSPC
     first = small_disk / "epoch=0-step=1.ckpt"
     assert_save_error(info.value, small_disk / "epoch=0-step=2.ckpt",
-                      needed=ckpt_module.tensor_bytes(CheckpointIO().load(first)),  # same shapes at every step
+                      needed=tensor_bytes(CheckpointIO().load(first)),  # same shapes at every step
                       reason="No space left on device (ENOSPC)", previous=first)
     assert read_pointer(small_disk) == ["epoch=0-step=1.ckpt"]
     assert sorted(os.listdir(small_disk)) == ["epoch=0-step=1.ckpt", POINTER_NAME]

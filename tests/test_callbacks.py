@@ -29,7 +29,7 @@ from callbacks.lr_monitor import lr_metric_names
 from callbacks.timer import parse_duration
 from models import Regression, loader, quiet, regression_data
 from trainer import Callback, Trainer
-from trainer.loggers import CSVLogger, TensorBoardLogger
+from trainer.loggers.local import CSVLogger, TensorBoardLogger
 
 
 def read_csv(logger: CSVLogger) -> list[dict[str, str]]:

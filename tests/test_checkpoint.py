@@ -13,9 +13,11 @@ import torch
 from launch import REPO_ROOT, python, torchrun
 from models import Regression, loader, quiet, regression_data
 from trainer import Trainer
-from trainer.checkpoint import CheckpointError, CheckpointIO, export_weights
-from trainer.model_checkpoint import ModelCheckpoint, read_pointer
-from trainer.preemption import PREEMPTED_EXIT_CODE
+from trainer.checkpoint.files import CheckpointError, CheckpointIO
+from trainer.checkpoint.state import export_weights
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+from trainer.checkpoint.files import read_pointer
+from trainer.distributed.preemption import PREEMPTED_EXIT_CODE
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "resume_fit.py"
 pytestmark = pytest.mark.multiprocess

@@ -1,4 +1,4 @@
-"""Tests for trainer/data.py: samplers and loader adaptation (single process; ranks simulated)."""
+"""Tests for trainer/data/loaders.py: samplers and loader adaptation (single process; ranks simulated)."""
 
 from __future__ import annotations
 
@@ -22,13 +22,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from trainer.data import (
-    AdaptedLoader,
-    EvalShardSampler,
-    ResumableDistributedSampler,
-    adapt_eval_loader,
-    adapt_train_loader,
-)
+from trainer.data.loaders import AdaptedLoader, EvalShardSampler, ResumableDistributedSampler, adapt_eval_loader, adapt_train_loader
 
 _LOSS_TRAIN = "will not shard it across the 2 ranks"
 _LOSS_RESUME = "cannot resume mid-epoch exactly"

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-import trainer.dist
+import trainer.distributed.comm
 from launch import free_port, python, torchrun
 from trainer import doctor
 
@@ -49,12 +49,12 @@ def test_relevant_env_vars():
 
 
 def test_wrong_collective_result_is_named(single_process_env, monkeypatch, capsys):
-    real = trainer.dist.all_reduce
+    real = trainer.distributed.comm.all_reduce
 
     def off_by_one(tensor, op="sum"):
         return real(tensor, op).add_(1)
 
-    monkeypatch.setattr(trainer.dist, "all_reduce", off_by_one)
+    monkeypatch.setattr(trainer.distributed.comm, "all_reduce", off_by_one)
     assert doctor.main(["--init-timeout", "5"]) == doctor.EXIT_FAIL
     out = capsys.readouterr().out
     assert "FAIL all_reduce: rank 0 got 2.0, expected 1.0" in out

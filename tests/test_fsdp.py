@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from launch import REPO_ROOT, python, torchrun
-from trainer.checkpoint import read_pointer
+from trainer.checkpoint.files import read_pointer
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "fsdp_fit.py"
 pytestmark = pytest.mark.multiprocess
@@ -96,7 +96,7 @@ def test_sigkill_under_torchrun_resumes_bit_identical_and_reshards_to_one_rank(t
     assert one["global_step"] == 12 and one["world_size"] == 1
     # export_weights: one plain file from the 2-rank folder, no process group, loads into the bare task.
     out = tmp_path / "weights.pt"
-    code = ("import sys, torch; sys.path.insert(0, 'tests/scripts'); from trainer.checkpoint import export_weights; "
+    code = ("import sys, torch; sys.path.insert(0, 'tests/scripts'); from trainer.checkpoint.state import export_weights; "
             f"export_weights({str(last)!r}, {str(out)!r}); from fsdp_fit import BlockNet; t = BlockNet(); "
             f"t.load_state_dict(torch.load({str(out)!r}, weights_only=True)); "
             f"u = BlockNet.load_from_checkpoint({str(last)!r}); "
@@ -113,7 +113,8 @@ class _Evil:
 
 
 def test_crafted_metadata_is_refused_naming_the_file(tmp_path: Path) -> None:
-    from trainer.checkpoint import CheckpointError, load_meta
+    from trainer.checkpoint.files import CheckpointError
+    from trainer.checkpoint.state import load_meta
 
     folder = tmp_path / "epoch=0-step=1.ckpt"
     folder.mkdir()
@@ -148,7 +149,7 @@ from torch.utils.data import DataLoader
 from torch.distributed.checkpoint import FileSystemWriter
 from fsdp_fit import BlockNet, data
 from trainer import Trainer
-from trainer.checkpoint import CheckpointSaveError
+from trainer.checkpoint.files import CheckpointSaveError
 trainer = Trainer(max_steps=2, strategy='fsdp', precision='64', logger=False, enable_progress_bar=False,
                   enable_checkpointing=False, num_sanity_val_steps=0)
 task = BlockNet()
@@ -172,7 +173,7 @@ except CheckpointSaveError as exc:
 
 
 def test_async_staging_reuses_its_cpu_buffers_and_always_copies_the_current_values() -> None:
-    from trainer.sharded_checkpoint import ReusedStaging
+    from trainer.checkpoint.sharded import ReusedStaging
 
     w = torch.arange(4.0)
     state = {"model": {"w": w}, "optimizers": [{"state": {"w": {"step": torch.tensor(1.0)}}, "param_groups": [{"lr": 0.1}]}]}

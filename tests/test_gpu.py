@@ -82,7 +82,7 @@ sys.path.insert(0, 'tests'); sys.path.insert(0, 'tests/scripts')
 from torch.utils.data import DataLoader, TensorDataset
 from fsdp_fit import BlockNet, data
 from trainer import Trainer
-from trainer.checkpoint import export_weights
+from trainer.checkpoint.state import export_weights
 task = BlockNet()
 trainer = Trainer(max_steps=4, accelerator='cuda', strategy='fsdp', precision='bf16-mixed', fsdp_cpu_offload=True,
                   logger=False, enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0)
@@ -115,10 +115,10 @@ def test_ordinary_steps_never_sync_the_host(tmp_path, strategy, precision, clip)
 
 
 def test_pinned_batches_are_copied_on_keels_stream_and_arrive_intact() -> None:
-    """trainer.transfer.BatchCopier: pinned batches on a side stream (the compute stream waits on the
+    """trainer.data.transfer.BatchCopier: pinned batches on a side stream (the compute stream waits on the
     device), unpinned ones on the compute stream; values intact either way. Overlap itself is measured by
     benchmarks/gpu.py (batch_copy_overlap), not asserted here."""
-    from trainer.transfer import BatchCopier
+    from trainer.data.transfer import BatchCopier
 
     device = torch.device("cuda")
     copier = BatchCopier(device, float_dtype=None, overlap=True)

@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader
 from models import Regression, quiet, regression_data
 from trainer import Callback, TaskModule, Trainer
 from trainer.hooks import TrainHooks, overrides
-from trainer.nonfinite import NonFiniteGuard
-from trainer.precision import Precision
-from trainer.transfer import BatchCopier
+from trainer.step.nonfinite import NonFiniteGuard
+from trainer.step.precision import Precision
+from trainer.data.transfer import BatchCopier
 
 
 class Recorder(Callback):
@@ -151,7 +151,7 @@ def test_batch_copier_on_cpu_is_move_to_device() -> None:
 
 
 def test_step_adapter_runs_training_step_without_module_dispatch() -> None:
-    from trainer.parallel import StepAdapter
+    from trainer.distributed.strategy import StepAdapter
 
     class Task(TaskModule):
         def training_step(self, batch):  # no batch_idx, as Lightning allows
@@ -163,7 +163,7 @@ def test_step_adapter_runs_training_step_without_module_dispatch() -> None:
 
 
 def test_step_adapter_binds_a_training_step_replaced_on_the_instance() -> None:
-    from trainer.parallel import StepAdapter
+    from trainer.distributed.strategy import StepAdapter
 
     task = Regression()
     adapter = StepAdapter(task)
@@ -204,7 +204,7 @@ def test_a_logging_step_reads_the_host_once_in_one_process() -> None:
 
 
 def test_read_to_host_keeps_every_value_exact_in_one_read() -> None:
-    from trainer.transfer import read_to_host
+    from trainer.data.transfer import read_to_host
 
     assert read_to_host([]) == []
     assert read_to_host([torch.tensor(1.5), torch.tensor(float("nan"))])[0] == 1.5

@@ -30,14 +30,10 @@ def test_imports_point_recipes_to_callbacks_to_trainer() -> None:
             assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-# The only modules that may import torch.distributed (DESIGN.md section 1).
-DISTRIBUTED_MODULES = {"dist.py", "parallel.py", "checkpoint.py", "sharded_checkpoint.py"}
-
-
 def test_torch_distributed_only_in_dist_parallel_and_checkpoint_modules() -> None:
     for package in ("trainer", "callbacks"):
         for path in (ROOT / package).rglob("*.py"):
-            if path.parent == ROOT / "trainer" and path.name in DISTRIBUTED_MODULES:
+            if path.parent in (ROOT / "trainer" / "distributed", ROOT / "trainer" / "checkpoint"):
                 continue
             bad = {m for m in imported_modules(path) if m.startswith("torch.distributed")}
             assert not bad and "torch.distributed." not in path.read_text(), path
@@ -69,7 +65,8 @@ def test_file_sizes() -> None:
 
 def _import_graph() -> dict[str, set[str]]:
     """trainer's modules -> the trainer modules they import: top level, in functions and under TYPE_CHECKING."""
-    modules = {f"trainer.{p.stem}": p for p in (ROOT / "trainer").glob("*.py") if p.stem != "__init__"}
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in (ROOT / "trainer").rglob("*.py")
+               if p.stem != "__init__"}
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -100,7 +97,8 @@ def test_modules_split_out_of_the_trainer_open_no_import_circle() -> None:
     """What trainer.py hands off takes its inputs as arguments: none of these modules imports the Trainer,
     directly or through another module (type-checking imports count too)."""
     graph = _import_graph()
-    for name in ("trainer.parallel", "trainer.evaluation", "trainer.lifecycle", "trainer.launcher", "trainer.optim",
-                 "trainer.dist", "trainer.data", "trainer.accumulation"):
+    for name in ("trainer.distributed.strategy", "trainer.evaluation", "trainer.lifecycle",
+                 "trainer.distributed.launcher", "trainer.step.optim", "trainer.distributed.comm", "trainer.data.loaders",
+                 "trainer.step.accumulation"):
         assert not _reaches(graph, name, "trainer.trainer"), f"{name} reaches trainer.trainer through its imports"
         assert not _reaches(graph, name, name), f"{name} is part of an import circle"

@@ -298,7 +298,7 @@ def test_model_checkpoint_lightning_keywords(tmp_path: Path, caplog: pytest.LogC
     checkpoint = L.ModelCheckpoint(dirpath=str(tmp_path), filename="epoch_{epoch:03d}-{val/loss:.2f}", monitor="val/loss",
                                    verbose=True, save_last=True, auto_insert_metric_name=False, save_weights_only=True,
                                    save_on_train_epoch_end=False, save_top_k=2, enable_version_counter=True)
-    with caplog.at_level(logging.INFO, logger="trainer.model_checkpoint"):
+    with caplog.at_level(logging.INFO, logger="trainer.checkpoint.model_checkpoint"):
         Trainer(**quiet(max_epochs=2, callbacks=[checkpoint])).fit(Regression(), data(), data(16))
     files = sorted(os.listdir(tmp_path))
     assert "last.ckpt" in files and any(f.startswith("epoch_000-") for f in files), files
@@ -369,7 +369,7 @@ def test_a_lightning_module_class_gets_a_porting_hint() -> None:
 
 # ---------------------------------------------------------------------------- nothing fails silently
 def test_rank_zero_info_prints_before_any_trainer() -> None:
-    code = ("from trainer.rank_zero import rank_zero_info, rank_zero_warn\n"
+    code = ("from trainer.observability.rank_zero import rank_zero_info, rank_zero_warn\n"
             "rank_zero_info('hello %s', 'info')\nrank_zero_warn('hello warn')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert "hello info" in out.stderr and "hello warn" in out.stderr, out
@@ -412,11 +412,12 @@ def test_nan_then_finite_loss_is_still_caught_before_a_checkpoint(tmp_path: Path
 
 
 def test_logger_experiment_on_another_rank_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainer import dist
-    from trainer.loggers import DummyExperiment, TensorBoardLogger
+    from trainer.distributed import comm
+    from trainer.loggers.logger import DummyExperiment
+    from trainer.loggers.local import TensorBoardLogger
 
     logger = TensorBoardLogger(str(tmp_path), version=0)
-    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(comm, "get_rank", lambda: 1)
     experiment = logger.experiment
     assert isinstance(experiment, DummyExperiment)
     experiment.add_image("x", torch.zeros(3, 2, 2), 0)

@@ -17,10 +17,10 @@ from torch.utils.data import DataLoader, TensorDataset
 import trainer.trainer as trainer_module
 from models import Regression, quiet, regression_data
 from trainer import TaskModule, Trainer
-from trainer.checkpoint import CheckpointIO
-from trainer.dist import detect_env
-from trainer.loggers import CSVLogger
-from trainer.model_checkpoint import ModelCheckpoint
+from trainer.checkpoint.files import CheckpointIO
+from trainer.distributed.launcher import detect_env
+from trainer.loggers.local import CSVLogger
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.options import LIGHTNING_UNSUPPORTED, TrainerOptions, check_lightning_keywords
 
 
@@ -326,7 +326,7 @@ def test_module_valued_hparam_is_left_out_with_a_warning(tmp_path: Path, caplog:
     torch.manual_seed(0)
     task = BackboneTask(nn.Linear(8, 4), lr=0.03)
     assert isinstance(task.hparams.backbone, nn.Linear)  # in memory, as in Lightning
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint.state"):
         path = fit_with_checkpoint(task, tmp_path)
     assert "hparams['backbone'] (Linear) is not a plain value" in caplog.text
     state = torch.load(path, weights_only=True)  # nothing in the file needs unpickling of code

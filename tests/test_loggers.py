@@ -1,4 +1,4 @@
-"""Tests for trainer/loggers.py: version folders, CSV and TensorBoard output, the ``logger`` option."""
+"""Tests for trainer/loggers/local.py: version folders, CSV and TensorBoard output, the ``logger`` option."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer import loggers as loggers_mod
-from trainer.loggers import CSVLogger, Logger, TensorBoardLogger, default_loggers, flatten_params
+from trainer.loggers import local as loggers_mod
+from trainer.loggers import logger as logger_mod
+from trainer.loggers.local import CSVLogger, TensorBoardLogger, default_loggers
+from trainer.loggers.logger import Logger, flatten_params
 
 
 # ---------------------------------------------------------------------------------------------- versions
@@ -74,13 +76,13 @@ def test_resolve_uses_rank_zero_choice(tmp_path: Path, monkeypatch: pytest.Monke
     """On a non-zero rank the folder is not scanned; the broadcast value (rank 0's) is taken."""
     (tmp_path / "keel_logs" / "version_0").mkdir(parents=True)
     sent = []
-    monkeypatch.setattr(loggers_mod.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(loggers_mod.comm, "get_rank", lambda: 1)
 
     def fake_broadcast(obj: object, src: int = 0) -> object:
         sent.append(obj)
         return 4  # rank 0's pick
 
-    monkeypatch.setattr(loggers_mod.dist, "broadcast_object", fake_broadcast)
+    monkeypatch.setattr(loggers_mod.comm, "broadcast_object", fake_broadcast)
     logger = Logger(tmp_path)
     logger.resolve_version()
     assert sent == [None] and logger.version == 4
@@ -240,7 +242,7 @@ def test_import_is_lazy() -> None:
     import subprocess
 
     code = (
-        "import sys, trainer.loggers, trainer.progress; "
+        "import sys, trainer.loggers, trainer.observability.progress; "
         "bad = [m for m in ('tensorboard', 'torch.utils.tensorboard') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -262,7 +264,7 @@ def test_jobs_starting_together_claim_different_run_directories(
     second.resolve_version()
     assert (first.version, second.version) == (0, 1)
     root = tmp_path / "keel_logs"
-    assert [(root / f"version_{n}" / loggers_mod.RUN_ID_MARKER).read_text() for n in (0, 1)] == [
+    assert [(root / f"version_{n}" / logger_mod.RUN_ID_MARKER).read_text() for n in (0, 1)] == [
         "slurm:11.batch", "slurm:12.batch"]
     requeued = Logger(tmp_path)  # job 12 again (a requeue): its own folder back
     requeued.resolve_version()
@@ -273,4 +275,4 @@ def test_submitit_local_jobs_have_their_own_identity(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("SLURM_JOB_ID", "5")  # submitit_local started inside an allocation
     monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "4242")
-    assert loggers_mod.run_identity().startswith("submitit-local:") and loggers_mod.run_identity().endswith(":4242")
+    assert logger_mod.run_identity().startswith("submitit-local:") and logger_mod.run_identity().endswith(":4242")

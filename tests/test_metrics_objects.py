@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -124,10 +123,10 @@ class FakeWorld:
 def world(monkeypatch: pytest.MonkeyPatch) -> FakeWorld:
     w = FakeWorld(2)
     for name in ("all_gather_object", "all_gather_tensor", "all_reduce"):
-        monkeypatch.setattr(metrics_mod.dist, name, getattr(w, name))
-    monkeypatch.setattr(metrics_mod.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(metrics_mod.dist, "get_world_size", lambda: w.n)
-    monkeypatch.setattr(metrics_mod.dist, "is_rank_zero", lambda: w.local.rank == 0)
+        monkeypatch.setattr(metrics_mod.comm, name, getattr(w, name))
+    monkeypatch.setattr(metrics_mod.comm, "is_initialized", lambda: True)
+    monkeypatch.setattr(metrics_mod.comm, "get_world_size", lambda: w.n)
+    monkeypatch.setattr(metrics_mod.comm, "is_rank_zero", lambda: w.local.rank == 0)
     return w
 
 

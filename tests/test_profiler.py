@@ -1,4 +1,4 @@
-"""Tests for trainer/profiler.py: the Profiler contract, SimpleProfiler's table, PyTorchProfiler's traces."""
+"""Tests for trainer/observability/profiler.py: the Profiler contract, SimpleProfiler's table, PyTorchProfiler's traces."""
 
 from __future__ import annotations
 
@@ -11,13 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.profiler import (
-    PassThroughProfiler,
-    Profiler,
-    PyTorchProfiler,
-    SimpleProfiler,
-    resolve_profiler,
-)
+from trainer.observability.profiler import PassThroughProfiler, Profiler, PyTorchProfiler, SimpleProfiler, resolve_profiler
 
 
 class FakeClock:
@@ -128,7 +122,7 @@ def test_simple_profiler_teardown_logs_on_rank_zero_writes_file_and_resets(
     profiler.setup("fit", run_dir=str(tmp_path), rank=0)
     with profiler.profile("optimizer_step"):
         pass
-    with caplog.at_level(logging.INFO, logger="trainer.profiler"):
+    with caplog.at_level(logging.INFO, logger="trainer.observability.profiler"):
         profiler.teardown("fit")
     assert "Profiler summary (fit, rank 0)" in caplog.text and "optimizer_step" in caplog.text
     written = (tmp_path / "perf-fit-rank0.txt").read_text()
@@ -140,7 +134,7 @@ def test_simple_profiler_teardown_logs_on_rank_zero_writes_file_and_resets(
     other.setup("fit", run_dir=str(tmp_path), rank=1)
     with other.profile("optimizer_step"):
         pass
-    with caplog.at_level(logging.INFO, logger="trainer.profiler"):
+    with caplog.at_level(logging.INFO, logger="trainer.observability.profiler"):
         other.teardown("fit")
     assert caplog.text == ""  # rank 1 logs nothing
     assert (tmp_path / "perf-fit-rank1.txt").is_file()  # but keeps its own numbers

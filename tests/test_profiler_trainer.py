@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from launch import torchrun
 from trainer import TaskModule, Trainer
-from trainer.model_checkpoint import ModelCheckpoint
-from trainer.profiler import PassThroughProfiler, Profiler, PyTorchProfiler, SimpleProfiler
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+from trainer.observability.profiler import PassThroughProfiler, Profiler, PyTorchProfiler, SimpleProfiler
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "profiler_fit.py"
 
@@ -75,7 +75,7 @@ class Recording(SimpleProfiler):
 
 def test_simple_profiler_table_of_a_fit(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     profiler = Recording()
-    with caplog.at_level(logging.INFO, logger="trainer.profiler"):
+    with caplog.at_level(logging.INFO, logger="trainer.observability.profiler"):
         trainer = _fit(tmp_path, profiler=profiler)
     assert trainer.profiler is profiler
     counts = {name: int(stats[0]) for name, stats in profiler.tables["fit"].items()}

@@ -1,4 +1,4 @@
-"""Tests for trainer/progress.py with a fake trainer (a SimpleNamespace holding what the bar reads)."""
+"""Tests for trainer/observability/progress.py with a fake trainer (a SimpleNamespace holding what the bar reads)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from trainer import progress as progress_mod
-from trainer.progress import ProgressBar
+from trainer.observability import progress as progress_mod
+from trainer.observability.progress import ProgressBar
 
 
 class TTYStream(io.StringIO):
@@ -88,13 +88,13 @@ def test_not_tty_logs_every_n_steps(
     stream = io.StringIO()
     bar = ProgressBar(log_every_n_steps_when_not_tty=2, stream=stream)
     trainer = make_trainer(world_size=2)
-    caplog.set_level(logging.INFO, logger="trainer.progress")
+    caplog.set_level(logging.INFO, logger="trainer.observability.progress")
     bar.on_train_start(trainer, None)  # type: ignore[arg-type]
     for _ in range(2):  # 2 epochs x 8 micro-batches, accumulate 2 -> 8 steps
         run_epoch(bar, trainer, clock=clock, metrics_at_step=lambda s: {"loss": 1.0 / s, "val/acc": 0.123456})
     bar.teardown(trainer, None, "fit")  # type: ignore[arg-type]
 
-    lines = [r.getMessage() for r in caplog.records if r.name == "trainer.progress"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "trainer.observability.progress"]
     assert len(lines) == 4  # steps 2, 4, 6, 8
     assert stream.getvalue() == ""  # no bar on a non-terminal
     # Each step: 2 micro-batches of 0.5 s with 4 samples x 2 ranks each -> 16 samples/s; 1 s per step.
@@ -108,7 +108,7 @@ def test_not_tty_total_from_max_steps_and_unknown_total(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(progress_mod, "_now", FakeClock())
-    caplog.set_level(logging.INFO, logger="trainer.progress")
+    caplog.set_level(logging.INFO, logger="trainer.observability.progress")
     trainer = make_trainer(max_steps=3, accumulate_grad_batches=1, num_training_batches=4)
     bar = ProgressBar(log_every_n_steps_when_not_tty=1, stream=io.StringIO())
     bar.on_train_start(trainer, None)  # type: ignore[arg-type]
@@ -148,13 +148,13 @@ def test_non_zero_rank_does_nothing(
         bar.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
         bar.teardown(trainer, None, "fit")  # type: ignore[arg-type]
         assert stream.getvalue() == ""
-    assert not [r for r in caplog.records if r.name == "trainer.progress"]
+    assert not [r for r in caplog.records if r.name == "trainer.observability.progress"]
 
 
 def test_tty_bar_writes_and_closes_at_epoch_end(
     caplog: pytest.LogCaptureFixture, no_tensor_reads: None
 ) -> None:
-    caplog.set_level(logging.INFO, logger="trainer.progress")
+    caplog.set_level(logging.INFO, logger="trainer.observability.progress")
     stream = TTYStream()
     bar = ProgressBar(refresh_rate=2, stream=stream)
     trainer = make_trainer(progress_bar_metrics={"loss": 0.693147})
@@ -168,7 +168,7 @@ def test_tty_bar_writes_and_closes_at_epoch_end(
     text = stream.getvalue()
     assert "Epoch 0" in text and "8/8" in text
     assert "step=4" in text and "loss=0.6931" in text and "samples/s=" in text
-    assert not [r for r in caplog.records if r.name == "trainer.progress"]  # a bar, not log lines
+    assert not [r for r in caplog.records if r.name == "trainer.observability.progress"]  # a bar, not log lines
 
 
 def test_tty_postfix_refreshes_every_refresh_rate_batches(no_tensor_reads: None) -> None:

@@ -40,7 +40,7 @@ from recipes.config_dir import config_dir  # noqa: E402
 from recipes.train import build  # noqa: E402  (also registers trainer/options_schema)
 from recipes.trainer_schema import check_overrides, config_keys  # noqa: E402
 from trainer import Callback, DataModule, TaskModule, Trainer  # noqa: E402
-from trainer.loggers import Logger  # noqa: E402
+from trainer.loggers.logger import Logger  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TESTS_DIR = Path(__file__).resolve().parent

@@ -17,7 +17,7 @@ pytest.importorskip("sklearn", reason="the digits recipe needs scikit-learn (pip
 
 from launch import REPO_ROOT, torchrun  # noqa: E402
 
-from trainer.loggers import RUN_ID_MARKER  # noqa: E402
+from trainer.loggers.logger import RUN_ID_MARKER  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from launch import REPO_ROOT, free_port, python, torchrun
-from trainer.data import shard_iterable
+from trainer.data.loaders import shard_iterable
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "robustness.py"
 pytestmark = pytest.mark.multiprocess

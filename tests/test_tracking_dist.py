@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from launch import torchrun
-from trainer import wandb_records
+from trainer.loggers import wandb_records
 
 pytestmark = pytest.mark.multiprocess
 

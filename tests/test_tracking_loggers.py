@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer import wandb_records
-from trainer.loggers import Logger, MLFlowLogger, WandbLogger
+from trainer.loggers import wandb_records
+from trainer.loggers.logger import Logger
+from trainer.loggers.mlflow import MLFlowLogger
+from trainer.loggers.wandb import WandbLogger
 
 TESTS = Path(__file__).resolve().parent
 
@@ -122,7 +124,7 @@ def test_mlflow_resume_continues_the_run_without_duplicate_steps(tmp_path: Path,
     run_id = first.run_id
     # killed: no finalize. The restart resumed from the checkpoint of step 3 and re-runs steps 4 and 5.
     again = MLFlowLogger(experiment_name="exp", save_dir=tmp_path, version=0)
-    with caplog.at_level(logging.WARNING, logger="trainer.mlflow_logger"):
+    with caplog.at_level(logging.WARNING, logger="trainer.loggers.mlflow"):
         again.log_hyperparams({"lr": 0.2, "seed": 1, "new": "x"})
     assert again.run_id == run_id
     assert "lr: '0.1' -> '0.2'" in caplog.text

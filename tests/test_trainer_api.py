@@ -11,8 +11,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from models import Regression, loader, make_net, quiet, regression_data
-from trainer import Callback, DataModule, TaskModule, Trainer
-from trainer.optim import parse_optimizers
+from trainer import Callback, DataModule, Trainer
+from trainer.step.optim import parse_optimizers
 
 
 class Recorder(Callback):

@@ -1,4 +1,4 @@
-"""Hang watchdog (trainer/watchdog.py): stacks dumped, phase named, process ended."""
+"""Hang watchdog (trainer/distributed/watchdog.py): stacks dumped, phase named, process ended."""
 
 from __future__ import annotations
 
@@ -11,12 +11,7 @@ from pathlib import Path
 import pytest
 
 from launch import python, torchrun
-from trainer.watchdog import (
-    PHASE_TRAINING_STEP,
-    Watchdog,
-    describe_phase,
-    nccl_flight_recorder_env_defaults,
-)
+from trainer.distributed.watchdog import PHASE_TRAINING_STEP, Watchdog, describe_phase, nccl_flight_recorder_env_defaults
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -31,7 +26,7 @@ def test_fires_after_timeout_and_names_the_sleeping_function(tmp_path, caplog):
         # "Hangs" until the watchdog fires: no fixed sleep, the wait ends as soon as it does.
         assert fired.wait(timeout=10), "the watchdog did not fire within 10 s"
 
-    with caplog.at_level(logging.ERROR, logger="trainer.watchdog"):
+    with caplog.at_level(logging.ERROR, logger="trainer.distributed.watchdog"):
         sleeping_in_training_step()
         watchdog.stop()
 
@@ -122,7 +117,7 @@ def test_nccl_flight_recorder_env_defaults(tmp_path):
 
 _HOLD_THE_GIL = """
 import ctypes, sys, time
-import trainer.watchdog as w
+import trainer.distributed.watchdog as w
 w.BACKSTOP_GRACE_S = 1.0
 watchdog = w.Watchdog(0.5, run_dir=sys.argv[1], rank=0, on_fire=lambda: print("on_fire ran"), poll=0.05)
 watchdog.start()

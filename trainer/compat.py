@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from trainer.accumulation import estimate_stepping_batches
+from trainer.step.accumulation import estimate_stepping_batches
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ Run it the way the job will run, on every node::
 
 In order, it
 
-1. detects the launcher and this rank's place in the job (:func:`trainer.dist.detect_env`)
+1. detects the launcher and this rank's place in the job (:func:`trainer.distributed.launcher.detect_env`)
    and the device, as the Trainer would;
 2. checks that the rendezvous store ``MASTER_ADDR:MASTER_PORT`` answers a TCP connect
    (from every rank but the store's host; retried until ``--init-timeout``);
-3. creates the process group with ``--init-timeout`` (:func:`trainer.dist.init_process_group`);
+3. creates the process group with ``--init-timeout`` (:func:`trainer.distributed.comm.init_process_group`);
 4. gathers every rank's environment (host, versions, devices, ``NCCL_*``/``GLOO_*``/...
    variables) and prints it on rank 0;
 5. runs barrier, all_reduce, broadcast and all_gather with their results checked, and
@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from trainer import dist
-from trainer.watchdog import Watchdog
+from trainer.distributed import comm, launcher
+from trainer.distributed.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def _positive_float(text: str) -> float:
 
 def _versions() -> dict[str, str]:
     nccl = "not built"
-    if "nccl" in dist.available_backends():
+    if "nccl" in comm.available_backends():
         try:
             nccl = ".".join(str(p) for p in torch.cuda.nccl.version())
         except Exception as exc:  # a driver problem must not stop the report
@@ -147,7 +147,7 @@ def _versions() -> dict[str, str]:
         "cuda": torch.version.cuda or "none (CPU build)",
         "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "none",
         "nccl": nccl,
-        "gloo": "available" if "gloo" in dist.available_backends() else "not built",
+        "gloo": "available" if "gloo" in comm.available_backends() else "not built",
     }
 
 
@@ -171,7 +171,7 @@ def relevant_env_vars(environ: Mapping[str, str] | None = None) -> dict[str, str
     }
 
 
-def _local_report(env: dist.DistEnv, device: torch.device) -> RankReport:
+def _local_report(env: launcher.DistEnv, device: torch.device) -> RankReport:
     device_text = str(device)
     if device.type == "cuda":
         device_text += f" ({torch.cuda.get_device_name(device)})"
@@ -182,7 +182,7 @@ def _local_report(env: dist.DistEnv, device: torch.device) -> RankReport:
     )
 
 
-def _format_environment(env: dist.DistEnv, backend: str, reports: Sequence[RankReport]) -> str:
+def _format_environment(env: launcher.DistEnv, backend: str, reports: Sequence[RankReport]) -> str:
     first = reports[0]
     nodes = len({r.node_rank for r in reports})
     store = "the torchrun agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "rank 0"
@@ -236,7 +236,7 @@ def _version_failures(reports: Sequence[RankReport]) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------------- rendezvous
 
 
-def check_rendezvous(env: dist.DistEnv, timeout: float) -> tuple[str, str | None]:
+def check_rendezvous(env: launcher.DistEnv, timeout: float) -> tuple[str, str | None]:
     """TCP-connects to ``MASTER_ADDR:MASTER_PORT``, retrying until ``timeout``.
 
     The store host does not probe itself: with ``env://`` that is rank 0, which opens
@@ -305,11 +305,11 @@ def run_checks(report: RankReport, device: torch.device, world: int, timeout: fl
     rank = report.rank
     beat("barrier")
     start = time.perf_counter()
-    _collective("barrier", dist.monitored_barrier, datetime.timedelta(seconds=timeout), device)
+    _collective("barrier", comm.monitored_barrier, datetime.timedelta(seconds=timeout), device)
     report.results["barrier"] = f"{(time.perf_counter() - start) * 1e3:.2f} ms"
 
     beat("all_reduce")
-    value = _collective("all_reduce", dist.all_reduce, torch.tensor([rank + 1.0], device=device))
+    value = _collective("all_reduce", comm.all_reduce, torch.tensor([rank + 1.0], device=device))
     got, expected = float(value.item()), world * (world + 1) / 2
     if got != expected:
         report.failures.append(("all_reduce", f"rank {rank} got {got}, expected {expected} (sum of rank+1)"))
@@ -318,7 +318,7 @@ def run_checks(report: RankReport, device: torch.device, world: int, timeout: fl
     beat("broadcast")
     expected_t = torch.randn(BROADCAST_NUMEL, generator=torch.Generator().manual_seed(BROADCAST_SEED))
     tensor = expected_t.to(device) if rank == 0 else torch.zeros(BROADCAST_NUMEL, device=device)
-    received = _collective("broadcast", dist.broadcast, tensor, 0).cpu()
+    received = _collective("broadcast", comm.broadcast, tensor, 0).cpu()
     wrong = int((received != expected_t).sum())
     if wrong:
         diff = float((received - expected_t).abs().max())
@@ -331,7 +331,7 @@ def run_checks(report: RankReport, device: torch.device, world: int, timeout: fl
 
     beat("all_gather")
     mine = torch.tensor([rank], dtype=torch.int64, device=device)
-    gathered = _collective("all_gather", dist.all_gather_tensor, mine)
+    gathered = _collective("all_gather", comm.all_gather_tensor, mine)
     ids = [int(t.item()) for t in gathered]
     if ids != list(range(world)):
         report.failures.append(("all_gather", f"rank {rank} got {ids}, expected {list(range(world))}"))
@@ -346,12 +346,12 @@ def measure_bandwidth(
         beat(f"all_reduce bandwidth {format_size(nbytes)}")
         tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
         for _ in range(warmup):
-            _collective("bandwidth", dist.all_reduce, tensor)
+            _collective("bandwidth", comm.all_reduce, tensor)
         _sync(device)
-        _collective("bandwidth", dist.barrier, device)
+        _collective("bandwidth", comm.barrier, device)
         start = time.perf_counter()
         for _ in range(iters):
-            _collective("bandwidth", dist.all_reduce, tensor)
+            _collective("bandwidth", comm.all_reduce, tensor)
         _sync(device)  # nccl returns before the kernel ends
         report.timings[tensor.numel() * 4] = (time.perf_counter() - start) / iters
 
@@ -419,16 +419,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
-        env = dist.detect_env()
+        env = launcher.detect_env()
     except ValueError as exc:
         _say(f"FAIL environment: {exc}")
         return EXIT_FAIL
     try:
-        device = dist.select_device(args.accelerator, env)
+        device = comm.select_device(args.accelerator, env)
     except ValueError as exc:
         _say(f"FAIL device: rank {env.rank}: {exc}")
         return EXIT_FAIL
-    backend = dist.backend_for(device)
+    backend = comm.backend_for(device)
     report = _local_report(env, device)
 
     def hang_exit() -> None:  # the watchdog already logged the phase and the stacks file
@@ -446,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         watchdog.stop()
 
 
-def _fail_alone(env: dist.DistEnv, backend: str, report: RankReport, check: str, why: str) -> int:
+def _fail_alone(env: launcher.DistEnv, backend: str, report: RankReport, check: str, why: str) -> int:
     """Fails before a group exists: this rank prints its own environment and the reason."""
     text = _format_environment(env, backend, [report])
     _say(text.replace("== environment ==", f"== environment of rank {env.rank} =="))
@@ -454,7 +454,7 @@ def _fail_alone(env: dist.DistEnv, backend: str, report: RankReport, check: str,
     return EXIT_FAIL
 
 
-def _run(args: argparse.Namespace, env: dist.DistEnv, device: torch.device, backend: str,
+def _run(args: argparse.Namespace, env: launcher.DistEnv, device: torch.device, backend: str,
          report: RankReport, watchdog: Watchdog) -> int:
     def beat(phase: str) -> None:
         watchdog.beat(phase, 0)
@@ -468,24 +468,24 @@ def _run(args: argparse.Namespace, env: dist.DistEnv, device: torch.device, back
     beat("init_process_group")
     start = time.monotonic()
     try:
-        owns_group = dist.init_process_group(
+        owns_group = comm.init_process_group(
             env, backend=backend, timeout=datetime.timedelta(seconds=args.init_timeout), device=device
         )
     except (RuntimeError, ValueError) as exc:
         return _fail_alone(env, backend, report, "init_process_group", str(exc))
     if owns_group:
         report.results["init_process_group"] = f"{backend}, {time.monotonic() - start:.2f} s"
-    elif dist.is_initialized():
-        report.results["init_process_group"] = f"reused the existing {dist.get_backend()} group"
+    elif comm.is_initialized():
+        report.results["init_process_group"] = f"reused the existing {comm.get_backend()} group"
     else:
         report.results["init_process_group"] = "skipped: world of 1, no process group"
-    world = dist.get_world_size()
+    world = comm.get_world_size()
     try:
         run_checks(report, device, world, args.init_timeout, beat)
-        if dist.is_initialized():
+        if comm.is_initialized():
             measure_bandwidth(report, device, args.sizes, args.iters, args.warmup, beat)
         beat("gather reports")
-        reports: list[RankReport] = _collective("gather reports", dist.all_gather_object, report)
+        reports: list[RankReport] = _collective("gather reports", comm.all_gather_object, report)
     except CollectiveError as exc:
         # Peers may be stuck in the collective; do not tear the group down (that can hang too).
         _say(f"FAIL {exc.check}: rank {env.rank}: {exc}")
@@ -511,7 +511,7 @@ def _run(args: argparse.Namespace, env: dist.DistEnv, device: torch.device, back
         lines.append(f"doctor: {len(failures)} check(s) failed" if failures else "doctor: all checks passed")
         _say("\n".join(lines))
     if owns_group:
-        dist.destroy_process_group()
+        comm.destroy_process_group()
     return EXIT_FAIL if failures else EXIT_OK
 
 

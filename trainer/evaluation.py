@@ -17,14 +17,14 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from trainer import dist
-from trainer import watchdog as wd
+from trainer.distributed import comm
+from trainer.distributed import watchdog as wd
 from trainer.compat import is_keel_default, takes_batch_idx
-from trainer.data import AdaptedLoader
+from trainer.data.loaders import AdaptedLoader
 from trainer.metrics import MetricCollector
-from trainer.parallel import Strategy
-from trainer.precision import Precision
-from trainer.transfer import move_to_device
+from trainer.distributed.strategy import Strategy
+from trainer.step.precision import Precision
+from trainer.data.transfer import move_to_device
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class EvaluationLoop:
                     for cb in callbacks:
                         cb.on_predict_batch_end(trainer, task, out, batch, batch_idx, loader_idx)
                     local.append(move_to_device(out, torch.device("cpu")))
-                gathered = dist.all_gather_object(local) if dist.get_world_size() > 1 else [local]  # collective
+                gathered = comm.all_gather_object(local) if comm.get_world_size() > 1 else [local]  # collective
                 merged = [item for rank_items in gathered for item in rank_items]
                 results.append(merged if return_here else None)
         task.on_predict_epoch_end()

@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 import torch
 
-from trainer import dist
+from trainer.distributed import comm
 from trainer.compat import warn_uncalled_hooks
-from trainer.rank_zero import rank_zero_only
+from trainer.observability.rank_zero import rank_zero_only
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
 
     Lightning's signature. ``seed=None`` reads ``PL_GLOBAL_SEED`` from the environment, else uses 0.
     ``workers`` is accepted for Lightning compatibility: keel always seeds DataLoader workers per
-    (seed, rank, worker, epoch) for the loaders it adapts (trainer/data.py), which is what Lightning's
+    (seed, rank, worker, epoch) for the loaders it adapts (trainer/data/loaders.py), which is what Lightning's
     ``workers=True`` asks for.
     """
     if seed is None:
@@ -93,7 +93,7 @@ def setup_stage(
         if datamodule is not None:
             datamodule.prepare_data()
         task.prepare_data()
-    dist.barrier(trainer.device)  # the other ranks of the node wait for the files
+    comm.barrier(trainer.device)  # the other ranks of the node wait for the files
     if datamodule is not None:
         datamodule.setup(stage)
     task.setup(stage)
@@ -135,7 +135,7 @@ def teardown_stage(
     if not failed:
         # Leave every stage together: no rank exits (and tears gloo down at interpreter exit) while a
         # peer is still inside the stage's last collective.
-        dist.barrier(trainer.device)
+        comm.barrier(trainer.device)
     if errors and not failed:
         raise errors[0]
 

@@ -46,8 +46,8 @@ from typing import Any, Literal, Sequence
 
 import torch
 
-from trainer import dist
-from trainer.transfer import infer_batch_size, read_to_host
+from trainer.distributed import comm
+from trainer.data.transfer import infer_batch_size, read_to_host
 
 log = logging.getLogger(__name__)
 
@@ -176,19 +176,19 @@ def _exchange(local: dict[str, tuple[Any, ...]], flags: list[float],
     The layout (names and options, not values) is hashed into 48 bits, exact in float64; one all-reduce
     (max) of ``[hash, -hash, *flags]`` tells whether every rank has the same layout (max == min). Then
     one all-gather of the values rebuilds each rank's dict; otherwise the dicts travel pickled."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = comm.get_world_size() if comm.is_initialized() else 1
     if world == 1:
         return [local], flags
     layout = repr([(name, *rest[1:]) for name, rest in local.items()]).encode()
     digest = float(int.from_bytes(hashlib.blake2b(layout, digest_size=6).digest(), "big"))
-    head = dist.all_reduce(torch.tensor([digest, -digest, *flags], dtype=torch.float64, device=device), "max").tolist()
+    head = comm.all_reduce(torch.tensor([digest, -digest, *flags], dtype=torch.float64, device=device), "max").tolist()
     if head[0] != -head[1]:  # ranks logged different names or options
-        return dist.all_gather_object(local), head[2:]  # type: ignore[return-value]
+        return comm.all_gather_object(local), head[2:]  # type: ignore[return-value]
     names = list(local)
     if not names:
         return [{} for _ in range(world)], head[2:]
     values = torch.tensor([local[n][0] for n in names], dtype=torch.float64, device=device)
-    rows = torch.stack(dist.all_gather_tensor(values)).tolist()
+    rows = torch.stack(comm.all_gather_tensor(values)).tolist()
     return [{n: (row[i], *local[n][1:]) for i, n in enumerate(names)} for row in rows], head[2:]
 
 
@@ -359,7 +359,7 @@ class MetricCollector:
             local[entry.out_name] = (value, weight, fx, entry.mode, entry.prog_bar, entry.logger)
         gathered: dict[str, list[tuple[int, float, float]]] = {}
         flags: dict[str, tuple[str, Mode, bool, bool]] = {}
-        for rank, rank_values in enumerate(dist.all_gather_object(local)):
+        for rank, rank_values in enumerate(comm.all_gather_object(local)):
             for name, (value, weight, fx, mode, bar, logger) in rank_values.items():
                 gathered.setdefault(name, []).append((rank, value, weight))
                 flags.setdefault(name, (fx, mode, bar, logger))
@@ -415,7 +415,7 @@ class MetricCollector:
     def _warn_once(self, name: str, message: str) -> None:
         if name not in self._warned:
             self._warned.add(name)
-            if dist.is_rank_zero():
+            if comm.is_rank_zero():
                 log.warning(message)
 
     def reset(self) -> None:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from trainer.compat import keel_default, unwrap_compiled
-from trainer.optim import ManualOptimizer
+from trainer.step.optim import ManualOptimizer
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.trainer import Trainer
@@ -278,7 +278,8 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
         updated with ``overrides``; then the weights are loaded (``weights_only=True``: nothing in the
         file can run code). The task is returned in eval mode.
         """
-        from trainer.checkpoint import K_HPARAMS, K_STATE_DICT, load_with_weights
+        from trainer.checkpoint.files import K_HPARAMS, K_STATE_DICT
+        from trainer.checkpoint.state import load_with_weights
 
         state = load_with_weights(checkpoint_path)  # a file, or a sharded folder saved at any world size
         kwargs = dict(state.get(K_HPARAMS, {}))

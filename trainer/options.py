@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer.dist import DistEnv
+    from trainer.distributed.launcher import DistEnv
 
 Precision = Literal["32", "64", "bf16-mixed", "16-mixed"]
 Accelerator = Literal["auto", "cpu", "cuda"]
@@ -68,7 +68,7 @@ class TrainerOptions:
 
     Units (DESIGN.md section 4): ``max_steps``, ``val_check_interval``, ``log_every_n_steps`` count
     optimizer steps; ``accumulate_grad_batches`` counts micro-batches per optimizer step;
-    ``global_batch_size`` counts samples per optimizer step, all ranks together (trainer/elastic.py).
+    ``global_batch_size`` counts samples per optimizer step, all ranks together (trainer/data/global_batch.py).
     """
 
     max_epochs: int | None = None
@@ -103,7 +103,7 @@ class TrainerOptions:
     default_root_dir: str | None = None
     callbacks: list[Any] = field(default_factory=list)
     logger: Any = True
-    # None / "simple" / "pytorch" / "passthrough" / a trainer.profiler.Profiler; a Profiler after __post_init__.
+    # None / "simple" / "pytorch" / "passthrough" / a trainer.observability.profiler.Profiler; a Profiler after __post_init__.
     profiler: Any = None
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True
@@ -114,7 +114,7 @@ class TrainerOptions:
     bucket_cap_mb: float | None = None
     broadcast_buffers: bool = True
     sync_batchnorm: bool = False
-    # strategy="fsdp" (FSDP2; trainer/parallel.py). Units: class names (from YAML) or classes; None: every
+    # strategy="fsdp" (FSDP2; trainer/distributed/strategy.py). Units: class names (from YAML) or classes; None: every
     # module held in an nn.ModuleList (the usual "blocks"). The task itself is always the root unit.
     fsdp_units: list[Any] | None = None
     fsdp_reshard_after_forward: bool = True
@@ -137,7 +137,7 @@ class TrainerOptions:
         if not _is_int(self.max_steps) or self.max_steps < -1 or self.max_steps == 0:
             raise _fail("max_steps", self.max_steps, "an integer >= 1, or -1 for no step limit")
         if isinstance(self.accumulate_grad_batches, dict):
-            from trainer.accumulation import parse_schedule
+            from trainer.step.accumulation import parse_schedule
 
             parse_schedule(self.accumulate_grad_batches)
         else:
@@ -234,7 +234,7 @@ class TrainerOptions:
                 raise _fail(name, getattr(self, name), "a number of seconds > 0 or a timedelta"
                             + (" or None" if name == "watchdog_timeout" else ""))
             setattr(self, name, float(value))
-        from trainer.profiler import resolve_profiler
+        from trainer.observability.profiler import resolve_profiler
 
         self.profiler = resolve_profiler(self.profiler)  # raises ValueError naming the option for a bad value
         if self.on_nonfinite not in ("error", "skip"):
@@ -284,7 +284,7 @@ _GLOBAL_BATCH_EXPECTED = ("an int >= 1 (samples per optimizer step, all ranks to
 def parse_global_batch(value: Any) -> tuple[str, list[tuple[int, int]]]:
     """Validate ``global_batch_size``: an int >= 1, ``{epoch: G}`` or ``{"step": {global_step: G}}``.
 
-    A schedule's first key must be 0 (there is no global batch "before" it). trainer/elastic.py turns the
+    A schedule's first key must be 0 (there is no global batch "before" it). trainer/data/global_batch.py turns the
     result into an accumulation schedule at each (re)start.
 
     Returns:
@@ -299,7 +299,7 @@ def parse_global_batch(value: Any) -> tuple[str, list[tuple[int, int]]]:
         return "epoch", [(0, value)]
     if not isinstance(value, dict):
         raise _fail("global_batch_size", value, _GLOBAL_BATCH_EXPECTED)
-    from trainer.accumulation import parse_schedule
+    from trainer.step.accumulation import parse_schedule
 
     try:
         clock, items = parse_schedule(value, name="global_batch_size")
@@ -438,7 +438,7 @@ def check_lightning_keywords(options: TrainerOptions, env: "DistEnv") -> None:
 
     keel never starts processes (DESIGN.md section 1): ``devices`` must be the processes per node
     (``LOCAL_WORLD_SIZE``) or ``"auto"`` / -1, and ``num_nodes`` must be ``world_size // local_world_size``.
-    Called by the Trainer right after :func:`trainer.dist.detect_env`, before any process group exists.
+    Called by the Trainer right after :func:`trainer.distributed.launcher.detect_env`, before any process group exists.
     It also applies ``benchmark`` as Lightning does when its Trainer is built: True / False set
     ``torch.backends.cudnn.benchmark``; None leaves it as is.
 

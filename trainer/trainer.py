@@ -3,9 +3,9 @@
 Read :meth:`Trainer._train_epoch` (the fit loop) and :meth:`Trainer._training_micro_batch` /
 :meth:`Trainer._optimizer_step` (one step): ``backward`` and ``optimizer.step`` are visible there,
 through the precision plugin (DESIGN.md section 5). How the task is replicated or sharded is the
-:class:`~trainer.parallel.Strategy`'s business; the loop never asks which one runs. Evaluation and
-predict loops are in :mod:`trainer.evaluation`, manual optimization in :mod:`trainer.optim`, checkpoint
-content in :mod:`trainer.checkpoint`.
+:class:`~trainer.distributed.strategy.Strategy`'s business; the loop never asks which one runs. Evaluation and
+predict loops are in :mod:`trainer.evaluation`, manual optimization in :mod:`trainer.step.optim`, checkpoint
+content in :mod:`trainer.checkpoint.state`.
 """
 
 from __future__ import annotations
@@ -17,34 +17,32 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer import dist, elastic
-from trainer import watchdog as wd
-from trainer.accumulation import (
-    AccumulationSchedule, MicroBatch, StepNormaliser, finite_on_all_ranks, micro_batches,
-)
+from trainer.checkpoint import state as ckpt
+from trainer.distributed import comm, launcher
+from trainer.data import global_batch as elastic
+from trainer.distributed import watchdog as wd
+from trainer.step.accumulation import AccumulationSchedule, MicroBatch, StepNormaliser, finite_on_all_ranks, micro_batches
 from trainer.callback import Callback, check_callbacks
 from trainer.compat import TrainerAttributes, compile_step, fit_validation
-from trainer.checkpoint import CheckpointIO
-from trainer.data import (
-    AdaptedLoader, adapt_eval_loader, adapt_train_loader, limit_batches, plan_epoch, resolve_loaders, warn_if_unsharded,
-)
+from trainer.checkpoint.files import CheckpointIO
+from trainer.data.loaders import AdaptedLoader, adapt_eval_loader, adapt_train_loader, limit_batches, plan_epoch, resolve_loaders, warn_if_unsharded
 from trainer.evaluation import EvaluationLoop, log_results
 from trainer.hooks import TrainHooks
-from trainer.lifecycle import seed_everything, setup_stage, teardown_stage, with_default_callbacks  # noqa: F401 - re-exported
-from trainer.loggers import Logger, default_loggers, log_fit_start
+from trainer.lifecycle import setup_stage, teardown_stage, with_default_callbacks
+from trainer.loggers.logger import Logger
+from trainer.loggers.local import default_loggers, log_fit_start
 from trainer.metrics import MetricCollector
-from trainer.model_checkpoint import ModelCheckpoint
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.module import DataModule, TaskModule, check_stage_inputs
-from trainer.nonfinite import NonFiniteGuard
-from trainer.optim import ManualOptimization, SchedulerConfig, parse_optimizers, step_schedulers
+from trainer.step.nonfinite import NonFiniteGuard
+from trainer.step.optim import ManualOptimization, SchedulerConfig, parse_optimizers, step_schedulers
 from trainer.options import TrainerOptions, check_lightning_keywords
-from trainer.parallel import StepAdapter, Strategy, select_strategy
-from trainer.precision import Precision
-from trainer.progress import ProgressBar
-from trainer.preemption import PreemptionWatcher, save_and_exit
-from trainer.rank_zero import configure_logging
-from trainer.transfer import BatchCopier
+from trainer.distributed.strategy import StepAdapter, Strategy, select_strategy
+from trainer.step.precision import Precision
+from trainer.observability.progress import ProgressBar
+from trainer.distributed.preemption import PreemptionWatcher, save_and_exit
+from trainer.observability.rank_zero import configure_logging
+from trainer.data.transfer import BatchCopier
 
 log = logging.getLogger(__name__)
 
@@ -69,22 +67,22 @@ class Trainer(TrainerAttributes):
     def __init__(self, **options: Any) -> None:
         self.options = TrainerOptions.from_kwargs(options)
         opts = self.options
-        self.env = dist.detect_env()
+        self.env = launcher.detect_env()
         # Where this process sits in the job (fixed for the Trainer's life; Lightning's names).
         self.global_rank, self.local_rank, self.node_rank = self.env.rank, self.env.local_rank, self.env.node_rank
         self.world_size, self.is_global_zero = self.env.world_size, self.env.rank == 0
         check_lightning_keywords(opts, self.env)  # devices / num_nodes / strategy against the launcher
         configure_logging(self.env.rank)
-        self.device = dist.select_device(opts.accelerator, self.env)  # type: ignore[arg-type]
+        self.device = comm.select_device(opts.accelerator, self.env)  # type: ignore[arg-type]
         self._precision = Precision(opts.precision, self.device)
         self._moves_batches = self.device.type != "cpu" or self._precision.param_dtype is not None
-        # How the task is replicated or sharded (trainer/parallel.py); chosen before any process group.
+        # How the task is replicated or sharded (trainer/distributed/strategy.py); chosen before any process group.
         self.strategy: Strategy = select_strategy(opts, self.env, self.device)
         self.callbacks: list[Callback] = check_callbacks(with_default_callbacks(
             check_callbacks(opts.callbacks), progress_bar=ProgressBar if opts.enable_progress_bar else None,
             checkpoint=ModelCheckpoint if opts.enable_checkpointing else None))
         self.loggers: list[Logger] = default_loggers(opts.logger, opts.default_root_dir)
-        self.profiler = opts.profiler  # a trainer.profiler.Profiler; PassThroughProfiler (disabled) when off
+        self.profiler = opts.profiler  # a trainer.observability.profiler.Profiler; PassThroughProfiler (disabled) when off
         # Run state: the step clock, the epoch, the data cursor.
         self.global_step = 0
         self.current_epoch = 0
@@ -280,7 +278,7 @@ class Trainer(TrainerAttributes):
 
     def _init_distributed(self) -> None:
         opts = self.options
-        self._owns_group = dist.ensure_process_group(
+        self._owns_group = comm.ensure_process_group(
             self.env, device=self.device, timeout=datetime.timedelta(seconds=opts.process_group_timeout),
             init_timeout=datetime.timedelta(seconds=opts.init_timeout),
             # NCCL's flight recorder on by default, so a collective timeout leaves a trace to read.

@@ -29,8 +29,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from resume_fit import Classifier, CrashAfterSave, data  # noqa: E402
 from trainer import Callback, Trainer  # noqa: E402
-from trainer import checkpoint as ckpt_module  # noqa: E402
-from trainer.model_checkpoint import ModelCheckpoint  # noqa: E402
+from trainer.checkpoint.files import CheckpointIO  # noqa: E402
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint  # noqa: E402
 
 
 class Faults(Callback):
@@ -40,7 +40,7 @@ class Faults(Callback):
 
     def setup(self, trainer, task, stage) -> None:
         args, mine = self.args, trainer.global_rank == self.args.kill_rank
-        original = ckpt_module.CheckpointIO.save
+        original = CheckpointIO.save
 
         def save(io, state, path, *, is_writer):
             if threading.current_thread() is not threading.main_thread():
@@ -57,7 +57,7 @@ class Faults(Callback):
                     time.sleep(args.slow_write)
             return original(io, state, path, is_writer=is_writer)
 
-        ckpt_module.CheckpointIO.save = save
+        CheckpointIO.save = save
 
     def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
         if not (trainer.optimizer_stepped and self.first_attempt):

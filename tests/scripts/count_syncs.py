@@ -15,7 +15,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
-import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402

@@ -31,9 +31,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainer import Callback, TaskModule, Trainer, dist
-from trainer.loggers import CSVLogger
-from trainer.model_checkpoint import ModelCheckpoint
+from trainer import Callback, TaskModule, Trainer
+from trainer.distributed import comm
+from trainer.loggers.local import CSVLogger
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 
 ORDER_KEY = "elastic_fit_order"
 
@@ -71,7 +72,7 @@ class Regression(TaskModule):
             return
         # Rank r holds the sampler's strided share remaining[r::W], so local position p of rank r is
         # global position p * W + r of this step's window.
-        shares = dist.all_gather_object(self.local) if self.trainer.world_size > 1 else [self.local]
+        shares = comm.all_gather_object(self.local) if self.trainer.world_size > 1 else [self.local]
         world = len(shares)
         merged = [0] * sum(len(s) for s in shares)
         for rank, share in enumerate(shares):

@@ -26,7 +26,7 @@ from torch.nn import functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from trainer import Callback, TaskModule, Trainer  # noqa: E402
-from trainer.model_checkpoint import ModelCheckpoint  # noqa: E402
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint  # noqa: E402
 
 
 class Block(nn.Module):

@@ -25,8 +25,8 @@ from torch.nn import functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from trainer import Callback, TaskModule, Trainer  # noqa: E402
-from trainer import checkpoint as ckpt_module  # noqa: E402
-from trainer.model_checkpoint import ModelCheckpoint  # noqa: E402
+from trainer.checkpoint.files import CheckpointIO  # noqa: E402
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint  # noqa: E402
 
 
 def data(n: int = 48, seed: int = 0) -> TensorDataset:
@@ -78,7 +78,7 @@ class Faults(Callback):
         if step == self.args.sigterm_at and mine:
             os.kill(os.getpid(), signal.SIGTERM)
         if step == self.args.kill_in_save_at and mine:
-            original = ckpt_module.CheckpointIO.save
+            original = CheckpointIO.save
 
             def torn_save(self, state, path, *, is_writer):
                 directory = Path(path).parent
@@ -89,7 +89,7 @@ class Faults(Callback):
                 os.kill(os.getpid(), signal.SIGKILL)
                 return original(self, state, path, is_writer=is_writer)
 
-            ckpt_module.CheckpointIO.save = torn_save
+            CheckpointIO.save = torn_save
 
 
 class CrashAfterSave(Callback):

@@ -14,7 +14,8 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset, Sampler  # noqa: E402
 
 from models import Regression, quiet, regression_data  # noqa: E402
-from trainer import Callback, Trainer, dist  # noqa: E402
+from trainer import Callback, Trainer  # noqa: E402
+from trainer.distributed import comm, launcher
 
 
 def slow_step_on_rank_one() -> None:
@@ -83,7 +84,7 @@ def main() -> None:
     parser.add_argument("--case", required=True)
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    rank = dist.detect_env().rank
+    rank = launcher.detect_env().rank
     data = DataLoader(regression_data(64), batch_size=8)
     if args.case == "watchdog":
         trainer = Trainer(**quiet(max_epochs=1, watchdog_timeout=3, default_root_dir=args.out))
@@ -116,7 +117,7 @@ def main() -> None:
             sys.stdout.write(f"init failed after {time.monotonic() - t0:.1f}s: {exc}\n")
             raise SystemExit(3)
     elif args.case == "record":
-        @dist.record
+        @comm.record
         def failing_main() -> None:
             raise ValueError("root cause from failing_main")
         failing_main()

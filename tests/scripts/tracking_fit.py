@@ -29,9 +29,11 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from resume_fit import Classifier, data  # noqa: E402
-from trainer import Callback, Trainer, wandb_records  # noqa: E402
-from trainer.loggers import MLFlowLogger, WandbLogger  # noqa: E402
-from trainer.model_checkpoint import ModelCheckpoint  # noqa: E402
+from trainer import Callback, Trainer  # noqa: E402
+from trainer.loggers import wandb_records
+from trainer.loggers.mlflow import MLFlowLogger  # noqa: E402
+from trainer.loggers.wandb import WandbLogger
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint  # noqa: E402
 
 
 class KillAt(Callback):

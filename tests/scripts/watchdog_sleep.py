@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from trainer import dist
-from trainer.watchdog import PHASE_BACKWARD, PHASE_TRAINING_STEP, Watchdog
+from trainer.distributed import comm, launcher
+from trainer.distributed.watchdog import PHASE_BACKWARD, PHASE_TRAINING_STEP, Watchdog
 
 STALL_STEP = 3
 
@@ -27,10 +27,10 @@ def main() -> None:
     run_dir = sys.argv[1]
     timeout = float(sys.argv[2]) if len(sys.argv) > 2 else 2.0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    env = dist.detect_env()
+    env = launcher.detect_env()
     # The group timeout is far longer than the watchdog's: the watchdog must be what ends the job.
-    dist.init_process_group(env, backend="gloo", timeout=datetime.timedelta(seconds=300))
-    rank = dist.get_rank()
+    comm.init_process_group(env, backend="gloo", timeout=datetime.timedelta(seconds=300))
+    rank = comm.get_rank()
     # Rank 0 waits longer than rank 1, so the stalled rank always fires (and is reported)
     # first; with equal timeouts torchrun may kill rank 1 when rank 0 exits a moment earlier.
     watchdog = Watchdog(timeout if rank == 1 else 3 * timeout, run_dir=run_dir, rank=rank)
@@ -42,7 +42,7 @@ def main() -> None:
             sleep_inside_training_step()
         time.sleep(0.01)
         watchdog.beat(PHASE_BACKWARD, step)
-        dist.all_reduce(grad)
+        comm.all_reduce(grad)
     watchdog.stop()
     print(f"rank {rank} finished without the watchdog firing", flush=True)
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from trainer import dist
+from trainer.distributed import comm
 
 
 @dataclass(slots=True)
@@ -234,7 +234,7 @@ class StepNormaliser:
         self.reset()
         assert items is not None
         packed = torch.stack([loss_sum.to(torch.float64), items.to(torch.float64)])
-        dist.all_reduce(packed, "sum")
+        comm.all_reduce(packed, "sum")
         total = float(packed[1].item())  # host read: the skip decision needs it
         if total <= 0:
             return None, None, True
@@ -313,7 +313,7 @@ def finite_on_all_ranks(step_loss: torch.Tensor | None, world_size: int) -> bool
         return True
     flag = torch.isfinite(step_loss).to(torch.float32).reshape(1)
     if world_size > 1:
-        dist.all_reduce(flag, "min")
+        comm.all_reduce(flag, "min")
     return bool(flag.item() > 0)
 
 

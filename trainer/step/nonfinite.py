@@ -17,8 +17,8 @@ from typing import Sequence
 
 import torch
 
-from trainer import dist
-from trainer.transfer import read_to_host
+from trainer.distributed import comm
+from trainer.data.transfer import read_to_host
 
 _FOLD_EVERY = 1024  # kept references before a device-side fold (bounds the list, never syncs)
 _NONE = float("inf")  # "no bad step" on the device
@@ -109,7 +109,7 @@ class NonFiniteGuard:
         local = self.verdict()
         if self.world_size > 1:
             flag = torch.tensor([0.0 if math.isinf(local[0]) else 1.0], device=self.device)
-            dist.all_reduce(flag, "max")  # collective: every rank learns whether any rank saw one
+            comm.all_reduce(flag, "max")  # collective: every rank learns whether any rank saw one
             if flag.item() == 0:
                 return
         self.fail(local, where)
@@ -117,7 +117,7 @@ class NonFiniteGuard:
     def fail(self, local: tuple[float, float], where: str) -> None:
         """Raise on every rank for the first bad step over all ranks (collective with several ranks: every
         rank calls it once they agreed that some rank saw one); returns if none did."""
-        found = [local] if self.world_size <= 1 else dist.all_gather_object(local)
+        found = [local] if self.world_size <= 1 else comm.all_gather_object(local)
         step, loss = min(found, key=lambda item: item[0])  # type: ignore[index]
         if math.isinf(step):
             return

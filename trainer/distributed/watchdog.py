@@ -261,9 +261,9 @@ class Watchdog:
 
         def dump() -> None:
             try:
-                from trainer import dist  # the only module that touches torch.distributed
+                from trainer.distributed import comm  # the only module that touches torch.distributed
 
-                data = dist.flight_recorder_dump()
+                data = comm.flight_recorder_dump()
                 if data:
                     path = os.path.join(self.run_dir, f"fr-trace-rank{self.rank}-{stamp}.pkl")
                     with open(path, "wb") as f:

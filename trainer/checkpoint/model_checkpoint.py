@@ -17,9 +17,9 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
-from trainer.async_checkpoint import AsyncCheckpointer, save_async
+from trainer.checkpoint.async_save import AsyncCheckpointer, save_async
 from trainer.callback import Callback
-from trainer.checkpoint import POINTER_NAME, read_pointer, write_pointer  # noqa: F401 - re-exported
+from trainer.checkpoint.files import write_pointer
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.module import TaskModule
@@ -106,7 +106,7 @@ class ModelCheckpoint(Callback):
             pointer swap and pruning, run on a background thread; the save is reported done (or its
             error raised) at a later step boundary. At most one save is in flight; forced saves
             (preemption, exception) are synchronous, and the end of ``fit`` waits for the save in flight
-            (trainer/async_checkpoint.py).
+            (trainer/checkpoint/async_save.py).
         verbose: log each save (and why) on rank 0 at INFO.
         save_weights_only: checkpoints hold the weights (and hyperparameters, step, epoch) only, not the
             optimizer, scheduler, callback or loop state: they load with ``load_from_checkpoint`` but cannot
@@ -217,9 +217,9 @@ class ModelCheckpoint(Callback):
         elif self.train_time_interval is not None and (trainer.world_size == 1 or trainer.is_logging_step):
             # Every rank must agree to save: the elapsed time is decided on rank 0 and broadcast, on
             # logging steps only in DDP (no extra collective on other steps).
-            from trainer import dist
+            from trainer.distributed import comm
 
-            due = dist.broadcast_object(time.monotonic() - self._last_time >= self.train_time_interval)
+            due = comm.broadcast_object(time.monotonic() - self._last_time >= self.train_time_interval)
             if due:
                 self.save(trainer)
 
@@ -300,9 +300,9 @@ class ModelCheckpoint(Callback):
         assert self.dirpath is not None
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         if trainer.world_size > 1:  # rank 0's values name the file and decide top-k on every rank (per-step
-            from trainer import dist  # training values in callback_metrics are this rank's, not reduced)
+            from trainer.distributed import comm  # training values in callback_metrics are this rank's, not reduced)
 
-            metrics = dist.broadcast_object(metrics)  # type: ignore[assignment]
+            metrics = comm.broadcast_object(metrics)  # type: ignore[assignment]
         score = None
         if self.monitor is not None:
             if self.monitor in metrics:

@@ -7,7 +7,7 @@ size ``W`` the launcher gave and the training loader's micro-batch size ``b``, k
 
 and refuses, naming the three numbers and the nearest valid sizes, when it does not divide. A schedule
 in global-batch terms (``{epoch: G}`` or ``{"step": {global_step: G}}``) becomes an accumulation
-schedule on the same clock. Together with the sampler's global cursor (trainer/data.py) this makes a
+schedule on the same clock. Together with the sampler's global cursor (trainer/data/loaders.py) this makes a
 run that torchrun restarts on more or fewer nodes the same maths as the uninterrupted run: every step
 sees the same ``G`` samples, in the same global order (the strided shards of the sampler put samples
 ``perm[c : c + G]`` into the step that starts at cursor ``c`` whatever ``W`` and ``b`` are), and the
@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from trainer.accumulation import AccumulationSchedule
+from trainer.step.accumulation import AccumulationSchedule
 from trainer.options import parse_global_batch
 
 log = logging.getLogger(__name__)

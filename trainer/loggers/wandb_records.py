@@ -1,6 +1,6 @@
 """Reads the records of a W&B run file (``run-<id>.wandb``, the transaction log W&B writes online and offline).
 
-:class:`~trainer.wandb_logger.WandbLogger` reads what earlier attempts of a resumed run actually recorded
+:class:`~trainer.loggers.wandb.WandbLogger` reads what earlier attempts of a resumed run actually recorded
 (the last step per metric key), and the tests read what was logged. wandb 0.31 ships no Python reader for
 the file it writes, but it ships the protobuf definitions
 (``wandb.proto.wandb_internal_pb2.Record``), and the framing is LevelDB's log format, as wandb documents

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trainer import dist
+from trainer.distributed import comm
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class PreemptionWatcher:
         if world_size == 1:
             return self.requested
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(flag, "max")
+        comm.all_reduce(flag, "max")
         return bool(flag.item() > 0)
 
 

@@ -109,7 +109,7 @@ def check_log_model(value: Any, owner: str) -> bool:
 
 def flat_items(params: dict[str, Any], sep: str = "/") -> Iterable[tuple[str, str]]:
     """``(flattened key, str value)`` pairs of a nested mapping, in order (MLflow params are strings)."""
-    from trainer.logger_base import flatten_params
+    from trainer.loggers.logger import flatten_params
 
     for key, value in flatten_params(params, sep=sep).items():
         yield key, str(value)

@@ -2,7 +2,7 @@
 
 This is the only module in keel that imports ``torch.distributed``. It holds:
 
-* launcher detection (:func:`detect_env`, re-exported from :mod:`trainer.launcher`): torchrun /
+* launcher detection (:func:`~trainer.distributed.launcher.detect_env`, in its own module): torchrun /
   TorchElastic, SLURM ``srun``, or a plain single process, read from environment variables only;
 * process-group setup and teardown (:func:`init_process_group`,
   :func:`destroy_process_group`) and device selection (:func:`select_device`,
@@ -30,8 +30,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-# Launcher detection reads environment variables only; it lives in trainer/launcher.py, re-exported here.
-from trainer.launcher import DistEnv, Launcher, detect_env, parse_slurm_nodelist_first  # noqa: F401
+from trainer.distributed.launcher import DistEnv
 
 logger = logging.getLogger(__name__)
 
@@ -410,7 +409,7 @@ def backend_for(device: torch.device) -> Backend:
 
 
 # --------------------------------------------------------------------------- diagnostics
-# Used by ``python -m trainer.doctor`` and the hang watchdog (trainer/watchdog.py).
+# Used by ``python -m trainer.doctor`` and the hang watchdog (trainer/distributed/watchdog.py).
 
 
 def available_backends() -> list[Backend]:

@@ -22,9 +22,9 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 
-from trainer import watchdog as wd
-from trainer.parallel import Strategy
-from trainer.precision import Precision
+from trainer.distributed import watchdog as wd
+from trainer.distributed.strategy import Strategy
+from trainer.step.precision import Precision
 
 _SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
 _OPTIMIZER_DICT_KEYS = {"optimizer", "lr_scheduler", "monitor"}

@@ -29,9 +29,9 @@ from typing import Any, ClassVar, ContextManager
 import torch
 from torch import nn
 
-from trainer import dist
+from trainer.distributed import comm
 from trainer.compat import takes_batch_idx
-from trainer.launcher import DistEnv
+from trainer.distributed.launcher import DistEnv
 from trainer.options import TrainerOptions
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it costs nothing on the hot path
@@ -83,7 +83,7 @@ class Strategy:
 
     name: ClassVar[str] = "single"
     # A process group even in a single process (FSDP needs a device mesh), and checkpoints as sharded
-    # folders (every rank writes its shards; trainer/sharded_checkpoint.py) instead of one file.
+    # folders (every rank writes its shards; trainer/checkpoint/sharded.py) instead of one file.
     needs_process_group: ClassVar[bool] = False
     sharded: ClassVar[bool] = False
     # gradient_sync() returns a real context (the loop skips the `with` otherwise: a per-step cost).
@@ -113,11 +113,11 @@ class Strategy:
 
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank (a collective; a no-op in one process)."""
-        dist.barrier(self.root_device)
+        comm.barrier(self.root_device)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """``src``'s picklable object on every rank (a collective)."""
-        return dist.broadcast_object(obj, src)
+        return comm.broadcast_object(obj, src)
 
     @property
     def num_processes(self) -> int:
@@ -144,7 +144,7 @@ class Strategy:
         if op is None:
             raise ValueError(f"Strategy.reduce(reduce_op={reduce_op!r}): expected 'mean', 'sum', 'max' or 'min'.")
         out = tensor.detach().clone() if tensor.is_floating_point() or op != "mean" else tensor.double()
-        return dist.all_reduce(out, op)  # type: ignore[arg-type]
+        return comm.all_reduce(out, op)  # type: ignore[arg-type]
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
         """Every rank's ``tensor`` stacked on a new first dimension of size world size (a collective); in a
@@ -157,7 +157,7 @@ class Strategy:
             from torch.distributed.nn.functional import all_gather as differentiable_all_gather
 
             return torch.stack(differentiable_all_gather(tensor.contiguous()))
-        return torch.stack(dist.all_gather_tensor(tensor))
+        return torch.stack(comm.all_gather_tensor(tensor))
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, task: nn.Module, *, manual: bool) -> nn.Module:
@@ -270,7 +270,7 @@ class DDPStrategy(Strategy):
             # Manual optimization syncs gradients in manual_backward (average_gradients); start every
             # rank from rank 0's state. One broadcast per tensor, at setup only.
             for tensor in task.state_dict().values():
-                dist.broadcast(tensor, 0)
+                comm.broadcast(tensor, 0)
             self.ddp = None
             return adapter
         if not any(p.requires_grad for p in task.parameters()):
@@ -322,7 +322,7 @@ class DDPStrategy(Strategy):
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, "mean")
+        comm.all_reduce(flat, "mean")
         for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             grad.copy_(synced)
 
@@ -370,7 +370,7 @@ class FSDPStrategy(Strategy):
         # Rank 0's weights and buffers everywhere (one broadcast per tensor, before sharding): initial
         # weights do not depend on the world size (DTensor random init on a CPU mesh does).
         for tensor in task.state_dict().values():
-            dist.broadcast(tensor, 0)
+            comm.broadcast(tensor, 0)
         mesh = init_device_mesh(self.root_device.type, (self.world_size,))
         # bf16-mixed: fp32 sharded master weights and fp32 gradient reduction; compute in bf16 through the
         # precision plugin's autocast (the numerics of DDP's bf16-mixed, and Lightning's FSDP mapping).
@@ -453,12 +453,12 @@ class FSDPStrategy(Strategy):
     def weights_finite(self, task: nn.Module) -> bool:
         local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in task.parameters()]
         flag = torch.tensor([1.0 if all(bool(torch.isfinite(t).all()) for t in local) else 0.0], device=self.root_device)
-        return bool(dist.all_reduce(flag, "min").item() > 0)  # a collective: every rank answers the same
+        return bool(comm.all_reduce(flag, "min").item() > 0)  # a collective: every rank answers the same
 
     def model_state_dict(self, task: nn.Module) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(task)  # DTensor shards: written by DCP (trainer/sharded_checkpoint.py)
+        return get_model_state_dict(task)  # DTensor shards: written by DCP (trainer/checkpoint/sharded.py)
 
     def load_model_state_dict(self, task: nn.Module, state: dict[str, Any], *, strict: bool = True) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

@@ -5,7 +5,7 @@ documented public attributes (no constructor introspection); anything else is us
 with a warning saying what is lost and what to pass instead. Rank and world size are
 arguments: this module never imports ``torch.distributed``; the few agreements between ranks about
 data a loader keel does not shard (:func:`agree_on_batches`, :func:`all_ranks_have_data`,
-:func:`warn_if_unsharded`) are collectives through :mod:`trainer.dist`.
+:func:`warn_if_unsharded`) are collectives through :mod:`trainer.distributed.comm`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from trainer import dist
+from trainer.distributed import comm
 
 logger = logging.getLogger(__name__)
 
@@ -470,10 +470,10 @@ class ShardedIterable(torch.utils.data.IterableDataset):
         self.world_size = world_size
 
     def __iter__(self) -> Iterator[Any]:
-        from trainer import dist
+        from trainer.distributed import comm
 
-        rank = dist.get_rank() if self.rank is None else self.rank
-        world = dist.get_world_size() if self.world_size is None else self.world_size
+        rank = comm.get_rank() if self.rank is None else self.rank
+        world = comm.get_world_size() if self.world_size is None else self.world_size
         info = torch.utils.data.get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         shards, mine = world * workers, rank * workers + worker
@@ -537,7 +537,7 @@ def agree_on_batches(num_batches: int, device: torch.device, *, uneven: Literal[
         ValueError: the counts differ and ``uneven="error"``.
     """
     counts = torch.tensor([num_batches, -num_batches], device=device)
-    dist.all_reduce(counts, "min")
+    comm.all_reduce(counts, "min")
     low, high = int(counts[0].item()), -int(counts[1].item())
     if low == high:
         return num_batches
@@ -553,7 +553,7 @@ def agree_on_batches(num_batches: int, device: torch.device, *, uneven: Literal[
 def all_ranks_have_data(has_data: bool, device: torch.device) -> bool:
     """Loader without len() in DDP: one tiny all-reduce per optimizer step (documented cost)."""
     flag = torch.tensor([1.0 if has_data else 0.0], device=device)
-    dist.all_reduce(flag, "min")
+    comm.all_reduce(flag, "min")
     return bool(flag.item() > 0)
 
 
@@ -562,7 +562,7 @@ def warn_if_unsharded(batch: Any, loader: Any) -> None:
     (a collective: one object gather)."""
     tensors = [t for t in (batch if isinstance(batch, (list, tuple)) else [batch]) if isinstance(t, torch.Tensor)]
     fingerprint = hash(tuple(t.detach().cpu().contiguous().view(-1)[:4096].numpy().tobytes() for t in tensors))
-    if len(set(dist.all_gather_object(fingerprint))) == 1:
+    if len(set(comm.all_gather_object(fingerprint))) == 1:
         logger.warning(
             "Every rank got the same first batch from %s: the data is probably not sharded by rank, so each "
             "rank trains on the same samples. Shard it (trainer.data.shard_iterable) or pass a plain "

@@ -36,7 +36,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PROFILER_CHOICES = ("simple", "pytorch", "passthrough")
-# The loop's phase names (trainer/watchdog.py PHASE_*) as profiler actions.
+# The loop's phase names (trainer/distributed/watchdog.py PHASE_*) as profiler actions.
 PHASE_ACTIONS: dict[str, str] = {
     "data": "data_wait",
     "training_step": "forward",
@@ -392,7 +392,7 @@ def check_profiler(option: Any) -> None:
         return
     raise ValueError(
         f"Trainer option profiler={option!r} is invalid: expected None, 'simple', 'pytorch', 'passthrough' "
-        "or a trainer.profiler.Profiler instance."
+        "or a trainer.observability.profiler.Profiler instance."
     )
 
 

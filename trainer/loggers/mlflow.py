@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer import tracking
-from trainer import dist
-from trainer.logger_base import DummyExperiment, Logger
+from trainer.loggers import tracking
+from trainer.distributed import comm
+from trainer.loggers.logger import DummyExperiment, Logger
 
 if TYPE_CHECKING:  # pragma: no cover
     from mlflow.tracking import MlflowClient
@@ -106,8 +106,8 @@ class MLFlowLogger(Logger):
     @property
     def experiment(self) -> MlflowClient:
         """The ``MlflowClient``, with this logger's run created or resumed (Lightning's name). Rank 0 only:
-        other ranks get a :class:`~trainer.loggers.DummyExperiment` that does nothing."""
-        if dist.get_rank() != 0:
+        other ranks get a :class:`~trainer.loggers.logger.DummyExperiment` that does nothing."""
+        if comm.get_rank() != 0:
             return DummyExperiment()  # type: ignore[return-value]
         if self._client is None:
             self._open()

@@ -1,7 +1,7 @@
 """The checkpoint file layer: top-level keys, errors, atomic one-file writes, safe loading, the pointer.
 
-What a checkpoint holds and how a run is restored is trainer/checkpoint.py; one folder of shards is
-trainer/sharded_checkpoint.py; background writes are trainer/async_checkpoint.py. All of them use this
+What a checkpoint holds and how a run is restored is trainer/checkpoint/state.py; one folder of shards is
+trainer/checkpoint/sharded.py; background writes are trainer/checkpoint/async_save.py. All of them use this
 module, and it imports none of them (no import circle between the checkpoint modules).
 
 Files are written to a temporary name in the same folder, fsynced, renamed over the target and the
@@ -41,7 +41,7 @@ K_RNG = "rng_states"
 K_OPTIONS = "trainer_options"
 K_DATAMODULE = "datamodule"
 K_HPARAMS = "hyper_parameters"
-K_GLOBAL_BATCH = "global_batch"  # trainer/elastic.py: the run's samples per optimizer step
+K_GLOBAL_BATCH = "global_batch"  # trainer/data/global_batch.py: the run's samples per optimizer step
 REQUIRED_KEYS = (K_FORMAT, K_STATE_DICT)
 
 

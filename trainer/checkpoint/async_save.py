@@ -13,7 +13,7 @@
     it; unlinking a GiB file alone takes 0.3 s, kept off the loop). Everything it writes carries a
     temporary name until its own atomic rename, so a SIGKILL here leaves the previous checkpoint as
     ``last``. It must not touch the training process group (DDP: only rank 0 writes one file, so no
-    collective is needed; FSDP, trainer/sharded_checkpoint.py: DCP on a gloo group of its own, whose
+    collective is needed; FSDP, trainer/checkpoint/sharded.py: DCP on a gloo group of its own, whose
     coordinator finishes only when every rank's shards are durable; rank 0 then renames the folder, and
     swaps the pointer in ``commit``).
 ``commit()`` (optional)
@@ -263,8 +263,9 @@ def save_async(trainer: Any, path: str, checkpointer: AsyncCheckpointer, commit:
     checkpoint's own gloo group), ``write`` waits for its future, rank 0 adds the keel file and renames
     the folder once every rank is done.
     """
-    from trainer import checkpoint as ckpt
-    from trainer.watchdog import PHASE_CHECKPOINT
+    from trainer.checkpoint import state as ckpt
+    from trainer.checkpoint.files import K_OPTIMIZERS, K_STATE_DICT
+    from trainer.distributed.watchdog import PHASE_CHECKPOINT
 
     beat = getattr(trainer, "_beat", None)
     if beat is not None:
@@ -272,13 +273,13 @@ def save_async(trainer: Any, path: str, checkpointer: AsyncCheckpointer, commit:
     guard = getattr(trainer, "_nonfinite", None)  # on_nonfinite="error": a NaN loss since the last check stops here
     if guard is not None:
         guard.check(f"before saving checkpoint {path!r}")  # one host read (+ one collective in DDP), on every rank
-    if getattr(trainer.strategy, "sharded", False):  # every rank writes its shards: trainer/sharded_checkpoint.py
-        from trainer import sharded_checkpoint
+    if getattr(trainer.strategy, "sharded", False):  # every rank writes its shards: trainer/checkpoint/sharded.py
+        from trainer.checkpoint import sharded as sharded_checkpoint
 
         task = trainer.task  # non-finite weights: refused on the staged copy, in the background (as below)
         checkpointer.wait()  # the save in flight first: its DCP collectives come before this one's
-        sharded_checkpoint.save_async(ckpt.assemble(trainer), path, model_key=ckpt.K_STATE_DICT,
-                                      optimizers_key=ckpt.K_OPTIMIZERS, task=task, optimizers=trainer.optimizers,
+        sharded_checkpoint.save_async(ckpt.assemble(trainer), path, model_key=K_STATE_DICT,
+                                      optimizers_key=K_OPTIMIZERS, task=task, optimizers=trainer.optimizers,
                                       is_writer=trainer.is_global_zero, checkpointer=checkpointer, commit=commit)
         return
     state = ckpt.assemble(trainer)
@@ -289,7 +290,7 @@ def save_async(trainer: Any, path: str, checkpointer: AsyncCheckpointer, commit:
     stager = checkpointer.__dict__.setdefault("cpu_stager", CpuStager())
 
     def write(staged: dict[str, Any]) -> None:
-        _refuse_non_finite(staged[ckpt.K_STATE_DICT], params, path, step)
+        _refuse_non_finite(staged[K_STATE_DICT], params, path, step)
         io.save(staged, path, is_writer=True)
         if commit is not None:
             commit()  # only now that the file is durable: the pointer swap, then pruning

@@ -3,7 +3,7 @@
 :func:`detect_env` recognises torchrun / TorchElastic, SLURM ``srun`` and a plain single process and
 returns a :class:`DistEnv`; :func:`parse_slurm_nodelist_first` expands a compressed SLURM host list.
 Nothing here talks to other processes or imports ``torch.distributed``: it runs before any process
-group exists, so a bad launch is refused before anything blocks. ``trainer.dist`` re-exports these.
+group exists, so a bad launch is refused before anything blocks.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ import secrets
 import string
 from typing import TYPE_CHECKING, Any
 
-from trainer import tracking, wandb_records
-from trainer import dist
-from trainer.logger_base import DummyExperiment, Logger, _to_plain, _yaml_safe
+from trainer.loggers import tracking, wandb_records
+from trainer.distributed import comm
+from trainer.loggers.logger import DummyExperiment, Logger, _to_plain, _yaml_safe
 
 if TYPE_CHECKING:  # pragma: no cover
     from wandb.sdk.wandb_run import Run
@@ -126,8 +126,8 @@ class WandbLogger(Logger):
     @property
     def experiment(self) -> Run:
         """The ``wandb`` run, opened (or resumed) on first use (Lightning's name). Rank 0 only: other ranks get
-        a :class:`~trainer.loggers.DummyExperiment` that does nothing."""
-        if dist.get_rank() != 0:
+        a :class:`~trainer.loggers.logger.DummyExperiment` that does nothing."""
+        if comm.get_rank() != 0:
             return DummyExperiment()  # type: ignore[return-value]
         if self._run is None:
             self._run = self._open()

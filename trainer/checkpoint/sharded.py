@@ -45,9 +45,9 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
-from trainer import dist
-from trainer.checkpoint_io import K_FORMAT, CheckpointError, CheckpointIO, CheckpointSaveError, _fsync_dir, _os_error
-from trainer.transfer import tensors_in
+from trainer.distributed import comm
+from trainer.checkpoint.files import K_FORMAT, CheckpointError, CheckpointIO, CheckpointSaveError, _fsync_dir, _os_error
+from trainer.data.transfer import tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +135,11 @@ def save(state: dict[str, Any], path: str | os.PathLike, *, model_key: str, opti
             and that the previous checkpoint is intact).
     """
     target = Path(path)
-    tmp_name = dist.broadcast_object(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}" if is_writer else None)
+    tmp_name = comm.broadcast_object(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}" if is_writer else None)
     tmp = target.parent / str(tmp_name)
     if is_writer:
         target.parent.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    comm.barrier()
     tensors = {K_MODEL: get_model_state_dict(task), K_OPTIMIZERS: [get_optimizer_state_dict(task, o) for o in optimizers]}
     rest = {k: v for k, v in state.items() if k not in (model_key, optimizers_key)}
     try:
@@ -153,7 +153,7 @@ def save(state: dict[str, Any], path: str | os.PathLike, *, model_key: str, opti
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         raise _save_error(target, tensors, exc) from exc
-    dist.barrier()
+    comm.barrier()
 
 
 def save_async(state: dict[str, Any], path: str | os.PathLike, *, model_key: str, optimizers_key: str,
@@ -161,16 +161,16 @@ def save_async(state: dict[str, Any], path: str | os.PathLike, *, model_key: str
                checkpointer: Any, commit: Any) -> None:
     """:func:`save` in the background. A collective: every rank calls it at the same step boundary.
 
-    ``checkpointer`` (trainer/async_checkpoint.py) first waits for the save in flight; then every rank
+    ``checkpointer`` (trainer/checkpoint/async_save.py) first waits for the save in flight; then every rank
     stages its shards to CPU memory (``dcp.async_save``: the loop is blocked only for that copy) and the
-    write runs on DCP's thread, on a gloo group of its own (:func:`trainer.dist.checkpoint_group`). DCP's
+    write runs on DCP's thread, on a gloo group of its own (:func:`trainer.distributed.comm.checkpoint_group`). DCP's
     coordinator writes ``.metadata`` only after every rank's shards are written, so when rank 0's future
     is done all of them are durable: rank 0 then adds ``keel.pt`` and renames the folder into place, and
     ``commit`` (the pointer swap, pruning) runs at a later step boundary on the main thread.
     """
     target = Path(path)
-    group = dist.checkpoint_group()
-    tmp_name = dist.broadcast_object(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}" if is_writer else None)
+    group = comm.checkpoint_group()
+    tmp_name = comm.broadcast_object(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}" if is_writer else None)
     tmp = target.parent / str(tmp_name)
     if is_writer:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -218,7 +218,7 @@ class ReusedStaging(AsyncStager):
 
     DCP's default stager allocates a fresh CPU copy on every save; allocating and first touching it was
     most of the time an async FSDP save blocked the loop (benchmarks/fsdp.py), as for the one-file path,
-    whose :class:`~trainer.async_checkpoint.CpuStager` reuses its buffers the same way. The buffers are
+    whose :class:`~trainer.checkpoint.async_save.CpuStager` reuses its buffers the same way. The buffers are
     free again when the next save stages: the checkpointer waits for the save in flight first. One copy of
     the shards (pinned on CUDA) stays in memory between saves; a different layout (optimizer state that
     appeared, a resized parameter) allocates anew. Blocking: the copy is done when :meth:`stage` returns.
@@ -260,7 +260,7 @@ def _staged_finite(stager: ReusedStaging, params: list[str]) -> bool:
     local = [t.to_local() if hasattr(t, "to_local") else t for t in (model.get(n) for n in params) if t is not None]
     local = [t for t in local if t.numel()]
     ok = not local or bool(torch.isfinite(torch.stack(torch._foreach_norm(local, ord=math.inf))).all())
-    group = dist.checkpoint_group()
+    group = comm.checkpoint_group()
     if group is None:
         return ok
     flag = torch.tensor([1.0 if ok else 0.0])

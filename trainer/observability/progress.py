@@ -19,7 +19,7 @@ import time
 from typing import IO, TYPE_CHECKING, Any
 
 from trainer.callback import Callback
-from trainer.transfer import infer_batch_size
+from trainer.data.transfer import infer_batch_size
 
 if TYPE_CHECKING:  # pragma: no cover
     from tqdm import tqdm

@@ -1,7 +1,7 @@
 """Checkpoint content, crash-safe writes and safe loading (DESIGN.md section 8).
 
 A checkpoint is one file (rank 0 writes it; all ranks pass a barrier), or, under a sharded strategy
-(FSDP), one folder in which every rank writes its shards (trainer/sharded_checkpoint.py). Its top-level keys are the
+(FSDP), one folder in which every rank writes its shards (trainer/checkpoint/sharded.py). Its top-level keys are the
 constants below. Files are written to a temporary name in the same folder, fsynced, renamed over the
 target and the folder is fsynced, so a crash leaves either the old file or the new one, never a torn
 one. Loading always uses ``torch.load(weights_only=True)``: a checkpoint can never run code.
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer import dist, elastic
-from trainer.checkpoint_io import (  # noqa: F401 - the file layer (trainer/checkpoint_io.py), re-exported
+from trainer.distributed import comm
+from trainer.data import global_batch as elastic
+from trainer.checkpoint.files import (
     CheckpointError,
     CheckpointIO,
-    CheckpointSaveError,
     FORMAT_VERSION,
     KEEL_VERSION,
     K_CALLBACKS,
@@ -38,17 +38,7 @@ from trainer.checkpoint_io import (  # noqa: F401 - the file layer (trainer/chec
     K_SCHEDULERS,
     K_STATE_DICT,
     K_WORLD_SIZE,
-    POINTER_NAME,
-    REQUIRED_KEYS,
-    _UMASK,
-    _fsync_dir,
-    _human,
-    _os_error,
-    _read_umask,
     read_pointer,
-    tensor_bytes,
-    with_suppressed_unlink,
-    write_pointer,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,7 +94,7 @@ def assemble(trainer: Trainer) -> dict[str, Any]:
         "samples_consumed": trainer._epoch_samples,
         "batches_done": trainer._epoch_batches_done,
     }
-    rng = dist.all_gather_object(_rng_state(trainer.device))
+    rng = comm.all_gather_object(_rng_state(trainer.device))
     state: dict[str, Any] = {
         K_FORMAT: FORMAT_VERSION,
         K_KEEL_VERSION: KEEL_VERSION,
@@ -154,13 +144,13 @@ def save(trainer: Trainer, path: str | os.PathLike, *, weights_only: bool = Fals
         for key in (K_OPTIMIZERS, K_SCHEDULERS, K_SCALER, K_RNG, K_CALLBACKS, K_DATAMODULE):
             state.pop(key, None)
     if trainer.strategy.sharded:
-        from trainer import sharded_checkpoint
+        from trainer.checkpoint import sharded as sharded_checkpoint
 
         sharded_checkpoint.save(state, path, model_key=K_STATE_DICT, optimizers_key=K_OPTIMIZERS, task=task,
                                 optimizers=trainer.optimizers, is_writer=trainer.is_global_zero)
     else:
         trainer._checkpoint_io.save(state, path, is_writer=trainer.is_global_zero)
-    dist.barrier(trainer.device)
+    comm.barrier(trainer.device)
 
 
 def _plain(value: Any) -> Any:
@@ -200,7 +190,7 @@ def load_meta(path: str | os.PathLike) -> dict[str, Any]:
     """A checkpoint's state without loading sharded weights: the whole file, or a folder's ``keel.pt``
     (after checking its metadata). Raises :class:`CheckpointError` naming the problem."""
     if Path(path).is_dir():
-        from trainer import sharded_checkpoint
+        from trainer.checkpoint import sharded as sharded_checkpoint
 
         return sharded_checkpoint.read_keel_state(path)
     return CheckpointIO().load(path)
@@ -211,7 +201,7 @@ def load_with_weights(path: str | os.PathLike) -> dict[str, Any]:
     plain state dict of CPU tensors; no process group needed."""
     state = load_meta(path)
     if Path(path).is_dir():
-        from trainer import sharded_checkpoint
+        from trainer.checkpoint import sharded as sharded_checkpoint
 
         state[K_STATE_DICT] = sharded_checkpoint.read_model_state(path)
     return state
@@ -238,7 +228,7 @@ def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
     folder = Path(path).is_dir()
     state = load_meta(path)
     if folder:  # the sharded weights, read into this run's layout (collective), applied after the hooks
-        from trainer import sharded_checkpoint
+        from trainer.checkpoint import sharded as sharded_checkpoint
 
         state[K_STATE_DICT], state[K_OPTIMIZERS] = sharded_checkpoint.load(path, task, trainer.optimizers if full else [])
     task.on_load_checkpoint(state)
@@ -339,7 +329,7 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str) -> str | None:
                     continue
                 best = state.get("callbacks", {}).get(callback.state_key, {}).get("best_model_path", "")
                 break
-        best = dist.broadcast_object(best)
+        best = comm.broadcast_object(best)
         if not best:
             raise ValueError('ckpt_path="best": no best checkpoint is known (no monitored ModelCheckpoint save '
                              f"in {callback.dirpath}).")
@@ -358,4 +348,4 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str) -> str | None:
             break
         if chosen is None:
             log.info("ckpt_path='last': no checkpoint in %s yet; starting from scratch.", directory)
-    return dist.broadcast_object(chosen)
+    return comm.broadcast_object(chosen)

@@ -6,9 +6,8 @@ so that all ranks agree on ``N`` (DESIGN.md section 9). Everything else writes f
 the Trainer on global rank 0 only (DESIGN.md section 7).
 
 tensorboard (and omegaconf, for YAML) are imported where they are used, so ``import trainer`` stays
-cheap (DESIGN.md section 11). The :class:`Logger` base and the run identity are in trainer/logger_base.py;
-:class:`WandbLogger` and :class:`MLFlowLogger` live in their own modules; all are re-exported here, and
-the trackers import ``wandb`` / ``mlflow`` only when they first write.
+cheap (DESIGN.md section 11). The :class:`Logger` base and the run identity are in trainer/loggers/logger.py;
+:class:`WandbLogger` and :class:`MLFlowLogger` live in their own modules.
 """
 
 from __future__ import annotations
@@ -19,19 +18,9 @@ import logging
 import os
 from typing import IO, TYPE_CHECKING, Any
 
-from trainer import dist
-from trainer.rank_zero import rank_zero_warn
-from trainer.logger_base import (  # noqa: F401 - the base and the run identity, re-exported
-    DummyExperiment,
-    Logger,
-    RUN_ID_MARKER,
-    _VERSION_DIR,
-    _agent_identity,
-    _to_plain,
-    _yaml_safe,
-    flatten_params,
-    run_identity,
-)
+from trainer.distributed import comm
+from trainer.observability.rank_zero import rank_zero_warn
+from trainer.loggers.logger import DummyExperiment, Logger, _to_plain, _yaml_safe, flatten_params
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.tensorboard import SummaryWriter
@@ -166,7 +155,7 @@ class TensorBoardLogger(Logger):
     def experiment(self) -> SummaryWriter:
         """The ``SummaryWriter``, created on first use (Lightning's name); a :class:`DummyExperiment` that
         writes nothing on ranks other than 0."""
-        if dist.get_rank() != 0:
+        if comm.get_rank() != 0:
             return DummyExperiment()  # type: ignore[return-value]
         if self._writer is None:
             log_dir = self._ensure_log_dir()
@@ -269,8 +258,3 @@ def default_loggers(option: Any, default_root_dir: str | None) -> list[Logger]:
         return list(option)
     raise ValueError(f"Invalid Trainer option logger={option!r}; expected {_VALID_LOGGER_CHOICES}.")
 
-
-# Trackers with their own modules, re-exported so that `from trainer.loggers import WandbLogger` works. They
-# subclass trainer.logger_base.Logger (not this module): no import circle. Neither imports its library until it writes.
-from trainer.mlflow_logger import MLFlowLogger  # noqa: E402,F401
-from trainer.wandb_logger import WandbLogger  # noqa: E402,F401

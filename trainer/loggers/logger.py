@@ -5,7 +5,7 @@ a logger does is :meth:`Logger.resolve_version`, a collective that every rank ca
 so that all ranks agree on ``N`` (DESIGN.md section 9). Everything else writes files and is called by
 the Trainer on global rank 0 only (DESIGN.md section 7).
 
-The concrete loggers subclass :class:`Logger`: CSV and TensorBoard in trainer/loggers.py, W&B and MLflow
+The concrete loggers subclass :class:`Logger`: CSV and TensorBoard in trainer/loggers/local.py, W&B and MLflow
 in their own modules; trainer.loggers re-exports all of them. This module imports none of them.
 """
 
@@ -18,7 +18,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from trainer import dist
+from trainer.distributed import comm
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +121,8 @@ class Logger:
         """
         if self.version is not None:
             return
-        picked = self._pick_version() if dist.get_rank() == 0 else None
-        self.version = dist.broadcast_object(picked, src=0)  # type: ignore[assignment]
+        picked = self._pick_version() if comm.get_rank() == 0 else None
+        self.version = comm.broadcast_object(picked, src=0)  # type: ignore[assignment]
         log.debug("%s resolved version %s under %s", type(self).__name__, self.version, self.root_dir)
 
     def _pick_version(self) -> int:
@@ -175,7 +175,7 @@ class Logger:
             RuntimeError: The version is unresolved in a distributed job (resolving it here, on rank 0
                 alone, would hang the collective).
         """
-        if self.version is None and dist.get_world_size() == 1:
+        if self.version is None and comm.get_world_size() == 1:
             self.resolve_version()
         path = self.log_dir
         os.makedirs(path, exist_ok=True)

@@ -1,0 +1,12 @@
+"""Data: samplers, loader adaptation, batch transfer and the global batch.
+
+* :mod:`~trainer.data.loaders`: the resumable distributed sampler (a global cursor of consumed samples), the
+  padding-free evaluation sampler, adapting a user's ``DataLoader`` or saying exactly why it cannot be adapted.
+* :mod:`~trainer.data.transfer`: moving batches to the device, reading their size without a host sync, and reading
+  many small tensors back to the host in one transfer.
+* :mod:`~trainer.data.global_batch`: the global batch as a property of the run, re-derived into accumulation at
+  every (re)start.
+
+May import: torch, :mod:`trainer.distributed.comm`, :mod:`trainer.step.accumulation`, :mod:`trainer.options`.
+Never the core's ``trainer.py``.
+"""

@@ -1,0 +1,12 @@
+"""The maths of one optimizer step.
+
+* :mod:`~trainer.step.accumulation`: how micro-batches group into optimizer steps, and the one function that
+  normalises the loss (mean over the micro-batches run, or a sum over ``num_items`` across ranks).
+* :mod:`~trainer.step.precision`: autocast, gradient scaling and parameter dtype for ``32``, ``16-mixed``,
+  ``bf16-mixed`` and ``bf16-true``.
+* :mod:`~trainer.step.optim`: what ``configure_optimizers`` may return, scheduler stepping, manual optimization.
+* :mod:`~trainer.step.nonfinite`: the NaN/inf loss guard that reads the host only on logging steps.
+
+May import: torch, :mod:`trainer.distributed` (collectives and the strategy seam), :mod:`trainer.data.transfer`.
+Never the core's ``trainer.py``.
+"""
