@@ -75,18 +75,36 @@ class TimedCheckpoint(ModelCheckpoint):
 def blocked_per_save(width: int, depth: int, folder: Path, *, async_save: bool, every: int, saves: int) -> dict:
     torch.manual_seed(0)
     task = Big(width, depth)
-    cb = TimedCheckpoint(dirpath=folder / ("async" if async_save else "sync"), every_n_train_steps=every,
-                         save_top_k=1, async_save=async_save)
-    trainer = Trainer(max_steps=every * saves, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, callbacks=[cb], seed=0)
+    cb = TimedCheckpoint(
+        dirpath=folder / ("async" if async_save else "sync"),
+        every_n_train_steps=every,
+        save_top_k=1,
+        async_save=async_save,
+    )
+    trainer = Trainer(
+        max_steps=every * saves,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[cb],
+        seed=0,
+    )
     start = time.perf_counter()
     trainer.fit(task, DataLoader(TensorDataset(torch.randn(4 * every * saves, width)), batch_size=4))
     wall = time.perf_counter() - start
     commits = [t.commit for t in cb._checkpointer.history]
     background = [t.background for t in cb._checkpointer.history]
     blocked = [s + c for s, c in zip(cb.save_times, commits + [0.0] * len(cb.save_times))]
-    return {"blocked": blocked, "save": cb.save_times, "commit": commits, "background": background,
-            "end_wait": cb.end_wait, "wall": wall, "steps": trainer.global_step}
+    return {
+        "blocked": blocked,
+        "save": cb.save_times,
+        "commit": commits,
+        "background": background,
+        "end_wait": cb.end_wait,
+        "wall": wall,
+        "steps": trainer.global_step,
+    }
 
 
 def main() -> None:
@@ -102,29 +120,44 @@ def main() -> None:
     folder = Path(args.dir or tempfile.mkdtemp(prefix="keel-ckpt-bench-"))
     folder.mkdir(parents=True, exist_ok=True)
     params = depth * (width * width + width)
-    print(f"model: {params / 1e6:.1f}M parameters ({depth} x Linear({width}, {width})), AdamW state included; "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__}, files in {folder}")
+    print(
+        f"model: {params / 1e6:.1f}M parameters ({depth} x Linear({width}, {width})), AdamW state included; "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, files in {folder}"
+    )
     if not args.skip_load:
         save_and_load(width, depth, folder, args.repeats)
     results = {}
     for async_save in (False, True):
-        results[async_save] = r = blocked_per_save(width, depth, folder, async_save=async_save, every=args.every,
-                                                   saves=args.repeats)
+        results[async_save] = r = blocked_per_save(
+            width, depth, folder, async_save=async_save, every=args.every, saves=args.repeats
+        )
         name = "async" if async_save else "sync "
-        print(f"{name} ModelCheckpoint: loop blocked per save median {statistics.median(r['blocked']):.3f} s "
-              f"(runs: {', '.join(f'{t:.3f}' for t in r['blocked'])})" + (
-                  f"; in save() {statistics.median(r['save']):.3f} s, commit {statistics.median(r['commit']):.4f} s, "
-                  f"end-of-fit wait {r['end_wait']:.3f} s; background write median "
-                  f"{statistics.median(r['background']):.2f} s" if async_save else "")
-              + f"; fit of {r['steps']} steps {r['wall']:.1f} s")
+        print(
+            f"{name} ModelCheckpoint: loop blocked per save median {statistics.median(r['blocked']):.3f} s "
+            f"(runs: {', '.join(f'{t:.3f}' for t in r['blocked'])})"
+            + (
+                f"; in save() {statistics.median(r['save']):.3f} s, commit {statistics.median(r['commit']):.4f} s, "
+                f"end-of-fit wait {r['end_wait']:.3f} s; background write median "
+                f"{statistics.median(r['background']):.2f} s"
+                if async_save
+                else ""
+            )
+            + f"; fit of {r['steps']} steps {r['wall']:.1f} s"
+        )
     ratio = statistics.median(results[True]["blocked"]) / statistics.median(results[False]["blocked"])
     print(f"async blocks the loop {100 * ratio:.1f}% of the synchronous save's time (goal: < 10%)")
 
 
 def save_and_load(width: int, depth: int, folder: Path, repeats: int) -> None:
     task = Big(width, depth)
-    trainer = Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = Trainer(
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(task, DataLoader(TensorDataset(torch.randn(4, width)), batch_size=2))
     path = folder / "bench.ckpt"
     saves, loads = [], []
@@ -140,10 +173,15 @@ def save_and_load(width: int, depth: int, folder: Path, repeats: int) -> None:
         del state
     size_gb = os.path.getsize(path) / 2**30
     print(f"checkpoint file: {size_gb:.2f} GiB")
-    print(f"save (training blocked): median {statistics.median(saves):.2f} s  ({size_gb / statistics.median(saves):.2f} GiB/s)"
-          f"  runs: {', '.join(f'{t:.2f}' for t in saves)}")
-    print(f"load + restore:          median {statistics.median(loads):.2f} s  runs: {', '.join(f'{t:.2f}' for t in loads)}")
+    print(
+        f"save (training blocked): median {statistics.median(saves):.2f} s  ({size_gb / statistics.median(saves):.2f} GiB/s)"
+        f"  runs: {', '.join(f'{t:.2f}' for t in saves)}"
+    )
+    print(
+        f"load + restore:          median {statistics.median(loads):.2f} s  runs: {', '.join(f'{t:.2f}' for t in loads)}"
+    )
     path.unlink()
+
 
 if __name__ == "__main__":
     main()

@@ -76,8 +76,12 @@ def _worker(args: argparse.Namespace) -> None:
                 self.memory = {
                     "params": sum(local_bytes(p) for p in task.parameters()),
                     "grads": sum(local_bytes(p.grad) for p in task.parameters() if p.grad is not None),
-                    "optimizer": sum(local_bytes(v) for s in optimizer.state.values() for v in s.values()
-                                     if isinstance(v, torch.Tensor)),
+                    "optimizer": sum(
+                        local_bytes(v)
+                        for s in optimizer.state.values()
+                        for v in s.values()
+                        if isinstance(v, torch.Tensor)
+                    ),
                 }
 
         def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
@@ -102,16 +106,28 @@ def _worker(args: argparse.Namespace) -> None:
     checkpoint = ModelCheckpoint(dirpath=directory, save_top_k=1, async_save=True, save_on_train_epoch_end=False)
     total = args.steps + 2 * args.saves + 1
     data = TensorDataset(torch.randn(total * 2 * args.batch, args.width))
-    trainer = Trainer(max_steps=total, strategy=args.strategy, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, callbacks=[probe, checkpoint],
-                      log_every_n_steps=10_000)
+    trainer = Trainer(
+        max_steps=total,
+        strategy=args.strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[probe, checkpoint],
+        log_every_n_steps=10_000,
+    )
     trainer.fit(Stack(), DataLoader(data, batch_size=args.batch))
-    result = {"strategy": args.strategy, "rank": trainer.global_rank, "memory": probe.memory,
-              "step_s": statistics.median(probe.times) if probe.times else None,
-              "save_sync_s": statistics.median(probe.sync) if probe.sync else None,
-              "save_async_blocked_s": statistics.median(probe.async_) if probe.async_ else None,
-              "save_async_each_s": probe.async_, "save_sync_each_s": probe.sync,
-              "params": sum(p.numel() for p in trainer.task.parameters())}
+    result = {
+        "strategy": args.strategy,
+        "rank": trainer.global_rank,
+        "memory": probe.memory,
+        "step_s": statistics.median(probe.times) if probe.times else None,
+        "save_sync_s": statistics.median(probe.sync) if probe.sync else None,
+        "save_async_blocked_s": statistics.median(probe.async_) if probe.async_ else None,
+        "save_async_each_s": probe.async_,
+        "save_sync_each_s": probe.sync,
+        "params": sum(p.numel() for p in trainer.task.parameters()),
+    }
     Path(args.out, f"{args.strategy}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
@@ -138,11 +154,37 @@ def main() -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1",
-               __file__, "--worker", "--strategy", strategy, "--out", out, "--width", str(args.width),
-               "--layers", str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps),
-               "--saves", str(args.saves)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--local-addr",
+            "127.0.0.1",
+            __file__,
+            "--worker",
+            "--strategy",
+            strategy,
+            "--out",
+            out,
+            "--width",
+            str(args.width),
+            "--layers",
+            str(args.layers),
+            "--batch",
+            str(args.batch),
+            "--steps",
+            str(args.steps),
+            "--saves",
+            str(args.saves),
+        ]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
         done = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
         if done.returncode:
@@ -157,21 +199,29 @@ def main() -> None:
         "fsdp_over_ddp_bytes": held["fsdp"] / held["ddp"],
         "step_s": {"ddp": ddp["step_s"], "fsdp": fsdp["step_s"]},
         "fsdp_over_ddp_step": fsdp["step_s"] / ddp["step_s"],
-        "save_blocked_s": {s: {"sync": max(r["save_sync_s"] for r in results[s]),
-                               "async": max(r["save_async_blocked_s"] for r in results[s]),
-                               # per save, slowest rank; the first async save also allocates its CPU buffers
-                               "async_each": [max(v) for v in zip(*(r["save_async_each_s"] for r in results[s]))],
-                               "sync_each": [max(v) for v in zip(*(r["save_sync_each_s"] for r in results[s]))]}
-                           for s in results},
+        "save_blocked_s": {
+            s: {
+                "sync": max(r["save_sync_s"] for r in results[s]),
+                "async": max(r["save_async_blocked_s"] for r in results[s]),
+                # per save, slowest rank; the first async save also allocates its CPU buffers
+                "async_each": [max(v) for v in zip(*(r["save_async_each_s"] for r in results[s]))],
+                "sync_each": [max(v) for v in zip(*(r["save_sync_each_s"] for r in results[s]))],
+            }
+            for s in results
+        },
     }
     for s in results:
         blocked = row["save_blocked_s"][s]
         blocked["async_over_sync"] = blocked["async"] / blocked["sync"]
-    print(f"{'':8} {'params+grads+optim per rank':>28} {'step (s)':>10} {'save sync (s)':>14} {'save async blocked (s)':>24}")
+    print(
+        f"{'':8} {'params+grads+optim per rank':>28} {'step (s)':>10} {'save sync (s)':>14} {'save async blocked (s)':>24}"
+    )
     for s in results:
         b = row["save_blocked_s"][s]
-        print(f"{s:8} {held[s] / 2**20:>24.1f} MiB {row['step_s'][s]:>10.3f} {b['sync']:>14.3f} "
-              f"{b['async']:>14.3f} ({100 * b['async_over_sync']:.1f}%)")
+        print(
+            f"{s:8} {held[s] / 2**20:>24.1f} MiB {row['step_s'][s]:>10.3f} {b['sync']:>14.3f} "
+            f"{b['async']:>14.3f} ({100 * b['async_over_sync']:.1f}%)"
+        )
     print(json.dumps(row))
 
 

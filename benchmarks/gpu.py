@@ -43,8 +43,16 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 # Dense bf16 peak TFLOP/s (no sparsity) by device-name substring, from the vendors' data sheets.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 SXM": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0,
-                    "L40S": 362.0, "A10G": 70.0, "L4": 121.0}
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100 SXM": 989.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10G": 70.0,
+    "L4": 121.0,
+}
 FULL = dict(n_layer=12, n_embd=768, n_head=12, block_size=256, batch=32, steps=40, warmup=10)
 SMOKE = dict(n_layer=2, n_embd=32, n_head=2, block_size=16, batch=4, steps=3, warmup=2)
 RUNS = ("loop_ddp", "keel_ddp", "loop_fsdp", "keel_fsdp")
@@ -84,8 +92,14 @@ def _worker(args: argparse.Namespace) -> None:
 
     def task() -> CharGPT:
         torch.manual_seed(0)
-        return BenchGPT(block_size=cfg["block_size"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
-                        n_embd=cfg["n_embd"], total_steps=total, sample_chars=0)
+        return BenchGPT(
+            block_size=cfg["block_size"],
+            n_layer=cfg["n_layer"],
+            n_head=cfg["n_head"],
+            n_embd=cfg["n_embd"],
+            total_steps=total,
+            sample_chars=0,
+        )
 
     def sync() -> None:
         if cuda:
@@ -126,6 +140,7 @@ def _worker(args: argparse.Namespace) -> None:
         result["params"] = sum(p.numel() for p in model.parameters())
         tdist.destroy_process_group()
     else:
+
         class Clock(Callback):
             def __init__(self) -> None:
                 self.start = self.seconds = None
@@ -149,16 +164,27 @@ def _worker(args: argparse.Namespace) -> None:
                     self.blocked["async"] = time.perf_counter() - begin
 
         clock = Clock()
-        checkpoint = ModelCheckpoint(dirpath=os.path.join(args.out, f"ck-{strategy}-async"), async_save=True,
-                                     save_on_train_epoch_end=False)
-        trainer = Trainer(accelerator="cuda" if cuda else "cpu", strategy=strategy, precision="bf16-mixed",
-                          max_steps=total, log_every_n_steps=50, callbacks=[clock, checkpoint], logger=False,
-                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                          default_root_dir=args.out)
+        checkpoint = ModelCheckpoint(
+            dirpath=os.path.join(args.out, f"ck-{strategy}-async"), async_save=True, save_on_train_epoch_end=False
+        )
+        trainer = Trainer(
+            accelerator="cuda" if cuda else "cpu",
+            strategy=strategy,
+            precision="bf16-mixed",
+            max_steps=total,
+            log_every_n_steps=50,
+            callbacks=[clock, checkpoint],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=args.out,
+        )
         model = task()
         trainer.fit(model, loader)
-        result.update(seconds=clock.seconds, save_blocked_s=clock.blocked,
-                      params=sum(p.numel() for p in model.parameters()))
+        result.update(
+            seconds=clock.seconds, save_blocked_s=clock.blocked, params=sum(p.numel() for p in model.parameters())
+        )
     result.update(tokens=cfg["batch"] * cfg["block_size"] * cfg["steps"], cfg=cfg)
     Path(args.out, f"{args.case}.json").write_text(json.dumps(result))
 
@@ -226,7 +252,8 @@ def main() -> None:
             f"benchmarks/gpu.py needs a CUDA GPU, and torch.cuda.is_available() is False here (torch "
             f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none, a CPU-only build'}). Run it on a GPU "
             "machine with torch's CUDA build installed first (README 'Install'); for the CPU overhead figures "
-            "use benchmarks/overhead.py.")
+            "use benchmarks/overhead.py."
+        )
     device_name = "cpu (smoke)" if args.smoke_on_cpu else torch.cuda.get_device_name(0)
     peak = args.peak_tflops
     if peak is None and not args.smoke_on_cpu:
@@ -235,9 +262,27 @@ def main() -> None:
     results = {}
     for run in RUNS:
         port = _free_port()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1",
-               __file__, "--worker", "--case", run, "--out", out] + (["--smoke-on-cpu"] if args.smoke_on_cpu else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--local-addr",
+            "127.0.0.1",
+            __file__,
+            "--worker",
+            "--case",
+            run,
+            "--out",
+            out,
+        ] + (["--smoke-on-cpu"] if args.smoke_on_cpu else [])
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
         done = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
         if done.returncode:
@@ -247,9 +292,15 @@ def main() -> None:
     cfg = results["loop_ddp"]["cfg"]
     params = results["loop_ddp"]["params"]
     flops_per_token = 6 * params + 12 * cfg["n_layer"] * cfg["block_size"] * cfg["n_embd"]
-    row: dict = {"benchmark": "keel-gpu", "device": device_name, "torch": torch.__version__, "params": params,
-                 "tokens_per_step": cfg["batch"] * cfg["block_size"], "steps": cfg["steps"],
-                 "peak_bf16_tflops": peak}
+    row: dict = {
+        "benchmark": "keel-gpu",
+        "device": device_name,
+        "torch": torch.__version__,
+        "params": params,
+        "tokens_per_step": cfg["batch"] * cfg["block_size"],
+        "steps": cfg["steps"],
+        "peak_bf16_tflops": peak,
+    }
     for run, r in results.items():
         tps = r["tokens"] / r["seconds"]
         row[run] = {"tokens_per_s": tps, "mfu": tps * flops_per_token / (peak * 1e12) if peak else None}
@@ -258,7 +309,9 @@ def main() -> None:
     if not args.smoke_on_cpu:
         row["batch_copy_overlap"] = copy_overlap()
     for strategy in ("ddp", "fsdp"):
-        row[f"keel_over_loop_{strategy}"] = row[f"keel_{strategy}"]["tokens_per_s"] / row[f"loop_{strategy}"]["tokens_per_s"]
+        row[f"keel_over_loop_{strategy}"] = (
+            row[f"keel_{strategy}"]["tokens_per_s"] / row[f"loop_{strategy}"]["tokens_per_s"]
+        )
     print(json.dumps(row))
 
 

@@ -70,8 +70,16 @@ TARGETS = {"tiny": 1.05, "mlp1m": 1.03}  # trainer_time / loop_time, from the is
 SELF_LOG_TARGET_US = 50.0
 RUNNERS = ("loop", "trainer", "trainer_log")
 _MARKER = "KEEL_BENCH_LAUNCH_ID"  # inherited by every process of a launch, so all can be found and killed
-_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "GROUP_RANK", "TORCHELASTIC_RUN_ID")  # not inherited from a caller that runs under torchrun
+_LAUNCHER_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "TORCHELASTIC_RUN_ID",
+)  # not inherited from a caller that runs under torchrun
 
 
 # --------------------------------------------------------------------------- the measured code (child processes)
@@ -132,6 +140,7 @@ def hand_loop(name: str, dataset, total_steps: int, warmup: int, ddp: bool) -> t
 
 def run_trainer(name: str, dataset, total_steps: int, warmup: int, log_every_step: bool) -> tuple[float, float]:
     """``Trainer.fit`` on the same net, data and optimizer. Returns (wall, cpu) seconds of the timed steps."""
+
     class BenchTask(TaskModule):
         def __init__(self) -> None:
             super().__init__()
@@ -156,8 +165,13 @@ def run_trainer(name: str, dataset, total_steps: int, warmup: int, log_every_ste
 
     stepclock = StepClock()
     trainer = Trainer(
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
-        log_every_n_steps=LOG_EVERY_N_STEPS, max_steps=total_steps, callbacks=[stepclock],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=LOG_EVERY_N_STEPS,
+        max_steps=total_steps,
+        callbacks=[stepclock],
     )
     trainer.fit(BenchTask(), train_dataloaders=DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=False))
     clock = stepclock.clock
@@ -195,14 +209,23 @@ def measure(name: str, steps: int, warmup: int, repeats: int) -> dict:
         return med((x - y) / steps * 1e6 if per_step_us else x / y for x, y in zip(times[a], times[b]))
 
     return {
-        "model": name, "params": sum(p.numel() for p in make_net(name).parameters()), "procs": world,
-        "steps": steps, "warmup": warmup, "repeats": repeats, "batch_size": BATCH_SIZE, "target": TARGETS[name],
+        "model": name,
+        "params": sum(p.numel() for p in make_net(name).parameters()),
+        "procs": world,
+        "steps": steps,
+        "warmup": warmup,
+        "repeats": repeats,
+        "batch_size": BATCH_SIZE,
+        "target": TARGETS[name],
         **{f"{r}_steps_per_s": steps / med(wall[r]) for r in RUNNERS},
-        "ratio": paired(wall, "trainer", "loop"), "ratio_log": paired(wall, "trainer_log", "loop"),
+        "ratio": paired(wall, "trainer", "loop"),
+        "ratio_log": paired(wall, "trainer_log", "loop"),
         "self_log_us": paired(wall, "trainer_log", "trainer", per_step_us=True),
-        "cpu_ratio": paired(cpu, "trainer", "loop"), "cpu_ratio_log": paired(cpu, "trainer_log", "loop"),
+        "cpu_ratio": paired(cpu, "trainer", "loop"),
+        "cpu_ratio_log": paired(cpu, "trainer_log", "loop"),
         "self_log_cpu_us": paired(cpu, "trainer_log", "trainer", per_step_us=True),
-        "wall_s": wall, "cpu_s": cpu,
+        "wall_s": wall,
+        "cpu_s": cpu,
     }
 
 
@@ -281,8 +304,15 @@ def launch(cmd: list[str], timeout: float) -> tuple[int, str]:
     if os.path.exists("/sys/class/net/lo"):
         env["GLOO_SOCKET_IFNAME"] = "lo"
     with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=env, cwd=REPO_ROOT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -301,15 +331,44 @@ def launch(cmd: list[str], timeout: float) -> tuple[int, str]:
 def run_case(procs: int, args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
-        child = [str(Path(__file__).resolve()), "--_worker", "--_result", result, "--warmup", str(args.warmup),
-                 "--repeats", str(args.repeats), "--models", ",".join(args.models),
-                 "--steps", ",".join(f"{m}={args.steps[m]}" for m in args.models), "--timeout", str(args.timeout)]
+        child = [
+            str(Path(__file__).resolve()),
+            "--_worker",
+            "--_result",
+            result,
+            "--warmup",
+            str(args.warmup),
+            "--repeats",
+            str(args.repeats),
+            "--models",
+            ",".join(args.models),
+            "--steps",
+            ",".join(f"{m}={args.steps[m]}" for m in args.models),
+            "--timeout",
+            str(args.timeout),
+        ]
         if procs == 1:
             cmd = [sys.executable] + child
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(procs),
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-                   "--local-addr", "127.0.0.1", "--max-restarts", "0", "--monitor-interval", "0.5"] + child
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                str(procs),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{free_port()}",
+                "--local-addr",
+                "127.0.0.1",
+                "--max-restarts",
+                "0",
+                "--monitor-interval",
+                "0.5",
+            ] + child
         rc, output = launch(cmd, args.timeout)
         if rc != 0 or not os.path.exists(result):
             tail = "\n".join(output.splitlines()[-60:])
@@ -323,40 +382,74 @@ def report(results: list[dict]) -> None:
     for r in results:
         case = f"{r['model']} ({r['params']:,} params), {r['procs']} proc" + ("" if r["procs"] == 1 else "s DDP")
         verdict = "PASS" if r["ratio"] <= r["target"] else "MISS"
-        rows.append((case, f"{r['loop_steps_per_s']:.1f}", f"{r['trainer_steps_per_s']:.1f}", f"{r['ratio']:.3f}",
-                     f"{r['cpu_ratio']:.3f}", f"<= {r['target']:.2f} {verdict}"))
+        rows.append(
+            (
+                case,
+                f"{r['loop_steps_per_s']:.1f}",
+                f"{r['trainer_steps_per_s']:.1f}",
+                f"{r['ratio']:.3f}",
+                f"{r['cpu_ratio']:.3f}",
+                f"<= {r['target']:.2f} {verdict}",
+            )
+        )
         verdict = "PASS" if r["self_log_us"] < SELF_LOG_TARGET_US else "MISS"
-        rows.append(("  trainer + self.log every step", f"{r['loop_steps_per_s']:.1f}",
-                     f"{r['trainer_log_steps_per_s']:.1f}", f"{r['ratio_log']:.3f}", f"{r['cpu_ratio_log']:.3f}",
-                     f"self.log {r['self_log_us']:+.1f} us/call (cpu {r['self_log_cpu_us']:+.1f}; "
-                     f"< {SELF_LOG_TARGET_US:.0f}) {verdict}"))
+        rows.append(
+            (
+                "  trainer + self.log every step",
+                f"{r['loop_steps_per_s']:.1f}",
+                f"{r['trainer_log_steps_per_s']:.1f}",
+                f"{r['ratio_log']:.3f}",
+                f"{r['cpu_ratio_log']:.3f}",
+                f"self.log {r['self_log_us']:+.1f} us/call (cpu {r['self_log_cpu_us']:+.1f}; "
+                f"< {SELF_LOG_TARGET_US:.0f}) {verdict}",
+            )
+        )
     widths = [max(len(row[i]) for row in rows + [head]) for i in range(len(head))]
     for row in [head, tuple("-" * w for w in widths)] + rows:
         cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row[:-1], widths))]
         print(" | ".join(cells + [row[-1]]))
     r0 = results[0]
-    print(f"\nratio: median over {r0['repeats']} paired repeats of trainer/loop wall time of the timed steps "
-          f"({r0['warmup']} warm-up steps excluded); cpu ratio: the same with process CPU time. See --help.")
+    print(
+        f"\nratio: median over {r0['repeats']} paired repeats of trainer/loop wall time of the timed steps "
+        f"({r0['warmup']} warm-up steps excluded); cpu ratio: the same with process CPU time. See --help."
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="short smoke run: few steps, 2 repeats, 3 warm-up steps (the timings are noise)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="short smoke run: few steps, 2 repeats, 3 warm-up steps (the timings are noise)",
+    )
     p.add_argument("--single-only", action="store_true", help="skip the DDP cases")
     p.add_argument("--ddp-only", action="store_true", help="skip the single-process cases")
-    p.add_argument("--models", default="tiny,mlp1m", help="comma-separated subset of " + ", ".join(
-        f"{m} (MLP {'-'.join(map(str, w))})" for m, w in MODELS.items()) + " (default: both)")
-    p.add_argument("--steps", help=f"timed steps per run: one int, or model=int pairs "
-                                   f"(default: {STEPS}; --quick: {QUICK_STEPS})")
+    p.add_argument(
+        "--models",
+        default="tiny,mlp1m",
+        help="comma-separated subset of "
+        + ", ".join(f"{m} (MLP {'-'.join(map(str, w))})" for m, w in MODELS.items())
+        + " (default: both)",
+    )
+    p.add_argument(
+        "--steps", help=f"timed steps per run: one int, or model=int pairs (default: {STEPS}; --quick: {QUICK_STEPS})"
+    )
     p.add_argument("--warmup", type=int, help="untimed steps at the start of each run (default: 10; --quick: 3)")
     p.add_argument("--repeats", type=int, help="repeats of (loop, trainer, trainer+self.log) (default: 9; --quick: 2)")
     p.add_argument("--nproc", type=int, default=2, help="processes of the DDP cases (default: 2)")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds before a child launch is killed with all its ranks (default: 600)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds before a child launch is killed with all its ranks (default: 600)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the JSON line to PATH")
-    p.add_argument("--profile", action="store_true", help="instead of the benchmark: cProfile one Trainer run per "
-                   "model in this process (1 process) and print the top functions by own time")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the benchmark: cProfile one Trainer run per "
+        "model in this process (1 process) and print the top functions by own time",
+    )
     p.add_argument("--profile-top", type=int, default=30, help="rows printed by --profile (default: 30)")
     p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_result", help=argparse.SUPPRESS)
@@ -400,11 +493,18 @@ def main(argv: list[str] | None = None) -> int:
             failed = True
     if results:
         report(results)
-        line = json.dumps({
-            "benchmark": "keel-overhead", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-            "quick": args.quick, "wall_s": round(time.monotonic() - started, 1), "cases": results,
-        })
+        line = json.dumps(
+            {
+                "benchmark": "keel-overhead",
+                "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "quick": args.quick,
+                "wall_s": round(time.monotonic() - started, 1),
+                "cases": results,
+            }
+        )
         print(line)
         if args.json:
             Path(args.json).write_text(line + "\n")

@@ -78,9 +78,17 @@ def seconds_per_step(model: str, profiler: str | None, steps: int, root: str) ->
     n = 64 * (steps + WARMUP)
     data = TensorDataset(torch.randn(n, sizes[0]), torch.randint(0, sizes[-1], (n,)))
     clock = Clock()
-    trainer = Trainer(max_steps=steps + WARMUP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, callbacks=[clock], profiler=profiler,
-                      default_root_dir=root)
+    trainer = Trainer(
+        max_steps=steps + WARMUP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[clock],
+        profiler=profiler,
+        default_root_dir=root,
+    )
     trainer.fit(MLP(sizes), DataLoader(data, batch_size=64))
     assert clock.start is not None
     return (clock.end - clock.start) / steps
@@ -105,12 +113,22 @@ def main() -> None:
                 for setting in order:
                     times[str(setting)].append(seconds_per_step(model, setting, steps, root))
             base = statistics.median(times["None"])
-            row = {name: {"median_s_per_step": statistics.median(values),
-                          "overhead_pct": 100 * (statistics.median(values) / base - 1)}
-                   for name, values in times.items()}
+            row = {
+                name: {
+                    "median_s_per_step": statistics.median(values),
+                    "overhead_pct": 100 * (statistics.median(values) / base - 1),
+                }
+                for name, values in times.items()
+            }
             results[model] = row
-            print(f"{model}: " + ", ".join(f"profiler={name}: {r['median_s_per_step'] * 1e3:.3f} ms/step "
-                                           f"({r['overhead_pct']:+.1f}%)" for name, r in row.items()), flush=True)
+            print(
+                f"{model}: "
+                + ", ".join(
+                    f"profiler={name}: {r['median_s_per_step'] * 1e3:.3f} ms/step ({r['overhead_pct']:+.1f}%)"
+                    for name, r in row.items()
+                ),
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -85,11 +85,18 @@ class EarlyStopping(Callback):
             raise ValueError(f"EarlyStopping(patience={patience!r}): expected an integer >= 1.")
         if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or not min_delta >= 0:
             raise ValueError(f"EarlyStopping(min_delta={min_delta!r}): expected a number >= 0.")
-        for name, threshold in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
+        for name, threshold in (
+            ("stopping_threshold", stopping_threshold),
+            ("divergence_threshold", divergence_threshold),
+        ):
             if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
                 raise ValueError(f"EarlyStopping({name}={threshold!r}): expected a number or None.")
-        for name, flag in (("verbose", verbose), ("strict", strict), ("check_finite", check_finite),
-                           ("log_rank_zero_only", log_rank_zero_only)):
+        for name, flag in (
+            ("verbose", verbose),
+            ("strict", strict),
+            ("check_finite", check_finite),
+            ("log_rank_zero_only", log_rank_zero_only),
+        ):
             if not isinstance(flag, bool):
                 raise ValueError(f"EarlyStopping({name}={flag!r}): expected True or False.")
         self.monitor = monitor
@@ -148,8 +155,10 @@ class EarlyStopping(Callback):
                 f"available metrics: {available}."
             )
             if self.check_on_train_epoch_end is None and not self._validated_this_fit:
-                message += (" It was checked at the end of a training epoch because no validation has run in this "
-                            "fit yet; if it is a validation metric, pass check_on_train_epoch_end=False.")
+                message += (
+                    " It was checked at the end of a training epoch because no validation has run in this "
+                    "fit yet; if it is a validation metric, pass check_on_train_epoch_end=False."
+                )
             if self.strict:
                 raise KeyError(message)
             if not self._warned_missing and trainer.is_global_zero:
@@ -164,14 +173,20 @@ class EarlyStopping(Callback):
         reason: str | None = None
         better = (lambda a, b: a < b) if self.mode == "min" else (lambda a, b: a > b)
         if self.check_finite and not math.isfinite(value):
-            reason = (f"Monitored metric {self.monitor!r} = {value} is not finite. Previous best value was "
-                      f"{self.best_score:.6g}. Signaling Trainer to stop.")
+            reason = (
+                f"Monitored metric {self.monitor!r} = {value} is not finite. Previous best value was "
+                f"{self.best_score:.6g}. Signaling Trainer to stop."
+            )
         elif self.stopping_threshold is not None and better(value, self.stopping_threshold):
-            reason = (f"Stopping threshold reached: {self.monitor!r} = {value:.6g} {'<' if self.mode == 'min' else '>'} "
-                      f"{self.stopping_threshold}. Signaling Trainer to stop.")
+            reason = (
+                f"Stopping threshold reached: {self.monitor!r} = {value:.6g} {'<' if self.mode == 'min' else '>'} "
+                f"{self.stopping_threshold}. Signaling Trainer to stop."
+            )
         elif self.divergence_threshold is not None and better(self.divergence_threshold, value):
-            reason = (f"Divergence threshold reached: {self.monitor!r} = {value:.6g} {'>' if self.mode == 'min' else '<'} "
-                      f"{self.divergence_threshold}. Signaling Trainer to stop.")
+            reason = (
+                f"Divergence threshold reached: {self.monitor!r} = {value:.6g} {'>' if self.mode == 'min' else '<'} "
+                f"{self.divergence_threshold}. Signaling Trainer to stop."
+            )
         elif self._improved(value):
             if self.verbose and (trainer.is_global_zero or not self.log_rank_zero_only):
                 log.info("Metric %r improved from %.6g to %.6g.", self.monitor, self.best_score, value)
@@ -180,8 +195,10 @@ class EarlyStopping(Callback):
         else:
             self.wait_count += 1
             if self.wait_count >= self.patience:
-                reason = (f"Monitored metric {self.monitor!r} did not improve in the last {self.wait_count} "
-                          f"checks. Best score: {self.best_score:.6g}. Signaling Trainer to stop.")
+                reason = (
+                    f"Monitored metric {self.monitor!r} did not improve in the last {self.wait_count} "
+                    f"checks. Best score: {self.best_score:.6g}. Signaling Trainer to stop."
+                )
         if reason is not None:
             # Every rank sets it: the value came from the reduced callback_metrics, so all ranks agree.
             trainer.should_stop = True

@@ -28,8 +28,10 @@ class GradientAccumulationScheduler(Callback):
 
     def __init__(self, scheduling: dict[Any, Any]) -> None:
         if isinstance(scheduling, int):
-            raise ValueError("GradientAccumulationScheduler(scheduling=...) takes a dict; for a constant k "
-                             "use Trainer(accumulate_grad_batches=k).")
+            raise ValueError(
+                "GradientAccumulationScheduler(scheduling=...) takes a dict; for a constant k "
+                "use Trainer(accumulate_grad_batches=k)."
+            )
         self.schedule = AccumulationSchedule(scheduling)
 
     def setup(self, trainer: Trainer, task: TaskModule, stage: str) -> None:

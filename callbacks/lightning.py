@@ -56,7 +56,7 @@ class ParallelStrategy(metaclass=_ParallelStrategyType):
 # Lightning APIs keel deliberately does not have, with what to use instead.
 LACKING: dict[str, str] = {
     "LightningCLI": "keel's command line is Hydra: run `keel-train task=... data=... trainer.max_epochs=3` "
-    "(recipes/train.py, README \"Configuration and recipes\"), or build Trainer(...) and call fit() yourself.",
+    '(recipes/train.py, README "Configuration and recipes"), or build Trainer(...) and call fit() yourself.',
     "Fabric": "keel has no Fabric; write the loop with torch and trainer.distributed.comm (collectives), or use Trainer.",
     "LightningLite": "keel has no Lite/Fabric; write the loop with torch and trainer.distributed.comm, or use Trainer.",
     "Tuner": "keel has no tuner: run learning-rate or batch-size sweeps as separate runs (Hydra --multirun).",
@@ -86,8 +86,13 @@ class RichProgressBar(ProgressBar):
     """Lightning's ``RichProgressBar(refresh_rate, leave, theme, console_kwargs)``: keel draws its tqdm bar
     (log lines when not on a terminal); ``leave``, ``theme`` and ``console_kwargs`` are accepted and unused."""
 
-    def __init__(self, refresh_rate: int = 1, leave: bool = False, theme: Any = None,
-                 console_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        refresh_rate: int = 1,
+        leave: bool = False,
+        theme: Any = None,
+        console_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(refresh_rate=refresh_rate)
 
 
@@ -110,18 +115,42 @@ def _missing(qualified: str, attr: str, available: dict[str, Any]) -> NoReturn:
 
 
 callbacks = _namespace(
-    "callbacks", Callback=Callback, ModelCheckpoint=ModelCheckpoint, EarlyStopping=EarlyStopping,
-    LearningRateMonitor=LearningRateMonitor, ModelSummary=ModelSummary, TQDMProgressBar=TQDMProgressBar,
-    ProgressBar=ProgressBar, Timer=Timer, LambdaCallback=LambdaCallback, ThroughputMonitor=ThroughputMonitor,
-    GradientAccumulationScheduler=GradientAccumulationScheduler, RichProgressBar=RichProgressBar,
+    "callbacks",
+    Callback=Callback,
+    ModelCheckpoint=ModelCheckpoint,
+    EarlyStopping=EarlyStopping,
+    LearningRateMonitor=LearningRateMonitor,
+    ModelSummary=ModelSummary,
+    TQDMProgressBar=TQDMProgressBar,
+    ProgressBar=ProgressBar,
+    Timer=Timer,
+    LambdaCallback=LambdaCallback,
+    ThroughputMonitor=ThroughputMonitor,
+    GradientAccumulationScheduler=GradientAccumulationScheduler,
+    RichProgressBar=RichProgressBar,
     RichModelSummary=RichModelSummary,
 )
-loggers = _namespace("loggers", Logger=Logger, CSVLogger=CSVLogger, TensorBoardLogger=TensorBoardLogger,
-                     WandbLogger=WandbLogger, MLFlowLogger=MLFlowLogger)
-strategies = _namespace("strategies", Strategy=Strategy, SingleDeviceStrategy=SingleDeviceStrategy,
-                        DDPStrategy=DDPStrategy, ParallelStrategy=ParallelStrategy)
-_rank_zero = dict(rank_zero_only=rank_zero_only, rank_zero_info=rank_zero_info, rank_zero_warn=rank_zero_warn,
-                  rank_zero_debug=rank_zero_debug)
+loggers = _namespace(
+    "loggers",
+    Logger=Logger,
+    CSVLogger=CSVLogger,
+    TensorBoardLogger=TensorBoardLogger,
+    WandbLogger=WandbLogger,
+    MLFlowLogger=MLFlowLogger,
+)
+strategies = _namespace(
+    "strategies",
+    Strategy=Strategy,
+    SingleDeviceStrategy=SingleDeviceStrategy,
+    DDPStrategy=DDPStrategy,
+    ParallelStrategy=ParallelStrategy,
+)
+_rank_zero = dict(
+    rank_zero_only=rank_zero_only,
+    rank_zero_info=rank_zero_info,
+    rank_zero_warn=rank_zero_warn,
+    rank_zero_debug=rank_zero_debug,
+)
 utilities = _namespace("utilities", rank_zero=_namespace("utilities.rank_zero", **_rank_zero), **_rank_zero)
 cli = _namespace("cli", LightningCLI=LightningCLI)
 tuner = _namespace("tuner", Tuner=Tuner)

@@ -134,8 +134,9 @@ class ThroughputMonitor(Callback):
         item_values = [r.items for r in records if r.items is not None]
         local_items: float | None = None
         if item_values:
-            tensors = [torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in item_values
-                       if isinstance(v, torch.Tensor)]
+            tensors = [
+                torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in item_values if isinstance(v, torch.Tensor)
+            ]
             numbers = [float(v) for v in item_values if not isinstance(v, torch.Tensor)]
             local_items = sum(numbers) + (float(torch.stack(tensors).sum()) if tensors else 0.0)  # one host read
         if trainer.world_size > 1:

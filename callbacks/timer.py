@@ -44,13 +44,15 @@ def parse_duration(duration: Any) -> float | None:
                 f"Timer(duration={duration!r}): a string duration must be 'DD:HH:MM:SS' (e.g. '00:12:00:00')."
             )
         days, hours, minutes, secs = match.groups()
-        seconds = datetime.timedelta(days=int(days), hours=int(hours), minutes=int(minutes),
-                                     seconds=float(secs)).total_seconds()
+        seconds = datetime.timedelta(
+            days=int(days), hours=int(hours), minutes=int(minutes), seconds=float(secs)
+        ).total_seconds()
     elif isinstance(duration, Mapping):
         unknown = sorted(str(k) for k in duration if k not in _TIMEDELTA_KEYS)
         if unknown:
-            raise ValueError(f"Timer(duration={dict(duration)!r}): unknown keys {unknown}; expected some of "
-                             f"{_TIMEDELTA_KEYS}.")
+            raise ValueError(
+                f"Timer(duration={dict(duration)!r}): unknown keys {unknown}; expected some of {_TIMEDELTA_KEYS}."
+            )
         try:
             seconds = datetime.timedelta(**duration).total_seconds()
         except (TypeError, OverflowError) as exc:
@@ -145,9 +147,13 @@ class Timer(Callback):
         if elapsed >= self.duration:
             trainer.should_stop = True
             if trainer.is_global_zero:
-                log.info("Time limit reached: %s elapsed of %s (step %d, epoch %d). Signaling Trainer to stop.",
-                         datetime.timedelta(seconds=round(elapsed, 3)), datetime.timedelta(seconds=self.duration),
-                         trainer.global_step, trainer.current_epoch)
+                log.info(
+                    "Time limit reached: %s elapsed of %s (step %d, epoch %d). Signaling Trainer to stop.",
+                    datetime.timedelta(seconds=round(elapsed, 3)),
+                    datetime.timedelta(seconds=self.duration),
+                    trainer.global_step,
+                    trainer.current_epoch,
+                )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -81,11 +81,14 @@ class CharWindows(Dataset):
         num_windows: Items in the dataset; default: windows of the stream without wrapping.
     """
 
-    def __init__(self, data: torch.Tensor, block_size: int, *, stride: int | None = None,
-                 num_windows: int | None = None) -> None:
+    def __init__(
+        self, data: torch.Tensor, block_size: int, *, stride: int | None = None, num_windows: int | None = None
+    ) -> None:
         if data.dim() != 1 or len(data) <= block_size + 1:
-            raise ValueError(f"CharWindows: need a 1-D stream longer than block_size + 1 = {block_size + 1}, "
-                             f"got shape {tuple(data.shape)}.")
+            raise ValueError(
+                f"CharWindows: need a 1-D stream longer than block_size + 1 = {block_size + 1}, "
+                f"got shape {tuple(data.shape)}."
+            )
         self.data = data
         self.block_size = block_size
         self.stride = stride or block_size
@@ -140,8 +143,10 @@ class CharDataModule(DataModule):
     ) -> None:
         super().__init__()
         if not 0.0 < val_fraction < 1.0 or not 0.0 <= test_fraction < 1.0 or val_fraction + test_fraction >= 1.0:
-            raise ValueError(f"CharDataModule: val_fraction={val_fraction} and test_fraction={test_fraction} must "
-                             "be in (0, 1) / [0, 1) and sum to less than 1.")
+            raise ValueError(
+                f"CharDataModule: val_fraction={val_fraction} and test_fraction={test_fraction} must "
+                "be in (0, 1) / [0, 1) and sum to less than 1."
+            )
         self.block_size = block_size
         self.batch_size = batch_size
         self.max_chars = max_chars
@@ -180,17 +185,26 @@ class CharDataModule(DataModule):
                 if current == len(split_order):
                     break
         self.splits = {split: encode("".join(parts)) for split, parts in texts.items() if parts}
-        log.info("charlm: %s characters from %d files of %s (split_seed=%d)",
-                 " / ".join(f"{len(self.splits.get(s, ())):,} {s}" for s in ("train", "val", "test")),
-                 sum(map(len, self.files.values())), self.root, self.split_seed)
+        log.info(
+            "charlm: %s characters from %d files of %s (split_seed=%d)",
+            " / ".join(f"{len(self.splits.get(s, ())):,} {s}" for s in ("train", "val", "test")),
+            sum(map(len, self.files.values())),
+            self.root,
+            self.split_seed,
+        )
 
     def _loader(self, split: str, *, shuffle: bool) -> DataLoader:
         if split not in self.splits:
             raise RuntimeError(f"CharDataModule: no {split!r} split; call setup() first (and give it a fraction > 0).")
         stride = self.train_stride if split == "train" else self.block_size
         dataset = CharWindows(self.splits[split], self.block_size, stride=stride)
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)
@@ -314,8 +328,10 @@ class CharGPT(TaskModule):
         """Refuses data windows longer than the position embeddings before any step runs."""
         data = self.trainer.datamodule
         if isinstance(data, CharDataModule) and data.block_size > self.block_size:
-            raise ValueError(f"CharGPT: the data's block_size={data.block_size} exceeds the model's "
-                             f"block_size={self.block_size}; set both to the same value.")
+            raise ValueError(
+                f"CharGPT: the data's block_size={data.block_size} exceeds the model's "
+                f"block_size={self.block_size}; set both to the same value."
+            )
 
     # ------------------------------------------------------------------ inference
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -398,8 +414,10 @@ class CharGPT(TaskModule):
             return int(self.hparams.total_steps)
         if self.trainer.max_steps > 0:
             return self.trainer.max_steps
-        raise ValueError("CharGPT: the LR schedule needs the run's length: set Trainer(max_steps=...) or "
-                         "CharGPT(total_steps=...) (task.total_steps=... on the command line).")
+        raise ValueError(
+            "CharGPT: the LR schedule needs the run's length: set Trainer(max_steps=...) or "
+            "CharGPT(total_steps=...) (task.total_steps=... on the command line)."
+        )
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
@@ -436,12 +454,28 @@ class CharGPT(TaskModule):
 def default_hparams() -> dict[str, Any]:
     """The defaults of the quick run: ``{"data": CharDataModule kwargs, "task": CharGPT kwargs}``."""
     return {
-        "data": {"block_size": 128, "batch_size": 32, "max_chars": 3_000_000, "val_fraction": 0.05,
-                 "test_fraction": 0.05, "split_seed": 0},
+        "data": {
+            "block_size": 128,
+            "batch_size": 32,
+            "max_chars": 3_000_000,
+            "val_fraction": 0.05,
+            "test_fraction": 0.05,
+            "split_seed": 0,
+        },
         # block_size: the model's context must cover the data's windows.
-        "task": {"vocab_size": VOCAB_SIZE, "block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 128,
-                 "dropout": 0.0, "tie_weights": True, "lr": 1e-2, "weight_decay": 0.1, "warmup_steps": 50,
-                 "min_lr_ratio": 0.1},
+        "task": {
+            "vocab_size": VOCAB_SIZE,
+            "block_size": 128,
+            "n_layer": 4,
+            "n_head": 4,
+            "n_embd": 128,
+            "dropout": 0.0,
+            "tie_weights": True,
+            "lr": 1e-2,
+            "weight_decay": 0.1,
+            "warmup_steps": 50,
+            "min_lr_ratio": 0.1,
+        },
     }
 
 
@@ -455,8 +489,14 @@ def default_accumulation(max_steps: int | None = None) -> dict[str, dict[int, in
 
 def default_trainer_options() -> dict[str, Any]:
     """Trainer options of the quick run (plain values; callbacks and loggers come separately)."""
-    return {"max_steps": 500, "precision": "bf16-mixed", "gradient_clip_val": 1.0, "log_every_n_steps": 50,
-            "num_sanity_val_steps": 0, "seed": 0}
+    return {
+        "max_steps": 500,
+        "precision": "bf16-mixed",
+        "gradient_clip_val": 1.0,
+        "log_every_n_steps": 50,
+        "num_sanity_val_steps": 0,
+        "seed": 0,
+    }
 
 
 def main_quick(**overrides: Any) -> dict[str, float]:
@@ -485,10 +525,17 @@ def main_quick(**overrides: Any) -> dict[str, float]:
     trainer.fit(task, datamodule=data)
     seconds = time.monotonic() - start
     metrics = trainer.callback_metrics
-    result = {"val_loss": float(metrics["val/loss"]), "val_bpc": float(metrics["val/bpc"]), "seconds": seconds,
-              "steps": trainer.global_step}
-    print(f"charlm: val/loss {result['val_loss']:.4f} nats/char ({result['val_bpc']:.4f} bits/char) after "
-          f"{result['steps']} steps in {seconds:.1f} s (precision={options['precision']})", flush=True)
+    result = {
+        "val_loss": float(metrics["val/loss"]),
+        "val_bpc": float(metrics["val/bpc"]),
+        "seconds": seconds,
+        "steps": trainer.global_step,
+    }
+    print(
+        f"charlm: val/loss {result['val_loss']:.4f} nats/char ({result['val_bpc']:.4f} bits/char) after "
+        f"{result['steps']} steps in {seconds:.1f} s (precision={options['precision']})",
+        flush=True,
+    )
     return result
 
 

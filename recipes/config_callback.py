@@ -131,5 +131,6 @@ class SaveConfig(Callback):
                 "Resuming from a checkpoint whose config differs in %d key(s) (key: checkpoint -> current). "
                 "The current config wins; the checkpoint restores only state (weights, optimizer and "
                 "scheduler state including their learning rates, data cursor, callbacks):\n%s",
-                len(diff), format_diff(diff),
+                len(diff),
+                format_diff(diff),
             )

@@ -163,7 +163,8 @@ def _warn_about_restarts() -> None:
         log.warning(
             "torchrun --max-restarts %d without --standalone or --rdzv-id: the job has no run id, so a "
             "restart starts a NEW run directory instead of resuming this one. Launch with "
-            "`torchrun --standalone ...` (one node) or `--rdzv-id <job id>`.", restarts,
+            "`torchrun --standalone ...` (one node) or `--rdzv-id <job id>`.",
+            restarts,
         )
 
 

@@ -35,10 +35,23 @@ SCHEMA_NAME = "options_schema"
 NOT_CONFIG_KEYS = ("callbacks", "logger")  # objects, built by the recipe from their own config groups
 _SCALARS = (bool, int, float, str)
 # Command-line flags of a Hydra app that take a value (the value is not an override).
-_FLAGS_WITH_VALUE = frozenset({
-    "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--package", "-p",
-    "--experimental-rerun", "--cfg", "-c", "--info", "-i",
-})
+_FLAGS_WITH_VALUE = frozenset(
+    {
+        "--config-path",
+        "-cp",
+        "--config-name",
+        "-cn",
+        "--config-dir",
+        "-cd",
+        "--package",
+        "-p",
+        "--experimental-rerun",
+        "--cfg",
+        "-c",
+        "--info",
+        "-i",
+    }
+)
 
 
 def _omegaconf_type(hint: Any) -> Any:
@@ -127,7 +140,7 @@ def check_overrides(argv: list[str]) -> str | None:
         path = override.key_or_group
         if not path.startswith("trainer.") or override.is_delete():
             continue
-        key = path[len("trainer."):]
+        key = path[len("trainer.") :]
         text = override.input_line
         if key not in keys:
             close = difflib.get_close_matches(key, keys, n=1)
@@ -135,8 +148,10 @@ def check_overrides(argv: list[str]) -> str | None:
             lightning = getattr(trainer_options, "LIGHTNING_UNSUPPORTED", {}).get(key)
             if lightning:
                 hint = f" It is a Lightning option keel does not support: {lightning}"
-            return (f"Unknown trainer option {path!r} in override {text!r}.{hint}\n"
-                    f"Valid trainer options (trainer.<key>): {', '.join(keys)}.")
+            return (
+                f"Unknown trainer option {path!r} in override {text!r}.{hint}\n"
+                f"Valid trainer options (trainer.<key>): {', '.join(keys)}."
+            )
         value = override.value()
         if isinstance(value, ChoiceSweep):
             candidates = list(value.list)
@@ -149,8 +164,10 @@ def check_overrides(argv: list[str]) -> str | None:
                 schema[key] = candidate
             except OmegaConfBaseException as exc:
                 reason = str(exc).splitlines()[0]
-                return (f"Invalid value for {path} in override {text!r}: {reason}. {path} takes "
-                        f"{type_name(key)} (README 'Trainer options').")
+                return (
+                    f"Invalid value for {path} in override {text!r}: {reason}. {path} takes "
+                    f"{type_name(key)} (README 'Trainer options')."
+                )
     return None
 
 

@@ -79,4 +79,7 @@ def hand_written_gan(batch_size: int, epochs: int) -> dict[str, torch.Tensor]:
             opt_g.zero_grad()
             for p in disc.parameters():
                 p.requires_grad_(True)
-    return {**{f"gen.{k}": v for k, v in gen.state_dict().items()}, **{f"disc.{k}": v for k, v in disc.state_dict().items()}}
+    return {
+        **{f"gen.{k}": v for k, v in gen.state_dict().items()},
+        **{f"disc.{k}": v for k, v in disc.state_dict().items()},
+    }

@@ -58,10 +58,22 @@ _MARKER_VAR = "KEEL_LAUNCH_ID"
 # process running the tests (e.g. pytest itself started under torchrun) would
 # confuse a plain `python` run.  torchrun sets its own for the workers.
 _DIST_VARS = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
 )
 
 
@@ -113,7 +125,9 @@ def _torchrun_options() -> frozenset[str]:
     except Exception:  # fall back to parsing --help
         out = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--help"],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True,
+            text=True,
+            timeout=120,
         ).stdout
         return frozenset(w.strip(",[]") for w in out.split() if w.startswith("--"))
 
@@ -256,8 +270,13 @@ class _Launch:
         env = dict(self.env, **(extra_env or {}))
         try:
             proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=env, cwd=self.cwd, start_new_session=True,
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.cwd,
+                start_new_session=True,
             )
         except BaseException:
             out.close()
@@ -396,19 +415,30 @@ def torchrun(
 ) -> LaunchResult:
     """Run ``script`` under torchrun on one node with ``nproc`` workers (c10d rendezvous on 127.0.0.1)."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1",
-        "--nproc-per-node", str(nproc),
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"{LOOPBACK}:{free_port()}",
-        "--rdzv-id", f"keel-{uuid.uuid4().hex[:12]}",
-        "--max-restarts", str(max_restarts),
-        "--monitor-interval", "0.5",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{LOOPBACK}:{free_port()}",
+        "--rdzv-id",
+        f"keel-{uuid.uuid4().hex[:12]}",
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.5",
     ]
     if _has_local_addr():
         cmd += ["--local-addr", LOOPBACK]  # MASTER_ADDR of the workers = 127.0.0.1, not the FQDN
     cmd += _target(script, args, module)
-    return _retry_known_abort(lambda: _run([cmd], what="torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=False))[0]
+    return _retry_known_abort(lambda: _run([cmd], what="torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=False))[
+        0
+    ]
 
 
 # A rare SIGABRT of one gloo worker with this text from C++ (std::terminate), seen about once per full
@@ -449,21 +479,32 @@ def two_nodes(
         if _c10d_supports_is_host():
             conf += ",is_host=" + ("true" if node == 0 else "false")
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", "2",
-            "--nproc-per-node", str(nproc_per_node),
-            "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", endpoint,
-            "--rdzv-id", rdzv_id,
-            "--rdzv-conf", conf,
-            "--max-restarts", "0",
-            "--monitor-interval", "0.5",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            str(nproc_per_node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            rdzv_id,
+            "--rdzv-conf",
+            conf,
+            "--max-restarts",
+            "0",
+            "--monitor-interval",
+            "0.5",
         ]
         if _has_local_addr():
             cmd += ["--local-addr", LOOPBACK]
         cmds.append(cmd + _target(script, args, module))
-    return _retry_known_abort(lambda: _run(cmds, what="two_nodes torchrun", timeout=timeout, env=env, cwd=cwd,
-                                           fail_fast=True))
+    return _retry_known_abort(
+        lambda: _run(cmds, what="two_nodes torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=True)
+    )
 
 
 def elastic_agents(
@@ -495,15 +536,25 @@ def elastic_agents(
         if _c10d_supports_is_host():
             text += ",is_host=" + ("true" if node == 0 and not external_store else "false")
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", "1:2",
-            "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", endpoint,
-            "--rdzv-id", rdzv_id,
-            "--rdzv-conf", text,
-            "--max-restarts", str(max_restarts),
-            "--monitor-interval", "0.5",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            rdzv_id,
+            "--rdzv-conf",
+            text,
+            "--max-restarts",
+            str(max_restarts),
+            "--monitor-interval",
+            "0.5",
         ]
         if _has_local_addr():
             cmd += ["--local-addr", LOOPBACK]
@@ -516,12 +567,20 @@ def elastic_agents(
         try:
             if external_store:
                 port = endpoint.rsplit(":", 1)[1]
-                code = ("import time, datetime, torch.distributed as d; s = d.TCPStore('127.0.0.1', " + port +
-                        ", is_master=True, multi_tenant=True, wait_for_workers=False, "
-                        "timeout=datetime.timedelta(seconds=60)); print('store up', flush=True); time.sleep(3600)")
-                store = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=launch.env,
-                                         start_new_session=True)
+                code = (
+                    "import time, datetime, torch.distributed as d; s = d.TCPStore('127.0.0.1', "
+                    + port
+                    + ", is_master=True, multi_tenant=True, wait_for_workers=False, "
+                    "timeout=datetime.timedelta(seconds=60)); print('store up', flush=True); time.sleep(3600)"
+                )
+                store = subprocess.Popen(
+                    [sys.executable, "-c", code],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=launch.env,
+                    start_new_session=True,
+                )
             launch.add(command(0, endpoint, rdzv_id), {"KEEL_NODE": "0"})
             if join_when is None:
                 launch.add(command(1, endpoint, rdzv_id), {"KEEL_NODE": "1"})

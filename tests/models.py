@@ -26,8 +26,15 @@ def make_net(features: int = 8, seed: int = 0, dtype: torch.dtype = torch.float3
 class Regression(TaskModule):
     """MSE regression with a configurable optimizer."""
 
-    def __init__(self, optimizer: str = "sgd", lr: float = 0.05, scheduler: str | None = None,
-                 features: int = 8, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        optimizer: str = "sgd",
+        lr: float = 0.05,
+        scheduler: str | None = None,
+        features: int = 8,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.net = make_net(features, seed, dtype)
         self.optimizer, self.lr, self.scheduler = optimizer, lr, scheduler

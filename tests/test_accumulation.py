@@ -63,8 +63,10 @@ def test_epoch_of_ten_batches_with_accumulation_four() -> None:
     class Scheduled(Regression):
         def configure_optimizers(self):
             o = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-            return {"optimizer": o, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(o, 2, 0.5),
-                                                     "interval": "step"}}
+            return {
+                "optimizer": o,
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(o, 2, 0.5), "interval": "step"},
+            }
 
     counter = StepCounter()
     task = Scheduled(dtype=torch.float64)
@@ -78,16 +80,20 @@ def test_epoch_of_ten_batches_with_accumulation_four() -> None:
 
 def test_drop_incomplete_accumulation_skips_the_short_window() -> None:
     counter = StepCounter()
-    trainer = Trainer(**quiet(max_epochs=1, accumulate_grad_batches=4, drop_incomplete_accumulation=True,
-                              callbacks=[counter]))
+    trainer = Trainer(
+        **quiet(max_epochs=1, accumulate_grad_batches=4, drop_incomplete_accumulation=True, callbacks=[counter])
+    )
     trainer.fit(Regression(), loader(regression_data(40), 4))
     assert trainer.global_step == 2
 
 
-@pytest.mark.parametrize("scheduling,expected", [
-    ({0: 1, 1: 2, 2: 5}, [1] * 10 + [2] * 5 + [5] * 2),        # per epoch (10 batches per epoch)
-    ({"step": {0: 1, 3: 2, 5: 4}}, [1, 1, 1, 2, 2, 4, 4, 4]),   # per global step
-])
+@pytest.mark.parametrize(
+    "scheduling,expected",
+    [
+        ({0: 1, 1: 2, 2: 5}, [1] * 10 + [2] * 5 + [5] * 2),  # per epoch (10 batches per epoch)
+        ({"step": {0: 1, 3: 2, 5: 4}}, [1, 1, 1, 2, 2, 4, 4, 4]),  # per global step
+    ],
+)
 def test_accumulation_schedule_changes_on_step_boundaries(scheduling, expected) -> None:
     counter = StepCounter()
     trainer = Trainer(**quiet(max_epochs=3, callbacks=[counter, GradientAccumulationScheduler(scheduling)]))
@@ -101,15 +107,18 @@ def test_schedule_is_a_function_of_the_step_clock() -> None:
     assert AccumulationSchedule({1: 4}).k(epoch=0, global_step=50) == 1
 
 
-@pytest.mark.parametrize("bad,match", [
-    (0, "accumulate_grad_batches=0"),
-    (2.5, "accumulate_grad_batches=2.5"),
-    ({2: 1, 1: 2}, "strictly increasing"),
-    ({-1: 2}, "key -1"),
-    ({0: 0}, "value 0"),
-    ({"step": {0: 1.5}}, "value 1.5"),
-    ({}, "non-empty"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (0, "accumulate_grad_batches=0"),
+        (2.5, "accumulate_grad_batches=2.5"),
+        ({2: 1, 1: 2}, "strictly increasing"),
+        ({-1: 2}, "key -1"),
+        ({0: 0}, "value 0"),
+        ({"step": {0: 1.5}}, "value 1.5"),
+        ({}, "non-empty"),
+    ],
+)
 def test_bad_accumulation_values_are_named(bad, match) -> None:
     with pytest.raises(ValueError, match=match):
         Trainer(accumulate_grad_batches=bad)
@@ -119,6 +128,8 @@ def test_bad_accumulation_values_are_named(bad, match) -> None:
 
 
 def test_scheduler_and_option_together_are_refused() -> None:
-    trainer = Trainer(**quiet(max_epochs=1, accumulate_grad_batches=2, callbacks=[GradientAccumulationScheduler({0: 2})]))
+    trainer = Trainer(
+        **quiet(max_epochs=1, accumulate_grad_batches=2, callbacks=[GradientAccumulationScheduler({0: 2})])
+    )
     with pytest.raises(ValueError, match="both set accumulation"):
         trainer.fit(Regression(), loader(regression_data(), 8))

@@ -57,9 +57,13 @@ def test_at_most_one_save_in_flight_and_commit_only_after_the_write() -> None:
 
     checkpointer.submit(lambda: 1, blocked_write, lambda: events.append(("commit", 1)))
     assert checkpointer.in_flight and not checkpointer.poll()  # still writing: poll never blocks
-    second = threading.Thread(target=lambda: checkpointer.submit(lambda: events.append(("stage", 2)) or 2,
-                                                                 lambda s: events.append(("write", s)),
-                                                                 lambda: events.append(("commit", 2))))
+    second = threading.Thread(
+        target=lambda: checkpointer.submit(
+            lambda: events.append(("stage", 2)) or 2,
+            lambda s: events.append(("write", s)),
+            lambda: events.append(("commit", 2)),
+        )
+    )
     second.start()
     time.sleep(0.3)
     assert events == [("write", 1)]  # the second save waits for the first before staging
@@ -98,9 +102,12 @@ def test_a_failed_write_is_raised_once_on_the_main_thread_and_never_commits() ->
 
 def test_stage_to_cpu_is_a_copy_later_steps_cannot_change() -> None:
     weight = torch.arange(6.0).reshape(2, 3)
-    state = {"model": OrderedDict(a=weight, tied=weight), "opt": {"state": {0: {"step": torch.tensor(3.0)}},
-                                                                  "param_groups": [{"lr": 0.1, "params": [0]}]},
-             "loop": {"global_step": 3}, "names": ("x", 1)}
+    state = {
+        "model": OrderedDict(a=weight, tied=weight),
+        "opt": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "loop": {"global_step": 3},
+        "names": ("x", 1),
+    }
     staged = stage_to_cpu(state)
     weight.add_(100.0)
     state["opt"]["state"][0]["step"].add_(1)
@@ -144,7 +151,9 @@ class SlowWrites:
         monkeypatch.setattr(CheckpointIO, "save", save)
 
 
-def async_fit(tmp_path: Path, callbacks=(), *, max_steps: int = 8, **ckpt_kwargs) -> tuple[Trainer, ModelCheckpoint, Regression]:
+def async_fit(
+    tmp_path: Path, callbacks=(), *, max_steps: int = 8, **ckpt_kwargs
+) -> tuple[Trainer, ModelCheckpoint, Regression]:
     cb = ModelCheckpoint(dirpath=tmp_path / "ck", async_save=True, **{"every_n_train_steps": 1, **ckpt_kwargs})
     trainer = Trainer(**quiet(max_steps=max_steps, enable_checkpointing=True, callbacks=[cb, *callbacks], seed=0))
     task = Regression(optimizer="adamw")
@@ -162,7 +171,8 @@ def test_end_of_fit_waits_and_async_keeps_the_same_files_as_sync(tmp_path: Path,
         assert torch.equal(state["state_dict"][name], value)
     sync_cb = ModelCheckpoint(dirpath=tmp_path / "s" / "ck", every_n_train_steps=1, save_top_k=2)
     Trainer(**quiet(max_steps=8, enable_checkpointing=True, callbacks=[sync_cb], seed=0)).fit(
-        Regression(optimizer="adamw"), loader(regression_data(), 16))
+        Regression(optimizer="adamw"), loader(regression_data(), 16)
+    )
     assert sorted(os.listdir(tmp_path / "a" / "ck")) == sorted(os.listdir(tmp_path / "s" / "ck"))
     assert read_pointer(tmp_path / "a" / "ck") == read_pointer(tmp_path / "s" / "ck")
     assert Path(cb.best_model_path).name == Path(sync_cb.best_model_path).name
@@ -196,8 +206,9 @@ class Gate(Callback):
             self.saved_3 = CheckpointIO().load(Path(cb.dirpath) / "epoch=0-step=3.ckpt")["state_dict"]
 
 
-def test_pointer_swaps_once_the_file_is_durable_and_the_file_holds_the_state_of_its_step(tmp_path: Path,
-                                                                                           monkeypatch) -> None:
+def test_pointer_swaps_once_the_file_is_durable_and_the_file_holds_the_state_of_its_step(
+    tmp_path: Path, monkeypatch
+) -> None:
     gate = Gate(monkeypatch)
     async_fit(tmp_path, [gate], every_n_train_steps=3, max_steps=7)
     assert gate.pointer[3] == (None, True)  # step 3's save is still being written: no pointer yet
@@ -240,7 +251,8 @@ def test_non_finite_weights_are_never_written_in_the_background_either(tmp_path:
     with pytest.raises(FloatingPointError, match=r"Refusing to write checkpoint .*step=3\.ckpt' at step 3"):
         cb = ModelCheckpoint(dirpath=tmp_path / "ck", async_save=True, every_n_train_steps=1)
         Trainer(**quiet(max_steps=5, enable_checkpointing=True, callbacks=[NanAt(3), cb], seed=0)).fit(
-            Regression(optimizer="adamw"), loader(regression_data(), 16))
+            Regression(optimizer="adamw"), loader(regression_data(), 16)
+        )
     assert read_pointer(tmp_path / "ck")[0] == "epoch=0-step=2.ckpt"
     assert sorted(os.listdir(tmp_path / "ck")) == ["epoch=0-step=2.ckpt", POINTER_NAME]
 
@@ -262,8 +274,9 @@ def sync_reference(tmp_path_factory) -> dict:
 
 @pytest.mark.multiprocess
 def test_async_fit_equals_sync_and_resumes_exactly_after_a_crash(tmp_path: Path, sync_reference: dict) -> None:
-    python(SCRIPT, str(tmp_path / "ref"), "--ckpt-dir", str(tmp_path / "ref_ck"), "--slow-write", "0.05",
-           timeout=120).check()
+    python(
+        SCRIPT, str(tmp_path / "ref"), "--ckpt-dir", str(tmp_path / "ref_ck"), "--slow-write", "0.05", timeout=120
+    ).check()
     assert_same(result(tmp_path / "ref"), sync_reference)  # saving in the background changes nothing
     args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck"), "--slow-write", "0.2"]
     first = python(SCRIPT, *args, "--crash-at", "9", timeout=120)
@@ -321,8 +334,11 @@ def _mount_tmpfs(path: Path, options: str) -> bool:
         return False
     path.mkdir(parents=True, exist_ok=True)
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, f"keel-test-{uuid.uuid4().hex[:8]}",
-                               str(path)], capture_output=True, timeout=20)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, f"keel-test-{uuid.uuid4().hex[:8]}", str(path)],
+            capture_output=True,
+            timeout=20,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
@@ -371,8 +387,13 @@ def test_disk_full_on_a_real_small_filesystem(small_disk: Path) -> None:
     with pytest.raises(CheckpointSaveError) as info:
         io.save({"w": torch.zeros(2**19)}, small_disk / "b.ckpt", is_writer=True)  # 2 MiB on a 1 MiB disk
     assert info.value.errno == errno.ENOSPC
-    assert_save_error(info.value, small_disk / "b.ckpt", needed=2**21, reason="No space left on device (ENOSPC)",
-                      previous=small_disk / "a.ckpt")
+    assert_save_error(
+        info.value,
+        small_disk / "b.ckpt",
+        needed=2**21,
+        reason="No space left on device (ENOSPC)",
+        previous=small_disk / "a.ckpt",
+    )
     assert "2.0 MiB" in str(info.value)
     assert sorted(os.listdir(small_disk)) == ["a.ckpt", POINTER_NAME]
     assert torch.equal(torch.load(small_disk / "a.ckpt", weights_only=True)["w"], torch.zeros(1000))
@@ -390,19 +411,30 @@ class Wide(Regression):
 
 def test_async_save_on_a_full_disk_fails_the_fit_naming_the_file(small_disk: Path, tmp_path: Path) -> None:
     cb = ModelCheckpoint(dirpath=small_disk, every_n_train_steps=1, async_save=True)
-    trainer = Trainer(**quiet(max_steps=4, enable_checkpointing=True, callbacks=[cb], seed=0,
-                              default_root_dir=str(tmp_path / "run")))
+    trainer = Trainer(
+        **quiet(max_steps=4, enable_checkpointing=True, callbacks=[cb], seed=0, default_root_dir=str(tmp_path / "run"))
+    )
     with pytest.raises(CheckpointSaveError) as info:
         trainer.fit(Wide(), loader(regression_data(), 16))
     assert info.value.errno == errno.ENOSPC
     first = small_disk / "epoch=0-step=1.ckpt"
-    assert_save_error(info.value, small_disk / "epoch=0-step=2.ckpt",
-                      needed=tensor_bytes(CheckpointIO().load(first)),  # same shapes at every step
-                      reason="No space left on device (ENOSPC)", previous=first)
+    assert_save_error(
+        info.value,
+        small_disk / "epoch=0-step=2.ckpt",
+        needed=tensor_bytes(CheckpointIO().load(first)),  # same shapes at every step
+        reason="No space left on device (ENOSPC)",
+        previous=first,
+    )
     assert read_pointer(small_disk) == ["epoch=0-step=1.ckpt"]
     assert sorted(os.listdir(small_disk)) == ["epoch=0-step=1.ckpt", POINTER_NAME]
-    resumed = Trainer(**quiet(max_steps=1, enable_checkpointing=True, seed=0, callbacks=[
-        ModelCheckpoint(dirpath=small_disk, every_n_train_steps=100)]))
+    resumed = Trainer(
+        **quiet(
+            max_steps=1,
+            enable_checkpointing=True,
+            seed=0,
+            callbacks=[ModelCheckpoint(dirpath=small_disk, every_n_train_steps=100)],
+        )
+    )
     resumed.fit(Wide(), loader(regression_data(), 16), ckpt_path="last")  # `last` still loads
     assert resumed.global_step == 1
 
@@ -411,8 +443,9 @@ def test_read_only_filesystem(read_only_disk: Path) -> None:
     with pytest.raises(CheckpointSaveError) as info:
         CheckpointIO().save({"w": torch.zeros(10)}, read_only_disk / "x.ckpt", is_writer=True)
     assert info.value.errno == errno.EROFS
-    assert_save_error(info.value, read_only_disk / "x.ckpt", needed=40, reason="Read-only file system (EROFS)",
-                      previous=None)
+    assert_save_error(
+        info.value, read_only_disk / "x.ckpt", needed=40, reason="Read-only file system (EROFS)", previous=None
+    )
     assert "nothing was written and no earlier checkpoint was touched" in str(info.value)
 
 
@@ -432,10 +465,17 @@ def test_disk_full_simulated(tmp_path: Path, monkeypatch) -> None:
     write_pointer(tmp_path / "a.ckpt")
     monkeypatch.setattr(ckpt_module.torch, "save", _full_disk_after(1000))
     with pytest.raises(CheckpointSaveError) as info:
-        io.save({"w": torch.zeros(256), "m": [torch.zeros(2, dtype=torch.float64)]}, tmp_path / "b.ckpt", is_writer=True)
+        io.save(
+            {"w": torch.zeros(256), "m": [torch.zeros(2, dtype=torch.float64)]}, tmp_path / "b.ckpt", is_writer=True
+        )
     assert info.value.errno == errno.ENOSPC and isinstance(info.value.__cause__, OSError)
-    assert_save_error(info.value, tmp_path / "b.ckpt", needed=256 * 4 + 16, reason="No space left on device (ENOSPC)",
-                      previous=tmp_path / "a.ckpt")
+    assert_save_error(
+        info.value,
+        tmp_path / "b.ckpt",
+        needed=256 * 4 + 16,
+        reason="No space left on device (ENOSPC)",
+        previous=tmp_path / "a.ckpt",
+    )
     assert sorted(os.listdir(tmp_path)) == ["a.ckpt", POINTER_NAME]
 
 
@@ -476,7 +516,8 @@ def test_last_pointer_gets_the_checkpoints_file_mode(tmp_path: Path) -> None:
         folder = tmp_path / str(async_save)
         cb = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, async_save=async_save)
         Trainer(**quiet(max_steps=4, enable_checkpointing=True, callbacks=[cb])).fit(
-            Regression(), loader(regression_data(), 16))
+            Regression(), loader(regression_data(), 16)
+        )
         mode = lambda p: os.stat(p).st_mode & 0o777  # noqa: E731
         umask = os.umask(0)
         os.umask(umask)

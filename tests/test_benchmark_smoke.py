@@ -10,8 +10,15 @@ from launch import REPO_ROOT, python
 
 def test_overhead_benchmark_quick_single_process(tmp_path) -> None:
     out = tmp_path / "overhead.json"
-    result = python(REPO_ROOT / "benchmarks" / "overhead.py", "--quick", "--single-only", "--json", str(out),
-                    timeout=120, cwd=REPO_ROOT).check()
+    result = python(
+        REPO_ROOT / "benchmarks" / "overhead.py",
+        "--quick",
+        "--single-only",
+        "--json",
+        str(out),
+        timeout=120,
+        cwd=REPO_ROOT,
+    ).check()
     # One table row per model: "case | loop steps/s | trainer steps/s | ratio | cpu ratio | target PASS/MISS".
     for model in ("tiny", "mlp1m"):
         number = r"\s*[\d.]+\s*\|"
@@ -28,7 +35,9 @@ def test_overhead_benchmark_quick_single_process(tmp_path) -> None:
 
 def test_gpu_benchmark_refuses_without_cuda_and_runs_its_cpu_smoke(tmp_path) -> None:
     refused = python(REPO_ROOT / "benchmarks" / "gpu.py", timeout=60, cwd=REPO_ROOT)
-    assert refused.returncode != 0 and "needs a CUDA GPU" in refused.stdout and "is_available() is False" in refused.stdout
+    assert (
+        refused.returncode != 0 and "needs a CUDA GPU" in refused.stdout and "is_available() is False" in refused.stdout
+    )
     smoke = python(REPO_ROOT / "benchmarks" / "gpu.py", "--smoke-on-cpu", timeout=240, cwd=REPO_ROOT).check()
     row = json.loads(smoke.stdout.strip().splitlines()[-1])
     assert row["benchmark"] == "keel-gpu" and row["params"] > 0

@@ -48,7 +48,8 @@ def test_lr_monitor_follows_step_lr_at_logging_steps(tmp_path: Path) -> None:
     monitor = LearningRateMonitor(log_momentum=True)
     # 64 samples / batch 8 = 8 steps per epoch; StepLR(step_size=3, gamma=0.5) stepped every optimizer step.
     Trainer(**quiet(max_epochs=2, log_every_n_steps=2, logger=logger, callbacks=[monitor])).fit(
-        Regression(lr=0.1, scheduler="step"), loader(regression_data(), 8))
+        Regression(lr=0.1, scheduler="step"), loader(regression_data(), 8)
+    )
     rows = read_csv(logger)
     lrs = column(rows, "lr-SGD")
     # After s optimizer steps the scheduler has stepped s times: the rate the next step uses.
@@ -61,7 +62,8 @@ def test_lr_monitor_epoch_interval(tmp_path: Path) -> None:
     monitor = LearningRateMonitor(logging_interval="epoch")
     # 2 steps per epoch; StepLR(step_size=3) stepped per epoch, before the callbacks' on_train_epoch_end.
     Trainer(**quiet(max_epochs=4, log_every_n_steps=1, logger=logger, callbacks=[monitor])).fit(
-        Regression(lr=0.1, scheduler="epoch"), loader(regression_data(16), 8))
+        Regression(lr=0.1, scheduler="epoch"), loader(regression_data(16), 8)
+    )
     lrs = column(read_csv(logger), "lr-SGD")
     assert lrs == [(2 * (e + 1), pytest.approx(0.1 * 0.5 ** ((e + 1) // 3))) for e in range(4)]
 
@@ -113,12 +115,21 @@ def test_throughput_keys_only_at_logging_steps(tmp_path: Path) -> None:
     logger = CSVLogger(tmp_path)
     monitor = ThroughputMonitor(window=4)
     # 8 steps per epoch x 2 epochs, logging every 3 steps; the epoch LR monitor adds rows at steps 8 and 16.
-    Trainer(**quiet(max_epochs=2, log_every_n_steps=3, logger=logger,
-                    callbacks=[monitor, LearningRateMonitor(logging_interval="epoch")])).fit(
-        ItemsTask(), loader(regression_data(), 8))
+    Trainer(
+        **quiet(
+            max_epochs=2,
+            log_every_n_steps=3,
+            logger=logger,
+            callbacks=[monitor, LearningRateMonitor(logging_interval="epoch")],
+        )
+    ).fit(ItemsTask(), loader(regression_data(), 8))
     rows = read_csv(logger)
-    keys = ["throughput/samples_per_sec", "throughput/items_per_sec", "throughput/step_time",
-            "throughput/data_wait_fraction"]
+    keys = [
+        "throughput/samples_per_sec",
+        "throughput/items_per_sec",
+        "throughput/step_time",
+        "throughput/data_wait_fraction",
+    ]
     for key in keys:
         assert [s for s, _ in column(rows, key)] == [3, 6, 9, 12, 15], key
     assert {s for s, _ in column(rows, "lr-SGD")} == {8, 16}  # rows without throughput exist
@@ -256,9 +267,13 @@ def test_early_stopping_state_round_trips_through_checkpoints(tmp_path: Path) ->
     # Resuming after epoch 3 with a fresh callback stops at the same epoch as the uninterrupted run.
     resumed = EarlyStopping("val/metric", patience=3)
     task = Sequence(values)
-    Trainer(**quiet(max_epochs=len(values), callbacks=[resumed, ModelCheckpoint(dirpath=tmp_path / "b")],
-                    enable_checkpointing=True)).fit(
-        task, loader(regression_data(16), 8), loader(regression_data(8, seed=1), 4), ckpt_path=str(path))
+    Trainer(
+        **quiet(
+            max_epochs=len(values),
+            callbacks=[resumed, ModelCheckpoint(dirpath=tmp_path / "b")],
+            enable_checkpointing=True,
+        )
+    ).fit(task, loader(regression_data(16), 8), loader(regression_data(8, seed=1), 4), ckpt_path=str(path))
     assert task.epochs_trained == [4] and resumed.stopped_epoch == 4 and resumed.wait_count == 3
     # Plain round trip, and strict loading.
     copy = EarlyStopping("val/metric", patience=3)
@@ -269,8 +284,11 @@ def test_early_stopping_state_round_trips_through_checkpoints(tmp_path: Path) ->
 
 
 def test_early_stopping_argument_checks() -> None:
-    for kwargs, name in [(dict(mode="best"), "mode"), (dict(patience=0), "patience"),
-                         (dict(min_delta=-1), "min_delta")]:
+    for kwargs, name in [
+        (dict(mode="best"), "mode"),
+        (dict(patience=0), "patience"),
+        (dict(min_delta=-1), "min_delta"),
+    ]:
         with pytest.raises(ValueError, match=name):
             EarlyStopping("val/loss", **kwargs)
     # Two instances with different monitors may live in one Trainer (distinct state keys).
@@ -307,15 +325,17 @@ def test_timer_epoch_interval_finishes_the_epoch() -> None:
 
 def test_timer_budget_survives_resume(tmp_path: Path) -> None:
     first = Timer()  # no limit: just measures
-    Trainer(**quiet(max_epochs=1, callbacks=[first, ModelCheckpoint(dirpath=tmp_path)], enable_checkpointing=True)
-            ).fit(Counting(0.01), loader(regression_data(16), 8))
+    Trainer(**quiet(max_epochs=1, callbacks=[first, ModelCheckpoint(dirpath=tmp_path)], enable_checkpointing=True)).fit(
+        Counting(0.01), loader(regression_data(16), 8)
+    )
     (path,) = tmp_path.glob("*.ckpt")
     saved = torch.load(path, weights_only=True)["callbacks"]["Timer"]["time_elapsed"]
     assert 0.02 <= saved <= first.time_elapsed()
     # The resumed run starts with the saved time spent: a budget of exactly that stops after one step.
     second = Timer(duration=saved)
-    trainer = Trainer(**quiet(max_epochs=4, callbacks=[second, ModelCheckpoint(dirpath=tmp_path / "b")],
-                              enable_checkpointing=True))
+    trainer = Trainer(
+        **quiet(max_epochs=4, callbacks=[second, ModelCheckpoint(dirpath=tmp_path / "b")], enable_checkpointing=True)
+    )
     trainer.fit(Counting(0.0), loader(regression_data(16), 8), ckpt_path=str(path))
     assert trainer.global_step == 2 + 1 and second.time_elapsed() >= saved
     assert second.state_dict()["time_elapsed"] >= saved
@@ -327,8 +347,14 @@ def test_timer_durations() -> None:
     assert parse_duration("01:02:03:04") == 86400 + 2 * 3600 + 3 * 60 + 4
     assert parse_duration({"days": 1, "hours": 12}) == 1.5 * 86400
     assert parse_duration(datetime.timedelta(minutes=2)) == 120
-    for bad, fragment in [("12:00:00", "'12:00:00'"), ("1 day", "'1 day'"), ({"hourz": 1}, "['hourz']"),
-                          (-1, "-1"), (True, "True"), ([1], "[1]")]:
+    for bad, fragment in [
+        ("12:00:00", "'12:00:00'"),
+        ("1 day", "'1 day'"),
+        ({"hourz": 1}, "['hourz']"),
+        (-1, "-1"),
+        (True, "True"),
+        ([1], "[1]"),
+    ]:
         with pytest.raises(ValueError, match=re.escape(fragment)):
             Timer(duration=bad)
     with pytest.raises(ValueError, match="interval"):
@@ -366,7 +392,8 @@ def test_lambda_callback_calls_the_given_hooks() -> None:
         on_fit_end=lambda trainer, task: calls.append(("fit_end", trainer.global_step)),
     )
     Trainer(**quiet(max_epochs=1, callbacks=[cb])).fit(
-        Regression(), loader(regression_data(24), 8), loader(regression_data(8), 8))
+        Regression(), loader(regression_data(24), 8), loader(regression_data(8), 8)
+    )
     assert calls == [("setup", "fit"), ("batch", 0), ("batch", 1), ("batch", 2), ("val", 3), ("fit_end", 3)]
 
 
@@ -378,8 +405,11 @@ def test_lambda_callback_rejects_unknown_hooks() -> None:
 
 
 def test_lambda_hook_names_match_the_callback_class() -> None:
-    hooks = [name for name, value in vars(Callback).items()
-             if callable(value) and not name.startswith("_") and name not in ("state_dict", "load_state_dict")]
+    hooks = [
+        name
+        for name, value in vars(Callback).items()
+        if callable(value) and not name.startswith("_") and name not in ("state_dict", "load_state_dict")
+    ]
     assert list(HOOK_NAMES) == hooks
     for name in HOOK_NAMES:  # each is a real method of LambdaCallback, not inherited no-op
         assert name in vars(LambdaCallback), name

@@ -30,8 +30,18 @@ from trainer.options import TrainerOptions
 
 STDLIB = os.path.realpath(sysconfig.get_paths()["stdlib"])
 # Every optimisation setting spelled out, so that a change of the recipe's defaults does not move the pins.
-TINY_TASK = dict(block_size=32, n_layer=2, n_head=2, n_embd=32, lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95),
-                 warmup_steps=2, min_lr_ratio=0.1, sample_chars=0)
+TINY_TASK = dict(
+    block_size=32,
+    n_layer=2,
+    n_head=2,
+    n_embd=32,
+    lr=3e-3,
+    weight_decay=0.1,
+    betas=(0.9, 0.95),
+    warmup_steps=2,
+    min_lr_ratio=0.1,
+    sample_chars=0,
+)
 TINY_DATA = dict(block_size=32, batch_size=8, max_chars=60_000, split_seed=0)
 
 # The few-step run of test_few_steps_pinned (seed 0, CPU, bf16-mixed, torch 2.13): the optimised loss of
@@ -155,9 +165,17 @@ def test_few_steps_pinned(tmp_path: Any) -> None:
     task = CharGPT(**TINY_TASK)
     record = _Record()
     trainer = Trainer(
-        max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=2, precision="bf16-mixed", gradient_clip_val=1.0,
-        log_every_n_steps=1, seed=0,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        precision="bf16-mixed",
+        gradient_clip_val=1.0,
+        log_every_n_steps=1,
+        seed=0,
         callbacks=[record, GradientAccumulationScheduler({"step": {0: 1, 2: 2}})],
     )
     trainer.fit(task, datamodule=CharDataModule(**TINY_DATA))

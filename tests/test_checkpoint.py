@@ -68,10 +68,22 @@ def test_two_rank_resume_equals_uninterrupted(tmp_path: Path, ddp_reference: lis
 
 
 @pytest.mark.parametrize("kill_at,kill_rank", [(3, 1), (8, 0)])
-def test_sigkill_under_torchrun_restarts_and_matches(tmp_path: Path, ddp_reference: list[dict], kill_at: int,
-                                                     kill_rank: int) -> None:
-    result = torchrun(SCRIPT, str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck"), "--kill-at", str(kill_at),
-                      "--kill-rank", str(kill_rank), nproc=2, max_restarts=2, timeout=240).check()
+def test_sigkill_under_torchrun_restarts_and_matches(
+    tmp_path: Path, ddp_reference: list[dict], kill_at: int, kill_rank: int
+) -> None:
+    result = torchrun(
+        SCRIPT,
+        str(tmp_path / "out"),
+        "--ckpt-dir",
+        str(tmp_path / "ck"),
+        "--kill-at",
+        str(kill_at),
+        "--kill-rank",
+        str(kill_rank),
+        nproc=2,
+        max_restarts=2,
+        timeout=240,
+    ).check()
     assert "Resumed at global step" in result.stdout  # the restart really resumed
     for rank in (0, 1):
         assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])
@@ -109,7 +121,9 @@ def test_sigterm_on_one_rank_stops_both(tmp_path: Path, ddp_reference: list[dict
         assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])
 
 
-def test_sigterm_during_a_logging_steps_hooks_is_acted_on_at_that_step(tmp_path: Path, ddp_reference: list[dict]) -> None:
+def test_sigterm_during_a_logging_steps_hooks_is_acted_on_at_that_step(
+    tmp_path: Path, ddp_reference: list[dict]
+) -> None:
     """preemption_check_interval=None: ranks agree on logging steps (every 3), after on_train_batch_end, so
     a signal that arrives in on_train_batch_end of step 3 (after the step's metric reduction) stops both
     ranks at step 3, not one interval later."""
@@ -190,7 +204,9 @@ def test_top_k_and_last_bookkeeping_across_resumes(tmp_path: Path) -> None:
     assert cb2.best_model_score <= best_score  # the best is never lost
     assert Path(cb2.last_model_path).exists() and "epoch=4" in cb2.last_model_path
     # ckpt_path="best" in a fresh process reads the callback state from the last checkpoint.
-    fresh = Trainer(**quiet(enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path, monitor="val/loss")]))
+    fresh = Trainer(
+        **quiet(enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path, monitor="val/loss")])
+    )
     (metrics,) = fresh.validate(Regression(), loader(regression_data(24, seed=1), 8), ckpt_path="best")
     assert metrics["val/loss"] == pytest.approx(cb2.best_model_score, rel=1e-6)
 
@@ -219,8 +235,9 @@ def test_checkpoint_from_two_ranks_resumes_on_one_at_the_global_cursor(tmp_path:
     """2 ranks x batch 4 crash at step 4 (epoch 1, 16 of 48 samples consumed); 1 rank x batch 8 resumes at
     sample 16 of epoch 1's permutation: nothing re-read, nothing skipped."""
     args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck")]
-    first = torchrun(SCRIPT, *args, "--crash-at", "4", "--save-on-crash-dir", str(tmp_path / "crash"), nproc=2,
-                     timeout=180)
+    first = torchrun(
+        SCRIPT, *args, "--crash-at", "4", "--save-on-crash-dir", str(tmp_path / "crash"), nproc=2, timeout=180
+    )
     assert first.returncode != 0
     before = [torch.load(tmp_path / "crash" / f"seen{r}.pt", weights_only=False) for r in (0, 1)]
     result = python(SCRIPT, *args, "--resumed", "--batch", "8", timeout=120).check()
@@ -233,7 +250,9 @@ def test_checkpoint_from_two_ranks_resumes_on_one_at_the_global_cursor(tmp_path:
 
 def test_forced_save_before_the_monitored_metric_exists(tmp_path: Path) -> None:
     """Preemption before the first validation: saved as `last`, outside the top-k, name marks the gap."""
-    cb = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{val/loss:.3f}", monitor="val/loss", every_n_train_steps=100)
+    cb = ModelCheckpoint(
+        dirpath=tmp_path, filename="{epoch}-{val/loss:.3f}", monitor="val/loss", every_n_train_steps=100
+    )
     trainer = Trainer(**quiet(max_steps=2, enable_checkpointing=True, callbacks=[cb]))
     trainer.fit(Regression(), loader(regression_data(), 16))  # no validation data: val/loss never logged
     path = cb.save(trainer, suffix="-preempted", force=True)

@@ -22,7 +22,13 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from trainer.data.loaders import AdaptedLoader, EvalShardSampler, ResumableDistributedSampler, adapt_eval_loader, adapt_train_loader
+from trainer.data.loaders import (
+    AdaptedLoader,
+    EvalShardSampler,
+    ResumableDistributedSampler,
+    adapt_eval_loader,
+    adapt_train_loader,
+)
 
 _LOSS_TRAIN = "will not shard it across the 2 ranks"
 _LOSS_RESUME = "cannot resume mid-epoch exactly"
@@ -89,10 +95,7 @@ def _collate(batch: list[Any]) -> list[Any]:
 
 
 def _ranks(n: int, replicas: int, **kwargs: Any) -> list[ResumableDistributedSampler]:
-    return [
-        ResumableDistributedSampler(n, num_replicas=replicas, rank=r, **kwargs)
-        for r in range(replicas)
-    ]
+    return [ResumableDistributedSampler(n, num_replicas=replicas, rank=r, **kwargs) for r in range(replicas)]
 
 
 # --- ResumableDistributedSampler ---------------------------------------------------
@@ -153,7 +156,7 @@ def test_resume_on_another_world_size(old: int, new: int, shuffle: bool) -> None
         resumed = [i for s in resumed_ranks for i in s]
         rest = perm[cursor:]
         pad = -len(rest) % new
-        padding = (perm * new)[len(perm) * new - pad:] if pad else []  # the epoch's last samples
+        padding = (perm * new)[len(perm) * new - pad :] if pad else []  # the epoch's last samples
         assert sorted(resumed) == sorted(rest + padding)
         if len(rest) >= pad:  # else the padding must repeat samples consumed before the resume
             assert not set(resumed) & set(consumed)
@@ -233,9 +236,7 @@ def test_eval_shards_contiguous_disjoint_complete(n: int, replicas: int) -> None
 
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_plain_loader_is_rebuilt(shuffle: bool) -> None:
-    loader = DataLoader(
-        _Range(10), batch_size=3, shuffle=shuffle, drop_last=True, collate_fn=_collate
-    )
+    loader = DataLoader(_Range(10), batch_size=3, shuffle=shuffle, drop_last=True, collate_fn=_collate)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         train = adapt_train_loader(loader, num_replicas=2, rank=1, seed=4)
@@ -254,9 +255,7 @@ def test_plain_loader_is_rebuilt(shuffle: bool) -> None:
 
 
 def test_rebuilt_keeps_worker_settings() -> None:
-    loader = DataLoader(
-        _Range(8), batch_size=2, num_workers=2, prefetch_factor=3, persistent_workers=True
-    )
+    loader = DataLoader(_Range(8), batch_size=2, num_workers=2, prefetch_factor=3, persistent_workers=True)
     new = adapt_train_loader(loader, num_replicas=1, rank=0, seed=0).loader
     assert (new.num_workers, new.prefetch_factor, new.persistent_workers) == (2, 3, True)
     init = pickle.loads(pickle.dumps(new.worker_init_fn))  # picklable for spawn
@@ -328,9 +327,7 @@ def _epoch(adapted: AdaptedLoader, epoch: int) -> list[tuple[int, int, float, in
 
 def test_worker_seeding_is_deterministic_per_seed_rank_worker_epoch() -> None:
     def build(rank: int) -> AdaptedLoader:
-        user = DataLoader(
-            _Rand(), batch_size=2, shuffle=True, num_workers=2, worker_init_fn=_user_init
-        )
+        user = DataLoader(_Rand(), batch_size=2, shuffle=True, num_workers=2, worker_init_fn=_user_init)
         return adapt_train_loader(user, num_replicas=2, rank=rank, seed=1)
 
     a, b, other = build(0), build(0), build(1)

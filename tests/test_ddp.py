@@ -40,8 +40,10 @@ def test_two_ranks_equal_one_process_with_global_batch(tmp_path: Path, shuffle: 
         seen = sorted(rank0["seen"][epoch] + rank1["seen"][epoch])
         assert seen == list(range(64))
         for step in range(4):
-            merged = sorted(rank0["seen"][epoch][step * 8:(step + 1) * 8] + rank1["seen"][epoch][step * 8:(step + 1) * 8])
-            assert merged == sorted(single["seen"][epoch][step * 16:(step + 1) * 16])
+            merged = sorted(
+                rank0["seen"][epoch][step * 8 : (step + 1) * 8] + rank1["seen"][epoch][step * 8 : (step + 1) * 8]
+            )
+            assert merged == sorted(single["seen"][epoch][step * 16 : (step + 1) * 16])
     if shuffle:
         assert single["seen"][0] != single["seen"][1], "shuffle=True must permute differently each epoch"
     else:

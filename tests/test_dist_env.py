@@ -206,8 +206,18 @@ def test_parse_slurm_nodelist_first(nodelist: str, first: str) -> None:
     assert launcher.parse_slurm_nodelist_first(nodelist) == first
 
 
-MULTI_NODE_LISTS = ["node[01-04,07]", "gpu-a[1,3]-[2-3]", "node[07,01-04]", "rack[1-2]-node[3-4]",
-                    "c[0-1]n[10-11]", "n[009-011]", "x[10,2]", "dgx-[001-016],login[1-2]", "a1,b2", "ab[3]"]
+MULTI_NODE_LISTS = [
+    "node[01-04,07]",
+    "gpu-a[1,3]-[2-3]",
+    "node[07,01-04]",
+    "rack[1-2]-node[3-4]",
+    "c[0-1]n[10-11]",
+    "n[009-011]",
+    "x[10,2]",
+    "dgx-[001-016],login[1-2]",
+    "a1,b2",
+    "ab[3]",
+]
 
 
 @pytest.mark.slurm
@@ -219,8 +229,9 @@ def test_first_host_matches_scontrol_show_hostnames(nodelist: str, tmp_path) -> 
     conf = tmp_path / "slurm.conf"
     conf.write_text("ClusterName=keel\nSlurmctldHost=localhost\n")  # read, never contacted
     env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "SLURM_CONF": str(conf)}
-    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                           timeout=30, env=env, check=True).stdout.split()
+    hosts = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, env=env, check=True
+    ).stdout.split()
     assert launcher.parse_slurm_nodelist_first(nodelist) == hosts[0]
     environ = {**SLURM_2x2_RANK3, "SLURM_STEP_NODELIST": nodelist, "SLURM_JOB_NODELIST": nodelist}
     assert launcher.detect_env(environ).master_addr == hosts[0]  # every task computes the same master
@@ -332,8 +343,7 @@ def test_gloo_group_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_init_failure_names_rank_address_and_causes(monkeypatch: pytest.MonkeyPatch) -> None:
     # Rank 0 of 2 with no rank 1: the rendezvous times out quickly.
     env = launcher.DistEnv("torchrun", 0, 0, 2, 2, 0, "127.0.0.1", _free_port())
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                 "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
         monkeypatch.setenv(name, "0")  # restored by monkeypatch after init exports env
     try:
         with pytest.raises(RuntimeError) as info:
@@ -355,8 +365,7 @@ def test_nccl_group_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
     assert device == torch.device("cuda", 0)
     assert comm.backend_for(device) == "nccl"
     try:
-        assert comm.init_process_group(env, backend="nccl", timeout=datetime.timedelta(seconds=60),
-                                       device=device)
+        assert comm.init_process_group(env, backend="nccl", timeout=datetime.timedelta(seconds=60), device=device)
         tensor = torch.tensor([1.0, 3.0], device=device)
         comm.all_reduce(tensor, "mean")
         assert tensor.tolist() == [1.0, 3.0]

@@ -11,8 +11,19 @@ import trainer.distributed.comm
 from launch import free_port, python, torchrun
 from trainer import doctor
 
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID")
+_LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_LOCALID",
+)
 
 
 @pytest.fixture
@@ -23,7 +34,13 @@ def single_process_env(monkeypatch):
 
 def test_parse_and_format_sizes():
     assert [doctor.parse_size(s) for s in ("4", "64K", "1M", "16MiB", "2 GB", "8b")] == [
-        4, 65536, 1 << 20, 16 << 20, 2 << 30, 8]
+        4,
+        65536,
+        1 << 20,
+        16 << 20,
+        2 << 30,
+        8,
+    ]
     for bad in ("", "0", "-1", "1T", "x"):
         with pytest.raises(argparse.ArgumentTypeError):
             doctor.parse_size(bad)
@@ -41,11 +58,22 @@ def test_help_documents_the_options(capsys):
 
 
 def test_relevant_env_vars():
-    environ = {"NCCL_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "lo", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-               "MASTER_ADDR": "h", "OMP_NUM_THREADS": "4", "HOME": "/root", "NCCLX": "no"}
+    environ = {
+        "NCCL_DEBUG": "INFO",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "MASTER_ADDR": "h",
+        "OMP_NUM_THREADS": "4",
+        "HOME": "/root",
+        "NCCLX": "no",
+    }
     assert doctor.relevant_env_vars(environ) == {
-        "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "h", "NCCL_DEBUG": "INFO",
-        "OMP_NUM_THREADS": "4", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+        "GLOO_SOCKET_IFNAME": "lo",
+        "MASTER_ADDR": "h",
+        "NCCL_DEBUG": "INFO",
+        "OMP_NUM_THREADS": "4",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    }
 
 
 def test_wrong_collective_result_is_named(single_process_env, monkeypatch, capsys):
@@ -96,8 +124,13 @@ def test_torchrun_two_ranks_pass_and_print_the_table():
 
 @pytest.mark.multiprocess
 def test_rank_whose_peer_never_comes_fails_init_in_bounded_time():
-    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     result = python("trainer.doctor", "--init-timeout", "5", env=env, module=True, timeout=60)
     assert result.returncode != 0, result.tail()
     assert result.elapsed < 25, f"took {result.elapsed:.0f} s\n{result.tail()}"
@@ -109,8 +142,7 @@ def test_rank_whose_peer_never_comes_fails_init_in_bounded_time():
 @pytest.mark.multiprocess
 def test_unreachable_rendezvous_is_named():
     port = free_port()  # nobody listens there
-    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     result = python("trainer.doctor", "--init-timeout", "2", env=env, module=True, timeout=60)
     assert result.returncode != 0, result.tail()
     assert result.elapsed < 25, f"took {result.elapsed:.0f} s\n{result.tail()}"

@@ -32,8 +32,15 @@ STEPS, SAMPLES, MICRO = 10, 64, 4  # the script's defaults: global_batch_size={"
 def global_batch_at(step: int) -> int:
     """The global batch of optimizer step ``step`` (1-based: it runs at global_step ``step - 1``)."""
     return 16 if step - 1 < 8 else 32
-RDZV = {"join_timeout": 60, "last_call_timeout": 2, "close_timeout": 5, "keep_alive_interval": 1,
-        "keep_alive_max_attempt": 4}
+
+
+RDZV = {
+    "join_timeout": 60,
+    "last_call_timeout": 2,
+    "close_timeout": 5,
+    "keep_alive_interval": 1,
+    "keep_alive_max_attempt": 4,
+}
 AGENT_ENV = {"LOGLEVEL": "INFO", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
@@ -68,7 +75,9 @@ def assert_same_run(root: Path, reference: tuple[Path, dict], *, ranks: int, res
         for name, value in ref["weights"].items():
             assert value.dtype == torch.float64
             assert torch.allclose(run["weights"][name], value, rtol=0, atol=1e-10), (
-                name, (run["weights"][name] - value).abs().max().item())
+                name,
+                (run["weights"][name] - value).abs().max().item(),
+            )
         assert [o["step"] for o in run["order"]] == list(range(1, STEPS + 1))
         assert [o["samples"] for o in run["order"]] == [o["samples"] for o in ref["order"]]  # same global order
         for mine, theirs in zip(run["order"], ref["order"]):  # the same trajectory, step by step
@@ -86,7 +95,7 @@ def assert_same_run(root: Path, reference: tuple[Path, dict], *, ranks: int, res
     assert len(back) <= 1, steps
     if back:
         assert steps[back[0]] == resumed_at + 1, steps
-    assert steps[back[0] if back else 0:] == list(range(steps[back[0]] if back else 1, STEPS + 1)), steps
+    assert steps[back[0] if back else 0 :] == list(range(steps[back[0]] if back else 1, STEPS + 1)), steps
     assert dict(rows) == dict(logged_rows(ref_root))
 
 
@@ -103,10 +112,14 @@ def _glog_time(line: str) -> tuple[float, str] | None:
     return time.mktime(stamp.timetuple()) + stamp.microsecond / 1e6, match.group(3)
 
 
-LOSS_PHASES = ("failure detection (the peer's collective fails, the agent sees its worker exit)",
-               "rendezvous (dead-node heartbeat expiry, then last_call_timeout)")
-JOIN_PHASES = ("new agent starts; the running agent sees it waiting (monitor interval)",
-               "worker stopped (keel saves on SIGTERM) + rendezvous of both")
+LOSS_PHASES = (
+    "failure detection (the peer's collective fails, the agent sees its worker exit)",
+    "rendezvous (dead-node heartbeat expiry, then last_call_timeout)",
+)
+JOIN_PHASES = (
+    "new agent starts; the running agent sees it waiting (monitor interval)",
+    "worker stopped (keel saves on SIGTERM) + rendezvous of both",
+)
 
 
 def resume_breakdown(agent_output: str, event_at: float, phases: tuple[str, str]) -> dict[str, float]:
@@ -146,8 +159,18 @@ def test_node_loss_continues_on_the_survivor_exactly(tmp_path: Path, reference) 
     """2 agents; node 1's agent and worker are SIGKILLed after step 6 (before its checkpoint); node 0 resumes
     alone from `last` (step 5, mid-epoch 1) with accumulate 4 instead of 2 (8 instead of 4 once the global
     batch doubles at step 8) and ends equal to the reference."""
-    agents = elastic_agents(SCRIPT, *script_args(tmp_path), "--die-at", "6", "--die-node", "1", max_restarts=2,
-                            rdzv_conf=RDZV, env=AGENT_ENV, timeout=150)
+    agents = elastic_agents(
+        SCRIPT,
+        *script_args(tmp_path),
+        "--die-at",
+        "6",
+        "--die-node",
+        "1",
+        max_restarts=2,
+        rdzv_conf=RDZV,
+        env=AGENT_ENV,
+        timeout=150,
+    )
     survivor, lost = agents
     assert lost.returncode == -9, lost.tail()
     survivor.check()
@@ -164,8 +187,17 @@ def test_node_join_restarts_at_two_exactly(tmp_path: Path, reference) -> None:
     """1 agent trains alone; a second agent joins after step 3; the first agent stops its worker (keel saves
     at step 3 on SIGTERM), both restart at world size 2 with accumulate 2 and end equal to the reference."""
     reached = tmp_path / "out" / "reached"
-    agents = elastic_agents(SCRIPT, *script_args(tmp_path), "--mark-at", "3", join_when=reached.exists,
-                            max_restarts=2, rdzv_conf=RDZV, env=AGENT_ENV, timeout=150)
+    agents = elastic_agents(
+        SCRIPT,
+        *script_args(tmp_path),
+        "--mark-at",
+        "3",
+        join_when=reached.exists,
+        max_restarts=2,
+        rdzv_conf=RDZV,
+        env=AGENT_ENV,
+        timeout=150,
+    )
     assert len(agents) == 2, agents[0].tail()
     for agent in agents:
         agent.check()
@@ -181,8 +213,18 @@ def test_losing_the_rendezvous_host_ends_the_job_and_a_relaunch_resumes_exactly(
     """TorchElastic's limit: the c10d store lives in agent 0. When that node dies the survivor cannot
     re-rendezvous (RendezvousConnectionError) and exits; relaunching the job (what a scheduler's requeue does)
     resumes from `last` at the new world size, still equal to the reference."""
-    agents = elastic_agents(SCRIPT, *script_args(tmp_path), "--die-at", "6", "--die-node", "0", max_restarts=2,
-                            rdzv_conf=RDZV, env=AGENT_ENV, timeout=150)
+    agents = elastic_agents(
+        SCRIPT,
+        *script_args(tmp_path),
+        "--die-at",
+        "6",
+        "--die-node",
+        "0",
+        max_restarts=2,
+        rdzv_conf=RDZV,
+        env=AGENT_ENV,
+        timeout=150,
+    )
     host, survivor = agents
     assert host.returncode == -9, host.tail()
     assert survivor.returncode != 0 and "RendezvousConnectionError" in survivor.stdout, survivor.tail()
@@ -195,8 +237,19 @@ def test_losing_the_rendezvous_host_ends_the_job_and_a_relaunch_resumes_exactly(
 def test_with_the_store_outside_the_job_any_node_may_die(tmp_path: Path, reference) -> None:
     """The supported setup for the limit above: a TCPStore in a process of its own (``is_host=false`` on every
     agent). Node 0, the one that would have hosted the store, dies; node 1 continues alone, exactly."""
-    agents = elastic_agents(SCRIPT, *script_args(tmp_path), "--die-at", "6", "--die-node", "0", max_restarts=2,
-                            rdzv_conf=RDZV, env=AGENT_ENV, external_store=True, timeout=150)
+    agents = elastic_agents(
+        SCRIPT,
+        *script_args(tmp_path),
+        "--die-at",
+        "6",
+        "--die-node",
+        "0",
+        max_restarts=2,
+        rdzv_conf=RDZV,
+        env=AGENT_ENV,
+        external_store=True,
+        timeout=150,
+    )
     lost, survivor = agents
     assert lost.returncode == -9, lost.tail()
     survivor.check()
@@ -242,11 +295,13 @@ class _RecordK(Callback):
 def _fit(root: Path, *, steps: int, batch: int, ckpt: bool = True, **options) -> tuple[Trainer, Regression, _RecordK]:
     record = _RecordK()
     callbacks = [record] + ([ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=1)] if ckpt else [])
-    trainer = Trainer(**quiet(max_steps=steps, precision="64", enable_checkpointing=ckpt, callbacks=callbacks,
-                              seed=1, **options))
+    trainer = Trainer(
+        **quiet(max_steps=steps, precision="64", enable_checkpointing=ckpt, callbacks=callbacks, seed=1, **options)
+    )
     task = Regression(optimizer="adamw", dtype=torch.float64)
-    trainer.fit(task, loader(regression_data(64, dtype=torch.float64), batch, shuffle=True),
-                ckpt_path="last" if ckpt else None)
+    trainer.fit(
+        task, loader(regression_data(64, dtype=torch.float64), batch, shuffle=True), ckpt_path="last" if ckpt else None
+    )
     return trainer, task, record
 
 

@@ -35,10 +35,13 @@ def run2(tmp: Path, name: str, *args: str, timeout: float = 240) -> dict:
     return r0
 
 
-@pytest.mark.parametrize("case", [
-    ["--accumulate", "2", "--clip", "0.05"],
-    ["--accumulate", "2", "--items", "--reduce", "last_micro_batch"],
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        ["--accumulate", "2", "--clip", "0.05"],
+        ["--accumulate", "2", "--items", "--reduce", "last_micro_batch"],
+    ],
+)
 def test_two_rank_fsdp_equals_two_rank_ddp(tmp_path: Path, case: list[str]) -> None:
     """Accumulation, global-norm clipping, token-normalised loss, both reduce settings: the DDP maths."""
     ddp = run2(tmp_path, "ddp", "--strategy", "ddp", *case)
@@ -77,8 +80,20 @@ def test_sigkill_under_torchrun_resumes_bit_identical_and_reshards_to_one_rank(t
     saving = ["--async-save"] if mode == "async" else []
     reference = run2(tmp_path, "ref", "--strategy", "fsdp", "--ckpt-dir", str(tmp_path / "ref_ck"), *saving)
     ck = tmp_path / "ck"
-    torchrun(SCRIPT, str(tmp_path / "killed"), "--strategy", "fsdp", "--ckpt-dir", str(ck), "--kill-at", "4",
-             *saving, nproc=2, timeout=300, max_restarts=1).check()
+    torchrun(
+        SCRIPT,
+        str(tmp_path / "killed"),
+        "--strategy",
+        "fsdp",
+        "--ckpt-dir",
+        str(ck),
+        "--kill-at",
+        "4",
+        *saving,
+        nproc=2,
+        timeout=300,
+        max_restarts=1,
+    ).check()
     resumed = load(tmp_path / "killed")
     assert resumed["global_step"] == reference["global_step"] == 6
     # The kill comes before step 4's save: the restarted workers resume from step 3 (sync) and train 3
@@ -90,17 +105,20 @@ def test_sigkill_under_torchrun_resumes_bit_identical_and_reshards_to_one_rank(t
     assert last.is_dir() and {".metadata", "keel.pt", "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(last))
     assert not [p for p in ck.iterdir() if ".tmp-" in p.name]
     # Saved at 2 ranks (end of epoch 1), resumed in one process (DCP reshards): epoch 2 at 1 rank, 6 steps.
-    python(SCRIPT, str(tmp_path / "one"), "--strategy", "fsdp", "--ckpt-dir", str(ck), "--epochs", "3",
-           timeout=180).check()
+    python(
+        SCRIPT, str(tmp_path / "one"), "--strategy", "fsdp", "--ckpt-dir", str(ck), "--epochs", "3", timeout=180
+    ).check()
     one = load(tmp_path / "one")
     assert one["global_step"] == 12 and one["world_size"] == 1
     # export_weights: one plain file from the 2-rank folder, no process group, loads into the bare task.
     out = tmp_path / "weights.pt"
-    code = ("import sys, torch; sys.path.insert(0, 'tests/scripts'); from trainer.checkpoint.state import export_weights; "
-            f"export_weights({str(last)!r}, {str(out)!r}); from fsdp_fit import BlockNet; t = BlockNet(); "
-            f"t.load_state_dict(torch.load({str(out)!r}, weights_only=True)); "
-            f"u = BlockNet.load_from_checkpoint({str(last)!r}); "
-            "print('OK', all(torch.equal(a, b) for a, b in zip(t.state_dict().values(), u.state_dict().values())))")
+    code = (
+        "import sys, torch; sys.path.insert(0, 'tests/scripts'); from trainer.checkpoint.state import export_weights; "
+        f"export_weights({str(last)!r}, {str(out)!r}); from fsdp_fit import BlockNet; t = BlockNet(); "
+        f"t.load_state_dict(torch.load({str(out)!r}, weights_only=True)); "
+        f"u = BlockNet.load_from_checkpoint({str(last)!r}); "
+        "print('OK', all(torch.equal(a, b) for a, b in zip(t.state_dict().values(), u.state_dict().values())))"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert "OK True" in done.stdout, done.stdout + done.stderr
     exported = torch.load(out, weights_only=True)
@@ -126,11 +144,14 @@ def test_crafted_metadata_is_refused_naming_the_file(tmp_path: Path) -> None:
     assert str(folder / ".metadata") in str(info.value)
 
 
-@pytest.mark.parametrize("options, expected", [
-    ({"strategy": "ddp", "fsdp_cpu_offload": True}, "unless strategy='fsdp'"),
-    ({"strategy": "fsdp", "fsdp_reduce_grads": "sometimes"}, "every_micro_batch"),
-    ({"strategy": "fsdp", "fsdp_units": [3]}, "class names"),
-])
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        ({"strategy": "ddp", "fsdp_cpu_offload": True}, "unless strategy='fsdp'"),
+        ({"strategy": "fsdp", "fsdp_reduce_grads": "sometimes"}, "every_micro_batch"),
+        ({"strategy": "fsdp", "fsdp_units": [3]}, "class names"),
+    ],
+)
 def test_bad_fsdp_options_are_refused_before_any_group(options: dict, expected: str) -> None:
     from trainer import Trainer
 
@@ -154,13 +175,13 @@ trainer = Trainer(max_steps=2, strategy='fsdp', precision='64', logger=False, en
                   enable_checkpointing=False, num_sanity_val_steps=0)
 task = BlockNet()
 trainer.fit(task, DataLoader(data(48, 0), batch_size=8))
-good = {str(tmp_path / 'good.ckpt')!r}
+good = {str(tmp_path / "good.ckpt")!r}
 trainer.save_checkpoint(good)
 def full(self, *a, **k):
     raise OSError(errno.ENOSPC, 'No space left on device')
 FileSystemWriter.write_data = full
 try:
-    trainer.save_checkpoint({str(tmp_path / 'bad.ckpt')!r})
+    trainer.save_checkpoint({str(tmp_path / "bad.ckpt")!r})
 except CheckpointSaveError as exc:
     print('ERR', exc.errno == errno.ENOSPC, '|', exc)
 """
@@ -176,27 +197,53 @@ def test_async_staging_reuses_its_cpu_buffers_and_always_copies_the_current_valu
     from trainer.checkpoint.sharded import ReusedStaging
 
     w = torch.arange(4.0)
-    state = {"model": {"w": w}, "optimizers": [{"state": {"w": {"step": torch.tensor(1.0)}}, "param_groups": [{"lr": 0.1}]}]}
+    state = {
+        "model": {"w": w},
+        "optimizers": [{"state": {"w": {"step": torch.tensor(1.0)}}, "param_groups": [{"lr": 0.1}]}],
+    }
     stager = ReusedStaging()
     first = stager.stage(state)
     w.add_(10)
     state["optimizers"][0]["param_groups"][0]["lr"] = 0.05
     second = stager.stage(state)
     assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr() != w.data_ptr()  # one buffer, reused
-    assert second["model"]["w"].tolist() == [10.0, 11.0, 12.0, 13.0] and second["optimizers"][0]["param_groups"][0]["lr"] == 0.05
+    assert (
+        second["model"]["w"].tolist() == [10.0, 11.0, 12.0, 13.0]
+        and second["optimizers"][0]["param_groups"][0]["lr"] == 0.05
+    )
     w.add_(1)
     assert second["model"]["w"].tolist() == [10.0, 11.0, 12.0, 13.0]  # training goes on; the staged copy stays
     state["optimizers"][0]["state"]["w"]["exp_avg"] = torch.zeros(4)  # new optimizer state: a new layout
     third = stager.stage(state)
-    assert third["optimizers"][0]["state"]["w"]["exp_avg"].tolist() == [0.0] * 4 and third["model"]["w"].tolist()[0] == 11.0
+    assert (
+        third["optimizers"][0]["state"]["w"]["exp_avg"].tolist() == [0.0] * 4
+        and third["model"]["w"].tolist()[0] == 11.0
+    )
 
 
 def test_async_sharded_save_refuses_non_finite_weights_on_every_rank(tmp_path: Path) -> None:
     """A NaN in rank 1's shard only: the background check votes on the checkpoint group, so both ranks
     raise, nothing is committed for that step, and `last` stays at the step before."""
     ck = tmp_path / "ck"
-    result = torchrun(SCRIPT, str(tmp_path / "out"), "--strategy", "fsdp", "--ckpt-dir", str(ck), "--async-save",
-                      "--nan-at", "3", "--steps", "6", nproc=2, timeout=300)
+    result = torchrun(
+        SCRIPT,
+        str(tmp_path / "out"),
+        "--strategy",
+        "fsdp",
+        "--ckpt-dir",
+        str(ck),
+        "--async-save",
+        "--nan-at",
+        "3",
+        "--steps",
+        "6",
+        nproc=2,
+        timeout=300,
+    )
     assert result.returncode != 0
     assert result.stdout.count("FloatingPointError: Refusing to write checkpoint") >= 2, result.tail()
-    assert "step=2" in read_pointer(ck)[0] and not list(ck.glob("*step=3*")) and not [p for p in ck.iterdir() if ".tmp-" in p.name]
+    assert (
+        "step=2" in read_pointer(ck)[0]
+        and not list(ck.glob("*step=3*"))
+        and not [p for p in ck.iterdir() if ".tmp-" in p.name]
+    )

@@ -39,7 +39,8 @@ def test_batches_are_placed_on_the_gpu_from_pinned_memory() -> None:
     probe = Probe()
     task = Regression()
     Trainer(**quiet(max_steps=3, accelerator="cuda", callbacks=[probe])).fit(
-        task, DataLoader(regression_data(), batch_size=8, pin_memory=True))
+        task, DataLoader(regression_data(), batch_size=8, pin_memory=True)
+    )
     assert probe.seen["batch_device"].type == "cuda" and probe.seen["param_device"].type == "cuda"
 
 
@@ -53,8 +54,9 @@ def test_bf16_mixed_on_cuda() -> None:
 def test_16_mixed_unscales_before_hooks_and_clipping() -> None:
     probe = Probe()
     task = DtypeProbe()
-    trainer = Trainer(**quiet(max_epochs=2, accelerator="cuda", precision="16-mixed", gradient_clip_val=1.0,
-                              callbacks=[probe]))
+    trainer = Trainer(
+        **quiet(max_epochs=2, accelerator="cuda", precision="16-mixed", gradient_clip_val=1.0, callbacks=[probe])
+    )
     trainer.fit(task, DataLoader(regression_data(), batch_size=8))
     assert task.matmul_dtype == torch.float16
     assert probe.seen["scale"] is not None and probe.seen["scale"] > 1.0
@@ -88,9 +90,9 @@ trainer = Trainer(max_steps=4, accelerator='cuda', strategy='fsdp', precision='b
                   logger=False, enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0)
 idx, x, y = data(48, 0).tensors
 trainer.fit(task, DataLoader(TensorDataset(idx, x.float(), y.float()), batch_size=8))
-trainer.save_checkpoint({str(tmp_path / 'ck.ckpt')!r})
-export_weights({str(tmp_path / 'ck.ckpt')!r}, {str(tmp_path / 'w.pt')!r})
-weights = torch.load({str(tmp_path / 'w.pt')!r}, weights_only=True)
+trainer.save_checkpoint({str(tmp_path / "ck.ckpt")!r})
+export_weights({str(tmp_path / "ck.ckpt")!r}, {str(tmp_path / "w.pt")!r})
+weights = torch.load({str(tmp_path / "w.pt")!r}, weights_only=True)
 print('OK', torch.distributed.get_backend(), next(iter(weights.values())).dtype)
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
@@ -104,7 +106,9 @@ def test_ordinary_steps_never_sync_the_host(tmp_path, strategy, precision, clip)
     pinned loader, a step scheduler, self.log on every step and global-norm clipping): a synchronising CUDA
     call raises. Logging steps may sync once (tests/scripts/cuda_sync_free.py)."""
     script = REPO_ROOT / "tests" / "scripts" / "cuda_sync_free.py"
-    args = [str(tmp_path), "--strategy", strategy, "--precision", precision] + ([] if clip is None else ["--clip", str(clip)])
+    args = [str(tmp_path), "--strategy", strategy, "--precision", precision] + (
+        [] if clip is None else ["--clip", str(clip)]
+    )
     torchrun(script, *args, nproc=1, timeout=300).check()
     import json
 
@@ -127,7 +131,11 @@ def test_pinned_batches_are_copied_on_keels_stream_and_arrive_intact() -> None:
     for _ in range(3):
         moved = copier(batch)
         total = moved[0].sum() + moved[1]["y"].sum()  # used on the compute stream right away
-        assert moved[0].is_cuda and torch.equal(moved[0].cpu(), batch[0]) and torch.equal(moved[1]["y"].cpu(), batch[1]["y"])
+        assert (
+            moved[0].is_cuda
+            and torch.equal(moved[0].cpu(), batch[0])
+            and torch.equal(moved[1]["y"].cpu(), batch[1]["y"])
+        )
         assert torch.isclose(total.cpu(), batch[0].sum() + 45)
     plain = copier([torch.ones(3)])  # not pinned: the compute stream's copy
     assert plain[0].is_cuda and plain[0].sum().item() == 3.0

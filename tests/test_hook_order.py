@@ -23,8 +23,12 @@ def micro_batch(*, completes_step: bool) -> list[str]:
     on_after_backward``, then for the step's k-th micro-batch ``on_before_optimizer_step -> (optimizer.step)
     -> on_train_batch_end``; earlier micro-batches call ``on_train_batch_end`` right after their backward.
     ``training_step`` runs between batch start and backward (DESIGN.md section 5)."""
-    events = [*both("on_train_batch_start"), "task.training_step", *both("on_before_backward"),
-              *both("on_after_backward")]
+    events = [
+        *both("on_train_batch_start"),
+        "task.training_step",
+        *both("on_before_backward"),
+        *both("on_after_backward"),
+    ]
     if completes_step:
         events += [*both("on_before_optimizer_step"), "optimizer.step", *both("on_before_zero_grad")]
     return events + both("on_train_batch_end")
@@ -36,9 +40,15 @@ def evaluation_run(stage: str, batches: int) -> list[str]:
     ``on_<stage>_batch_end``, then ``on_<stage>_epoch_end``, ``on_<stage>_end``, the task's
     ``on_<stage>_model_train``."""
     per_batch = [*both(f"on_{stage}_batch_start"), f"task.{stage}_step", *both(f"on_{stage}_batch_end")]
-    return [f"task.on_{stage}_model_eval", *both(f"on_{stage}_start"), *both(f"on_{stage}_epoch_start"),
-            *per_batch * batches, *both(f"on_{stage}_epoch_end"), *both(f"on_{stage}_end"),
-            f"task.on_{stage}_model_train"]
+    return [
+        f"task.on_{stage}_model_eval",
+        *both(f"on_{stage}_start"),
+        *both(f"on_{stage}_epoch_start"),
+        *per_batch * batches,
+        *both(f"on_{stage}_epoch_end"),
+        *both(f"on_{stage}_end"),
+        f"task.on_{stage}_model_train",
+    ]
 
 
 def validation_epoch(batches: int) -> list[str]:
@@ -62,9 +72,16 @@ def expected_events() -> list[str]:
     validate = [*both("setup(validate)"), *validation_epoch(2), *both("teardown(validate)")]
     test = [*both("setup(test)"), *evaluation_run("test", 2), *both("teardown(test)")]
     per_batch = [*both("on_predict_batch_start"), "task.predict_step", *both("on_predict_batch_end")]
-    predict = [*both("setup(predict)"), "task.on_predict_model_eval", *both("on_predict_start"),
-               *both("on_predict_epoch_start"), *per_batch * 2, *both("on_predict_epoch_end"),
-               *both("on_predict_end"), *both("teardown(predict)")]
+    predict = [
+        *both("setup(predict)"),
+        "task.on_predict_model_eval",
+        *both("on_predict_start"),
+        *both("on_predict_epoch_start"),
+        *per_batch * 2,
+        *both("on_predict_epoch_end"),
+        *both("on_predict_end"),
+        *both("teardown(predict)"),
+    ]
     return fit + validate + test + predict
 
 
@@ -78,7 +95,7 @@ def load_script():
 def first_difference(actual: list[str], expected: list[str]) -> str:
     for i, (a, e) in enumerate(zip(actual, expected)):
         if a != e:
-            return f"first difference at event {i}: got {a!r}, expected {e!r}; context {actual[max(0, i - 4):i + 4]}"
+            return f"first difference at event {i}: got {a!r}, expected {e!r}; context {actual[max(0, i - 4) : i + 4]}"
     return f"lengths differ: {len(actual)} vs {len(expected)}"
 
 

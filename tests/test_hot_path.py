@@ -79,9 +79,18 @@ def test_a_fit_calls_every_overridden_hook_every_step_in_order() -> None:
     log: list[str] = []
     task = HookedTask(log)
     Trainer(**quiet(max_steps=3, callbacks=[Recorder(log, "cb"), AllHooks(log)])).fit(
-        task, DataLoader(regression_data(24), batch_size=8))
-    step = ["all.on_train_batch_start", "task.before_backward", "all.on_before_backward", "all.on_after_backward",
-            "all.on_before_optimizer_step", "all.on_before_zero_grad", "cb.end", "all.on_train_batch_end"]
+        task, DataLoader(regression_data(24), batch_size=8)
+    )
+    step = [
+        "all.on_train_batch_start",
+        "task.before_backward",
+        "all.on_before_backward",
+        "all.on_after_backward",
+        "all.on_before_optimizer_step",
+        "all.on_before_zero_grad",
+        "cb.end",
+        "all.on_train_batch_end",
+    ]
     assert log == step * 3
 
 
@@ -209,5 +218,10 @@ def test_read_to_host_keeps_every_value_exact_in_one_read() -> None:
     assert read_to_host([]) == []
     assert read_to_host([torch.tensor(1.5), torch.tensor(float("nan"))])[0] == 1.5
     assert read_to_host([torch.tensor(2**40 + 1), torch.tensor(1.0)]) == [2.0**40 + 1, 1.0]  # no float32 rounding
-    assert read_to_host([torch.ones(2), torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor(True)]) == [1.0, 1.0, 0.5, 1.0]
+    assert read_to_host([torch.ones(2), torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor(True)]) == [
+        1.0,
+        1.0,
+        0.5,
+        1.0,
+    ]
     assert all(type(v) is float for v in read_to_host([torch.tensor(3), torch.tensor(4)]))

@@ -41,7 +41,9 @@ def test_torch_distributed_only_in_dist_parallel_and_checkpoint_modules() -> Non
 
 def test_import_trainer_is_cheap() -> None:
     code = "import sys, trainer; print(sorted(m for m in ('tensorboard', 'hydra', 'tqdm', 'omegaconf') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True
+    )
     # torch itself imports tqdm lazily in some builds; tensorboard and hydra must never load at import.
     loaded = eval(out.stdout.strip())
     assert "tensorboard" not in loaded and "hydra" not in loaded, loaded
@@ -65,8 +67,11 @@ def test_file_sizes() -> None:
 
 def _import_graph() -> dict[str, set[str]]:
     """trainer's modules -> the trainer modules they import: top level, in functions and under TYPE_CHECKING."""
-    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in (ROOT / "trainer").rglob("*.py")
-               if p.stem != "__init__"}
+    modules = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts): p
+        for p in (ROOT / "trainer").rglob("*.py")
+        if p.stem != "__init__"
+    }
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -97,8 +102,15 @@ def test_modules_split_out_of_the_trainer_open_no_import_circle() -> None:
     """What trainer.py hands off takes its inputs as arguments: none of these modules imports the Trainer,
     directly or through another module (type-checking imports count too)."""
     graph = _import_graph()
-    for name in ("trainer.distributed.strategy", "trainer.evaluation", "trainer.lifecycle",
-                 "trainer.distributed.launcher", "trainer.step.optim", "trainer.distributed.comm", "trainer.data.loaders",
-                 "trainer.step.accumulation"):
+    for name in (
+        "trainer.distributed.strategy",
+        "trainer.evaluation",
+        "trainer.lifecycle",
+        "trainer.distributed.launcher",
+        "trainer.step.optim",
+        "trainer.distributed.comm",
+        "trainer.data.loaders",
+        "trainer.step.accumulation",
+    ):
         assert not _reaches(graph, name, "trainer.trainer"), f"{name} reaches trainer.trainer through its imports"
         assert not _reaches(graph, name, name), f"{name} is part of an import circle"

@@ -187,11 +187,20 @@ def test_lightning_attributes_of_trainer_strategy_and_module(tmp_path: Path) -> 
     class Probe(Regression):
         def on_fit_start(self):
             t = self.trainer
-            seen.update(model=t.model is self, num_devices=t.num_devices, num_nodes=t.num_nodes,
-                        processes=t.strategy.num_processes, root=str(t.strategy.root_device),
-                        reduced=float(t.strategy.reduce(torch.tensor(3.0))), gathered=self.all_gather(torch.ones(2)).shape,
-                        logger=self.logger, loggers=self.loggers, local_rank=self.local_rank, on_gpu=self.on_gpu,
-                        example=self.example_input_array)
+            seen.update(
+                model=t.model is self,
+                num_devices=t.num_devices,
+                num_nodes=t.num_nodes,
+                processes=t.strategy.num_processes,
+                root=str(t.strategy.root_device),
+                reduced=float(t.strategy.reduce(torch.tensor(3.0))),
+                gathered=self.all_gather(torch.ones(2)).shape,
+                logger=self.logger,
+                loggers=self.loggers,
+                local_rank=self.local_rank,
+                on_gpu=self.on_gpu,
+                example=self.example_input_array,
+            )
             t.strategy.barrier()
             seen["broadcast"] = t.strategy.broadcast({"a": 1})
 
@@ -295,9 +304,18 @@ def test_model_checkpoint_filename_format_specs_are_checked_when_built() -> None
 
 
 def test_model_checkpoint_lightning_keywords(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    checkpoint = L.ModelCheckpoint(dirpath=str(tmp_path), filename="epoch_{epoch:03d}-{val/loss:.2f}", monitor="val/loss",
-                                   verbose=True, save_last=True, auto_insert_metric_name=False, save_weights_only=True,
-                                   save_on_train_epoch_end=False, save_top_k=2, enable_version_counter=True)
+    checkpoint = L.ModelCheckpoint(
+        dirpath=str(tmp_path),
+        filename="epoch_{epoch:03d}-{val/loss:.2f}",
+        monitor="val/loss",
+        verbose=True,
+        save_last=True,
+        auto_insert_metric_name=False,
+        save_weights_only=True,
+        save_on_train_epoch_end=False,
+        save_top_k=2,
+        enable_version_counter=True,
+    )
     with caplog.at_level(logging.INFO, logger="trainer.checkpoint.model_checkpoint"):
         Trainer(**quiet(max_epochs=2, callbacks=[checkpoint])).fit(Regression(), data(), data(16))
     files = sorted(os.listdir(tmp_path))
@@ -369,8 +387,10 @@ def test_a_lightning_module_class_gets_a_porting_hint() -> None:
 
 # ---------------------------------------------------------------------------- nothing fails silently
 def test_rank_zero_info_prints_before_any_trainer() -> None:
-    code = ("from trainer.observability.rank_zero import rank_zero_info, rank_zero_warn\n"
-            "rank_zero_info('hello %s', 'info')\nrank_zero_warn('hello warn')\n")
+    code = (
+        "from trainer.observability.rank_zero import rank_zero_info, rank_zero_warn\n"
+        "rank_zero_info('hello %s', 'info')\nrank_zero_warn('hello warn')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert "hello info" in out.stderr and "hello warn" in out.stderr, out
 
@@ -451,8 +471,15 @@ def test_lightning_keywords_of_validate_test_predict_and_log(caplog: pytest.LogC
     class Extra(Regression):
         def validation_step(self, batch, batch_idx):
             x, y = batch
-            self.log("val/loss", F.mse_loss(self(x), y), sync_dist=True, sync_dist_group=None, add_dataloader_idx=False,
-                     enable_graph=False, metric_attribute=None)
+            self.log(
+                "val/loss",
+                F.mse_loss(self(x), y),
+                sync_dist=True,
+                sync_dist_group=None,
+                add_dataloader_idx=False,
+                enable_graph=False,
+                metric_attribute=None,
+            )
 
     trainer = Trainer(**quiet(max_epochs=1))
     task = Extra()

@@ -25,19 +25,33 @@ from trainer.options import LIGHTNING_UNSUPPORTED, TrainerOptions, check_lightni
 
 
 def torchrun_env(world_size: int, local_world_size: int, rank: int = 0):
-    return detect_env({
-        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local_world_size),
-        "LOCAL_WORLD_SIZE": str(local_world_size), "GROUP_RANK": str(rank // local_world_size),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
-    })
+    return detect_env(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank % local_world_size),
+            "LOCAL_WORLD_SIZE": str(local_world_size),
+            "GROUP_RANK": str(rank // local_world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500",
+        }
+    )
 
 
 def slurm_env(nodes: int, per_node: int):
-    return detect_env({
-        "SLURM_PROCID": "0", "SLURM_NTASKS": str(nodes * per_node), "SLURM_LOCALID": "0",
-        "SLURM_NODEID": "0", "SLURM_NNODES": str(nodes), "SLURM_NTASKS_PER_NODE": str(per_node),
-        "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]",
-    })
+    return detect_env(
+        {
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": str(nodes * per_node),
+            "SLURM_LOCALID": "0",
+            "SLURM_NODEID": "0",
+            "SLURM_NNODES": str(nodes),
+            "SLURM_NTASKS_PER_NODE": str(per_node),
+            "SLURM_JOB_NODELIST": "node[1-2]",
+            "SLURM_JOB_ID": "7",
+            "SLURM_STEP_NODELIST": "node[1-2]",
+        }
+    )
 
 
 # ---------------------------------------------------------------------------- Lightning Trainer keywords
@@ -105,9 +119,20 @@ def test_devices_auto_spellings_are_normalised() -> None:
     assert TrainerOptions(devices="2").devices == 2
 
 
-@pytest.mark.parametrize("name", ["inference_mode", "use_distributed_sampler",
-                                  "reload_dataloaders_every_n_epochs", "barebones", "detect_anomaly", "plugins",
-                                  "auto_lr_find", "overfit_batches", "max_time"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "inference_mode",
+        "use_distributed_sampler",
+        "reload_dataloaders_every_n_epochs",
+        "barebones",
+        "detect_anomaly",
+        "plugins",
+        "auto_lr_find",
+        "overfit_batches",
+        "max_time",
+    ],
+)
 def test_unsupported_lightning_keywords_are_named_with_why(name: str) -> None:
     with pytest.raises(ValueError) as info:
         Trainer(**{name: True}, logger=False)
@@ -126,8 +151,9 @@ def test_unsupported_and_unknown_keywords_are_both_reported() -> None:
 
 
 def test_limit_batches_keywords_are_supported() -> None:
-    opts = Trainer(limit_train_batches=10, limit_val_batches=0.5, limit_test_batches=3, limit_predict_batches=1.0,
-                   logger=False).options
+    opts = Trainer(
+        limit_train_batches=10, limit_val_batches=0.5, limit_test_batches=3, limit_predict_batches=1.0, logger=False
+    ).options
     assert (opts.limit_train_batches, opts.limit_val_batches) == (10, 0.5)
 
 
@@ -257,8 +283,9 @@ def test_reduce_lr_on_plateau_monitors_val_loss() -> None:
     assert task.lrs == pytest.approx([0.1, 0.1, 0.1, 0.1, 0.01, 0.01])
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.001)
     # The same as feeding the sequence to the scheduler by hand.
-    reference = optim.lr_scheduler.ReduceLROnPlateau(optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1),
-                                                     mode="min", factor=0.1, patience=1)
+    reference = optim.lr_scheduler.ReduceLROnPlateau(
+        optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), mode="min", factor=0.1, patience=1
+    )
     for v in values:
         reference.step(v)
     assert reference.optimizer.param_groups[0]["lr"] == pytest.approx(0.001)

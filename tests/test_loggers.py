@@ -141,7 +141,12 @@ def test_csv_hparams_yaml(tmp_path: Path) -> None:
     logger.log_hyperparams(OmegaConf.create({"seed": 7, "ref": "${seed}"}))  # merged, interpolation resolved
     loaded = OmegaConf.to_container(OmegaConf.load(os.path.join(logger.log_dir, "hparams.yaml")))
     assert loaded == {
-        "lr": 0.001, "model": {"depth": 4, "act": "gelu"}, "path": "/data", "none": None, "seed": 7, "ref": 7,
+        "lr": 0.001,
+        "model": {"depth": 4, "act": "gelu"},
+        "path": "/data",
+        "none": None,
+        "seed": 7,
+        "ref": 7,
     }
 
 
@@ -211,9 +216,7 @@ def test_default_loggers_uses_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert default.save_dir == str(tmp_path)
 
 
-def test_default_loggers_falls_back_to_csv_without_tensorboard(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_default_loggers_falls_back_to_csv_without_tensorboard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loggers_mod, "_tensorboard_available", lambda: False)
     monkeypatch.setattr(loggers_mod, "_warned_no_tensorboard", False)
     with pytest.warns(UserWarning, match="tensorboard is not installed"):
@@ -265,7 +268,9 @@ def test_jobs_starting_together_claim_different_run_directories(
     assert (first.version, second.version) == (0, 1)
     root = tmp_path / "keel_logs"
     assert [(root / f"version_{n}" / logger_mod.RUN_ID_MARKER).read_text() for n in (0, 1)] == [
-        "slurm:11.batch", "slurm:12.batch"]
+        "slurm:11.batch",
+        "slurm:12.batch",
+    ]
     requeued = Logger(tmp_path)  # job 12 again (a requeue): its own folder back
     requeued.resolve_version()
     assert requeued.version == 1

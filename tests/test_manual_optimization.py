@@ -35,7 +35,9 @@ def test_manual_optimizers_and_toggle() -> None:
     opt_g, opt_d = task.optimizers()
     assert opt_g.optimizer is task.trainer.optimizers[0]
     task.toggle_optimizer(opt_d)
-    assert not any(p.requires_grad for p in task.gen.parameters()) and all(p.requires_grad for p in task.disc.parameters())
+    assert not any(p.requires_grad for p in task.gen.parameters()) and all(
+        p.requires_grad for p in task.disc.parameters()
+    )
     task.untoggle_optimizer(opt_d)
     assert all(p.requires_grad for p in task.parameters())
 

@@ -191,8 +191,15 @@ def test_step_metrics_honour_reduce_fx_across_ranks(world: FakeWorld) -> None:
 
     r0, r1 = world.run(rank_fn)
     assert r0 == r1  # every rank gets the same values
-    assert r0 == {"s_sum": 3.0, "s_max": 2.0, "s_min": 1.0, "s_mean": 1.5, "s_torch_sum": 3.0, "r0": 100.0,
-                  "only_rank1": 7.0}
+    assert r0 == {
+        "s_sum": 3.0,
+        "s_max": 2.0,
+        "s_min": 1.0,
+        "s_mean": 1.5,
+        "s_torch_sum": 3.0,
+        "r0": 100.0,
+        "only_rank1": 7.0,
+    }
 
 
 def test_epoch_metrics_honour_reduce_fx_across_ranks(world: FakeWorld) -> None:
@@ -317,8 +324,9 @@ def test_duck_metric_accumulates_over_batches_and_resets_once_per_epoch() -> Non
     train, val = regression_data(24, dtype=torch.float64), regression_data(23, seed=1, dtype=torch.float64)
     snaps = Snapshots()
     task = DuckTask()
-    trainer = Trainer(**quiet(max_epochs=3, log_every_n_steps=1, precision="64", num_sanity_val_steps=2,
-                              callbacks=[snaps]))
+    trainer = Trainer(
+        **quiet(max_epochs=3, log_every_n_steps=1, precision="64", num_sanity_val_steps=2, callbacks=[snaps])
+    )
     trainer.fit(task, DataLoader(train, batch_size=8), DataLoader(val, batch_size=5))
     val_mean = val.tensors[1].mean().item()
     # Sanity pass (2 batches, not published) + 3 epochs: one compute() and one reset() per evaluation epoch,

@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.observability.profiler import PassThroughProfiler, Profiler, PyTorchProfiler, SimpleProfiler, resolve_profiler
+from trainer.observability.profiler import (
+    PassThroughProfiler,
+    Profiler,
+    PyTorchProfiler,
+    SimpleProfiler,
+    resolve_profiler,
+)
 
 
 class FakeClock:
@@ -220,17 +226,28 @@ def test_pytorch_trace_loads_in_tensorboard_profile_plugin(tmp_path: Path) -> No
 def test_transition_partitions_the_stage_into_phases(tmp_path: Path) -> None:
     profiler, clock = _simple_with_clock()
     profiler.setup("fit", run_dir=str(tmp_path))
-    for phase, seconds in [("setup", 0.5), ("data", 0.01), ("training_step", 0.02), ("backward", 0.03),
-                           ("optimizer_step", 0.004), ("data", 0.01), ("data", 0.01), ("training_step", 0.02),
-                           ("my_phase", 0.1)]:
+    for phase, seconds in [
+        ("setup", 0.5),
+        ("data", 0.01),
+        ("training_step", 0.02),
+        ("backward", 0.03),
+        ("optimizer_step", 0.004),
+        ("data", 0.01),
+        ("data", 0.01),
+        ("training_step", 0.02),
+        ("my_phase", 0.1),
+    ]:
         profiler.transition(phase)
         clock.now += seconds
     profiler._end_phase()
     recorded = {name: (int(stats[0]), stats[1]) for name, stats in profiler.recorded.items()}
     assert recorded == {
-        "setup": (1, pytest.approx(0.5)), "data_wait": (2, pytest.approx(0.03)),  # data, data: one phase
-        "forward": (2, pytest.approx(0.04)), "backward": (1, pytest.approx(0.03)),
-        "optimizer_step": (1, pytest.approx(0.004)), "my_phase": (1, pytest.approx(0.1)),
+        "setup": (1, pytest.approx(0.5)),
+        "data_wait": (2, pytest.approx(0.03)),  # data, data: one phase
+        "forward": (2, pytest.approx(0.04)),
+        "backward": (1, pytest.approx(0.03)),
+        "optimizer_step": (1, pytest.approx(0.004)),
+        "my_phase": (1, pytest.approx(0.1)),
     }
     assert sum(total for _, total in recorded.values()) == pytest.approx(clock.now)  # nothing counted twice
 
@@ -266,5 +283,8 @@ def test_pytorch_profiler_steps_its_schedule_on_the_phase_clock(tmp_path: Path) 
     (name,) = [n for n in os.listdir(tmp_path / "profiler") if _TRACE.match(n)]
     names = {event.get("name") for event in json.loads((tmp_path / "profiler" / name).read_text())["traceEvents"]}
     assert {"data_wait", "forward", "backward", "optimizer_step"} <= names
-    assert {n for n in names if str(n).startswith("ProfilerStep#")} == {"ProfilerStep#2", "ProfilerStep#3",
-                                                                        "ProfilerStep#4"}
+    assert {n for n in names if str(n).startswith("ProfilerStep#")} == {
+        "ProfilerStep#2",
+        "ProfilerStep#3",
+        "ProfilerStep#4",
+    }

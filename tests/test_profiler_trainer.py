@@ -53,9 +53,17 @@ def _loaders() -> tuple[DataLoader, DataLoader]:
 
 def _fit(tmp_path: Path, **options) -> Trainer:
     train, val = _loaders()
-    trainer = Trainer(max_steps=8, accumulate_grad_batches=2, log_every_n_steps=2, logger=False,
-                      enable_progress_bar=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path),
-                      callbacks=[ModelCheckpoint(every_n_train_steps=4)], **options)
+    trainer = Trainer(
+        max_steps=8,
+        accumulate_grad_batches=2,
+        log_every_n_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+        callbacks=[ModelCheckpoint(every_n_train_steps=4)],
+        **options,
+    )
     trainer.fit(Tiny(), train, val)
     return trainer
 
@@ -84,9 +92,17 @@ def test_simple_profiler_table_of_a_fit(tmp_path: Path, caplog: pytest.LogCaptur
     assert counts["forward"] == 16 and counts["backward"] == 16 and counts["optimizer_step"] == 8
     assert counts["data_wait"] >= 16 and counts["logging"] >= 4 and counts["checkpoint"] >= 2
     assert counts["validation"] >= 1
-    table = caplog.text[caplog.text.index("Profiler summary (fit, rank 0)"):]
-    for name in ("data_wait", "forward", "backward", "optimizer_step", "logging", "checkpoint", "validation",
-                 "Total (stage wall time)"):
+    table = caplog.text[caplog.text.index("Profiler summary (fit, rank 0)") :]
+    for name in (
+        "data_wait",
+        "forward",
+        "backward",
+        "optimizer_step",
+        "logging",
+        "checkpoint",
+        "validation",
+        "Total (stage wall time)",
+    ):
         assert re.search(rf"\| {re.escape(name)} +\|", table), (name, table)
     wall = float(next(line for line in table.splitlines() if "Total (stage wall time)" in line).split("|")[4])
     assert sum(stats[1] for stats in profiler.tables["fit"].values()) <= wall + 1e-3  # phases partition the stage
@@ -143,8 +159,11 @@ def test_pytorch_profiler_traces_of_a_fit(tmp_path: Path) -> None:
     assert name.startswith("rank0.fit.")
     names = {e.get("name") for e in json.loads((folder / name).read_text())["traceEvents"]}
     assert {"forward", "backward", "optimizer_step", "data_wait"} <= names
-    assert {n for n in names if str(n).startswith("ProfilerStep#")} == {"ProfilerStep#2", "ProfilerStep#3",
-                                                                        "ProfilerStep#4"}
+    assert {n for n in names if str(n).startswith("ProfilerStep#")} == {
+        "ProfilerStep#2",
+        "ProfilerStep#3",
+        "ProfilerStep#4",
+    }
 
 
 @pytest.mark.multiprocess

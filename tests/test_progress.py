@@ -31,15 +31,30 @@ class FakeClock:
 
 def make_trainer(**overrides: Any) -> SimpleNamespace:
     values: dict[str, Any] = dict(
-        is_global_zero=True, world_size=1, global_step=0, current_epoch=0, num_training_batches=8,
-        max_steps=-1, max_epochs=2, accumulate_grad_batches=2, progress_bar_metrics={}, sanity_checking=False,
+        is_global_zero=True,
+        world_size=1,
+        global_step=0,
+        current_epoch=0,
+        num_training_batches=8,
+        max_steps=-1,
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        progress_bar_metrics={},
+        sanity_checking=False,
     )
     values.update(overrides)
     return SimpleNamespace(**values)
 
 
-def run_epoch(bar: ProgressBar, trainer: SimpleNamespace, *, batch_size: int = 4, clock: FakeClock | None = None,
-              metrics_at_step: Any = None, end_epoch: bool = True) -> None:
+def run_epoch(
+    bar: ProgressBar,
+    trainer: SimpleNamespace,
+    *,
+    batch_size: int = 4,
+    clock: FakeClock | None = None,
+    metrics_at_step: Any = None,
+    end_epoch: bool = True,
+) -> None:
     """Drives one epoch through the hooks the way the Trainer calls them (accumulation included)."""
     bar.on_train_epoch_start(trainer, None)  # type: ignore[arg-type]
     for batch_idx in range(trainer.num_training_batches):
@@ -151,9 +166,7 @@ def test_non_zero_rank_does_nothing(
     assert not [r for r in caplog.records if r.name == "trainer.observability.progress"]
 
 
-def test_tty_bar_writes_and_closes_at_epoch_end(
-    caplog: pytest.LogCaptureFixture, no_tensor_reads: None
-) -> None:
+def test_tty_bar_writes_and_closes_at_epoch_end(caplog: pytest.LogCaptureFixture, no_tensor_reads: None) -> None:
     caplog.set_level(logging.INFO, logger="trainer.observability.progress")
     stream = TTYStream()
     bar = ProgressBar(refresh_rate=2, stream=stream)

@@ -52,8 +52,12 @@ def test_rank_zero_logging_and_rank_local_metrics(tmp_path: Path) -> None:
     assert rank0["callback_metrics"]["val/only0"] == 4.4  # epoch 3's value
     for rank in (rank0, rank1):
         assert rank["stopped_epoch"] == 3 and rank["global_step"] == 16 and rank["current_epoch"] == 4
-        assert rank["throughput_keys"] == ["throughput/data_wait_fraction", "throughput/items_per_sec",
-                                           "throughput/samples_per_sec", "throughput/step_time"]
+        assert rank["throughput_keys"] == [
+            "throughput/data_wait_fraction",
+            "throughput/items_per_sec",
+            "throughput/samples_per_sec",
+            "throughput/step_time",
+        ]
     assert "Signaling Trainer to stop" in result.stdout
 
     # Rank 0 alone wrote the logs: one row per logging step for each source.

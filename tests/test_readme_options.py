@@ -17,7 +17,7 @@ def _section(title: str) -> str:
     text = README.read_text()
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
-    return text[start:end if end != -1 else None]
+    return text[start : end if end != -1 else None]
 
 
 def test_every_trainer_option_has_a_row_in_the_options_table() -> None:

@@ -154,8 +154,9 @@ def test_callbacks_are_a_dict_that_overrides_can_edit(tmp_path: Path) -> None:
     assert _callback(trainer, ModelCheckpoint).monitor is None
     assert _callback(trainer, ProgressBar).refresh_rate == 1  # the Trainer's default, not the config's
 
-    cfg = _compose(["+callbacks.timer._target_=callbacks.Timer", "+callbacks.timer.duration=00:00:10:00",
-                    f"output_dir={tmp_path}"])
+    cfg = _compose(
+        ["+callbacks.timer._target_=callbacks.Timer", "+callbacks.timer.duration=00:00:10:00", f"output_dir={tmp_path}"]
+    )
     trainer, _, _ = build(cfg)
     assert isinstance(_callback(trainer, Timer), Timer)
     assert [type(cb).__name__ for cb in trainer.callbacks][:3] == ["ModelCheckpoint", "ProgressBar", "Timer"]
@@ -223,8 +224,12 @@ def test_check_overrides_names_the_key_and_the_valid_keys() -> None:
     wrong = check_overrides(["-m", "trainer.precision=32,bf16-mixed", "trainer.max_steps=5,x"])
     assert wrong is not None and "trainer.max_steps" in wrong and "'x'" in wrong
     assert check_overrides(["+trainer.nope=1"]) is not None
-    for fine in (["trainer.max_epochs=5", "trainer.seed=null"], ["-m", "trainer.precision=32,bf16-mixed"],
-                 ["--config-name", "train", "task=charlm"], ["trainer.limit_val_batches=0.5"]):
+    for fine in (
+        ["trainer.max_epochs=5", "trainer.seed=null"],
+        ["-m", "trainer.precision=32,bf16-mixed"],
+        ["--config-name", "train", "task=charlm"],
+        ["trainer.limit_val_batches=0.5"],
+    ):
         assert check_overrides(fine) is None, fine
 
 
@@ -250,7 +255,9 @@ def test_config_diff_lists_changed_added_and_removed_keys() -> None:
 def test_save_config_warns_key_by_key_when_a_resume_changes_the_config(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    trainer = Trainer(logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    trainer = Trainer(
+        logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=str(tmp_path)
+    )
     saver = SaveConfig(OmegaConf.create({"trainer": {"max_steps": 5}, "task": {"lr": 0.1}}), "cmd")
     checkpoint: dict[str, Any] = {}
     SaveConfig({"trainer": {"max_steps": 3}, "task": {"lr": 0.1}}, "cmd").on_save_checkpoint(trainer, None, checkpoint)
@@ -264,8 +271,9 @@ def test_save_config_warns_key_by_key_when_a_resume_changes_the_config(
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-def _run(args: list[str], cwd: Path, timeout: float = 180, env: dict[str, str] | None = None,
-         pythonpath: list[Path] = ()) -> subprocess.CompletedProcess[str]:
+def _run(
+    args: list[str], cwd: Path, timeout: float = 180, env: dict[str, str] | None = None, pythonpath: list[Path] = ()
+) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
     full_env.update(env or {})
     full_env["PYTHONPATH"] = os.pathsep.join(
@@ -273,13 +281,17 @@ def _run(args: list[str], cwd: Path, timeout: float = 180, env: dict[str, str] |
     )
     return subprocess.run(
         [sys.executable, "-m", "recipes.train", *args],
-        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 def _summary(stdout: str) -> tuple[dict[str, str], dict[str, float]]:
     """``(fields, metrics)`` parsed from the summary block that recipes.train prints."""
-    block = stdout[stdout.index("keel run summary"):]
+    block = stdout[stdout.index("keel run summary") :]
     fields = dict(re.findall(r"^(run dir|tensorboard|csv|best checkpoint|last checkpoint)\s+(\S+)", block, re.M))
     metrics = {name: float(value) for name, value in re.findall(r"^  (\S+)\s+(-?[0-9.]+(?:e[-+]?\d+)?)$", block, re.M)}
     return fields, metrics
@@ -317,16 +329,30 @@ def test_digits_recipe_resumes_exactly_after_a_crash_and_reports_the_changed_con
     """A run SIGKILLed after step 4 (last checkpoint: step 3), run again with the same run dir and a
     slightly different command line, ends as a 5-step run in one go; the differences are listed."""
     # Saves every 3 steps; no metric to monitor before the first validation (at the end of the run).
-    checkpoints = ["callbacks.checkpoint.every_n_train_steps=3", "callbacks.checkpoint.monitor=null",
-                   "callbacks.checkpoint.filename='{epoch}-{step}'"]
-    common = [*E2E_ARGS, *checkpoints, "trainer.max_steps=5", "logger.version=0", "test=false", f"output_dir={tmp_path}"]
-    first = _run([*common, "+callbacks.killer._target_=recipe_faults.KillAtStep"], cwd=tmp_path,
-                 env={"KEEL_TEST_KILL_AT_STEP": "4"}, pythonpath=[TESTS_DIR])
+    checkpoints = [
+        "callbacks.checkpoint.every_n_train_steps=3",
+        "callbacks.checkpoint.monitor=null",
+        "callbacks.checkpoint.filename='{epoch}-{step}'",
+    ]
+    common = [
+        *E2E_ARGS,
+        *checkpoints,
+        "trainer.max_steps=5",
+        "logger.version=0",
+        "test=false",
+        f"output_dir={tmp_path}",
+    ]
+    first = _run(
+        [*common, "+callbacks.killer._target_=recipe_faults.KillAtStep"],
+        cwd=tmp_path,
+        env={"KEEL_TEST_KILL_AT_STEP": "4"},
+        pythonpath=[TESTS_DIR],
+    )
     assert first.returncode == -9, first.stdout + first.stderr
     second = _run([*common, "callbacks.progress.refresh_rate=7"], cwd=tmp_path)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "Resumed at global step 3" in second.stderr
-    warning = second.stderr[second.stderr.index("config differs"):]
+    warning = second.stderr[second.stderr.index("config differs") :]
     assert "callbacks.killer._target_: 'recipe_faults.KillAtStep' -> '<absent>'" in warning
     assert "callbacks.progress.refresh_rate: 5 -> 7" in warning
     fields, metrics = _summary(second.stdout)
@@ -356,9 +382,19 @@ def test_bad_option_fails_naming_the_key(override: str, expected: list[str], tmp
 
 
 def test_multirun_sweep_makes_one_run_per_value(tmp_path: Path) -> None:
-    proc = _run(["-m", "trainer.precision=32,bf16-mixed", "trainer.max_steps=2", "trainer.limit_val_batches=1",
-                 "trainer.num_sanity_val_steps=0", "test=false", "logger=csv", f"output_dir={tmp_path}"],
-                cwd=tmp_path)
+    proc = _run(
+        [
+            "-m",
+            "trainer.precision=32,bf16-mixed",
+            "trainer.max_steps=2",
+            "trainer.limit_val_batches=1",
+            "trainer.num_sanity_val_steps=0",
+            "test=false",
+            "logger=csv",
+            f"output_dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("keel run summary") == 2
     root = tmp_path / "digits"
@@ -373,18 +409,29 @@ def _charlm_corpus(folder: Path) -> Path:
     folder.mkdir()
     lines = [f"def f_{i}(x, y={i % 7}):\n    return x * {i} + y  # {i % 13}\n\n" for i in range(3000)]
     for k in range(6):
-        (folder / f"m{k}.py").write_text("".join(lines[k * 500:(k + 1) * 500]))
+        (folder / f"m{k}.py").write_text("".join(lines[k * 500 : (k + 1) * 500]))
     return folder
 
 
 def test_charlm_recipe_end_to_end(tmp_path: Path) -> None:
     corpus = _charlm_corpus(tmp_path / "corpus")
     proc = _run(
-        ["+experiment=charlm", f"data.root={corpus}", "data.max_chars=60000", "data.block_size=32",
-         "data.batch_size=8", "task.n_layer=1", "task.n_embd=32", "task.lr=0.01", "task.sample_chars=20",
-         "trainer.max_steps=4",
-         *E2E_ARGS, "~callbacks.accumulation.scheduling", "+callbacks.accumulation.scheduling={step:{0:1,2:2}}",
-         f"output_dir={tmp_path / 'out'}"],
+        [
+            "+experiment=charlm",
+            f"data.root={corpus}",
+            "data.max_chars=60000",
+            "data.block_size=32",
+            "data.batch_size=8",
+            "task.n_layer=1",
+            "task.n_embd=32",
+            "task.lr=0.01",
+            "task.sample_chars=20",
+            "trainer.max_steps=4",
+            *E2E_ARGS,
+            "~callbacks.accumulation.scheduling",
+            "+callbacks.accumulation.scheduling={step:{0:1,2:2}}",
+            f"output_dir={tmp_path / 'out'}",
+        ],
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -404,13 +451,13 @@ def _readme_section(title: str) -> str:
     text = (REPO_ROOT / "README.md").read_text()
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
-    return text[start:end if end != -1 else None]
+    return text[start : end if end != -1 else None]
 
 
 def test_readme_user_task_example_runs_with_its_callback(tmp_path: Path) -> None:
     """README "Your own task": its files, written to a fresh folder, run by its command line."""
     section = _readme_section("Configuration and recipes")
-    example = section[section.index("### Your own task"):section.index("### Launching a recipe")]
+    example = section[section.index("### Your own task") : section.index("### Launching a recipe")]
     files = re.findall(r"^File `([^`]+)`:\n\n```\w*\n(.*?)```", example, re.M | re.S)
     assert {"mypkg/regression.py", "myconf/experiment/regression.yaml"} <= {name for name, _ in files}
     assert "File `mypkg/__init__.py`: empty." in example

@@ -38,8 +38,14 @@ def _event_writer_pids(run_dir: Path) -> set[str]:
 def test_torchrun_makes_one_run_directory_written_by_rank_zero(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = torchrun(
-        "recipes.train", *SHORT, "trainer.max_steps=3", f"output_dir={out}",
-        nproc=2, module=True, cwd=tmp_path, timeout=180,
+        "recipes.train",
+        *SHORT,
+        "trainer.max_steps=3",
+        f"output_dir={out}",
+        nproc=2,
+        module=True,
+        cwd=tmp_path,
+        timeout=180,
     ).check()
     assert os.listdir(tmp_path) == ["out"], "Hydra or a rank wrote outside output_dir (or changed directory)"
     assert os.listdir(out / "digits") == ["version_0"], _files(out)
@@ -56,12 +62,24 @@ def test_torchrun_makes_one_run_directory_written_by_rank_zero(tmp_path: Path) -
 def test_torchrun_restart_after_a_killed_rank_resumes_in_the_same_run_directory(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = torchrun(
-        "recipes.train", *SHORT, "trainer.max_steps=5", f"output_dir={out}",
-        "callbacks.checkpoint.every_n_train_steps=2", "callbacks.checkpoint.monitor=null",
-        "callbacks.checkpoint.filename='{epoch}-{step}'", "+callbacks.killer._target_=recipe_faults.KillAtStep",
-        nproc=2, module=True, cwd=tmp_path, timeout=180, max_restarts=1,
-        env={"KEEL_TEST_KILL_AT_STEP": "3", "KEEL_TEST_KILL_RANK": "1",
-             "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)])},
+        "recipes.train",
+        *SHORT,
+        "trainer.max_steps=5",
+        f"output_dir={out}",
+        "callbacks.checkpoint.every_n_train_steps=2",
+        "callbacks.checkpoint.monitor=null",
+        "callbacks.checkpoint.filename='{epoch}-{step}'",
+        "+callbacks.killer._target_=recipe_faults.KillAtStep",
+        nproc=2,
+        module=True,
+        cwd=tmp_path,
+        timeout=180,
+        max_restarts=1,
+        env={
+            "KEEL_TEST_KILL_AT_STEP": "3",
+            "KEEL_TEST_KILL_RANK": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]),
+        },
     ).check()
     # Rank 1 died after step 3; the last checkpoint was step 2; the restarted job resumed from it.
     assert "Resumed at global step 2" in result.stdout, result.tail()

@@ -17,8 +17,14 @@ pytestmark = pytest.mark.multiprocess
 
 @pytest.mark.parametrize("rank", ["0", "1"])  # rank 0: nobody joins its store; rank 1: no store to reach
 def test_unreachable_rendezvous_fails_within_the_init_timeout(rank: str) -> None:
-    env = {"RANK": rank, "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = {
+        "RANK": rank,
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     result = python(SCRIPT, "--case", "init-timeout", env=env, timeout=60)
     assert result.returncode == 3, result.tail()
     line = next(line for line in result.stdout.splitlines() if line.startswith("init failed after"))
@@ -76,7 +82,7 @@ def test_uneven_batches_error_policy() -> None:
 def test_torchrun_summary_shows_the_root_cause() -> None:
     result = torchrun(SCRIPT, "--case", "record", nproc=1, timeout=60)
     assert result.returncode != 0
-    root = result.stdout[result.stdout.index("Root Cause"):]
+    root = result.stdout[result.stdout.index("Root Cause") :]
     assert "root cause from failing_main" in root
 
 

@@ -38,10 +38,17 @@ TESTS_DIR = Path(__file__).resolve().parent
 README = REPO_ROOT / "README.md"
 STEPS, STEPS_PER_EPOCH, EVERY = 15, 10, 3  # the last periodic checkpoint holds the final weights
 RECIPE = [
-    "logger=csv", "test=false", f"trainer.max_steps={STEPS}", "trainer.limit_val_batches=2",
-    "trainer.num_sanity_val_steps=0", "trainer.log_every_n_steps=2", "trainer.preemption_check_interval=1",
-    f"callbacks.checkpoint.every_n_train_steps={EVERY}", "callbacks.checkpoint.monitor=null",
-    "callbacks.checkpoint.filename='{epoch}-{step}'", "+callbacks.fault._target_=slurm.faults.Faults",
+    "logger=csv",
+    "test=false",
+    f"trainer.max_steps={STEPS}",
+    "trainer.limit_val_batches=2",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.log_every_n_steps=2",
+    "trainer.preemption_check_interval=1",
+    f"callbacks.checkpoint.every_n_train_steps={EVERY}",
+    "callbacks.checkpoint.monitor=null",
+    "callbacks.checkpoint.filename='{epoch}-{step}'",
+    "+callbacks.fault._target_=slurm.faults.Faults",
 ]
 # This node: 2 CPUs, no GPUs. sbatch options on the command line override the file's #SBATCH lines.
 ONE_NODE = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--time=5"]
@@ -57,8 +64,11 @@ def readme_batch_file() -> str:
 
 
 def job_env(faults: Path, **extra: str) -> dict[str, str]:
-    return {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]), "KEEL_TEST_FAULTS_DIR": str(faults),
-            **extra}
+    return {
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]),
+        "KEEL_TEST_FAULTS_DIR": str(faults),
+        **extra,
+    }
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -106,8 +116,17 @@ def srun_run(slurm_cluster: slurm.Cluster, tmp_path_factory: pytest.TempPathFact
         pytest.skip(f"the SLURM test node has {slurm_cluster.cpus} CPU(s); 2 tasks need 2")
     root = tmp_path_factory.mktemp("srun")
     result = slurm_cluster.srun(
-        "-N1", "-n2", "--kill-on-bad-exit=1", sys.executable, "-m", "recipes.train", *RECIPE,
-        f"output_dir={root / 'out'}", timeout=240, cwd=root, env=job_env(root / "faults"),
+        "-N1",
+        "-n2",
+        "--kill-on-bad-exit=1",
+        sys.executable,
+        "-m",
+        "recipes.train",
+        *RECIPE,
+        f"output_dir={root / 'out'}",
+        timeout=240,
+        cwd=root,
+        env=job_env(root / "faults"),
     ).check()
     run_dir = only_run_dir(root / "out")
     return {"root": root, "result": result, "run_dir": run_dir, "weights": final_weights(run_dir)}
@@ -134,8 +153,16 @@ def test_srun_trains_on_two_ranks_like_torchrun(srun_run: dict, tmp_path: Path) 
     assert not [m for m, n in collections.Counter(info).items() if n > 1], info
     assert re.search(rf"^trained\s+{STEPS} steps", result.stdout, re.M), result.tail()
 
-    reference = torchrun("recipes.train", *RECIPE, f"output_dir={tmp_path / 'out'}", nproc=2, module=True,
-                         cwd=tmp_path, timeout=240, env=job_env(tmp_path / "faults")).check()
+    reference = torchrun(
+        "recipes.train",
+        *RECIPE,
+        f"output_dir={tmp_path / 'out'}",
+        nproc=2,
+        module=True,
+        cwd=tmp_path,
+        timeout=240,
+        env=job_env(tmp_path / "faults"),
+    ).check()
     assert "launcher torchrun" in reference.stdout, reference.tail()
     assert_bit_identical(srun_run["weights"], final_weights(only_run_dir(tmp_path / "out")))
 
@@ -148,13 +175,29 @@ def test_readme_batch_file_requeues_on_usr1_and_ends_bit_identical(
     def scenario(attempt: int) -> tuple[slurm.Job, dict, Path, Path]:
         root = tmp_path / f"attempt{attempt}"
         faults, out = root / "faults", root / "out"
-        with slurm_cluster.job(readme_batch_file(), *RECIPE, f"output_dir={out}", options=ONE_NODE,
-                               log=root / "job.log", env=job_env(faults, KEEL_TEST_WAIT_AT=str(wait_at))) as job:
-            job.wait(lambda j: all((faults / f"waiting-rank{r}").exists() for r in (0, 1)), timeout=180,
-                     what=f"both ranks waiting after step {wait_at}")
+        with slurm_cluster.job(
+            readme_batch_file(),
+            *RECIPE,
+            f"output_dir={out}",
+            options=ONE_NODE,
+            log=root / "job.log",
+            env=job_env(faults, KEEL_TEST_WAIT_AT=str(wait_at)),
+        ) as job:
+            job.wait(
+                lambda j: all((faults / f"waiting-rank{r}").exists() for r in (0, 1)),
+                timeout=180,
+                what=f"both ranks waiting after step {wait_at}",
+            )
             slurm._client(["scancel", "--signal=USR1", "--full", job.job_id])
-            job.wait(lambda j: j.state() in slurm.TERMINAL and int(j.info().get("Restarts", 0)) >= 1
-                     or j.state() in slurm.TERMINAL - {"COMPLETED"}, timeout=240, what="requeue and completion")
+            job.wait(
+                lambda j: (
+                    j.state() in slurm.TERMINAL
+                    and int(j.info().get("Restarts", 0)) >= 1
+                    or j.state() in slurm.TERMINAL - {"COMPLETED"}
+                ),
+                timeout=240,
+                what="requeue and completion",
+            )
             info = job.info()
             assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, job.output())
             return job, info, faults, out
@@ -187,15 +230,27 @@ def test_hard_killed_job_requeued_resumes_from_the_last_periodic_checkpoint(
     def scenario(attempt: int) -> tuple[slurm.Job, Path, Path]:
         root = tmp_path / f"attempt{attempt}"
         faults, out = root / "faults", root / "out"
-        with slurm_cluster.job(readme_batch_file(), *RECIPE, f"output_dir={out}", options=ONE_NODE,
-                               log=root / "job.log", env=job_env(faults, KEEL_TEST_WAIT_AT=str(wait_at))) as job:
-            job.wait(lambda j: all((faults / f"waiting-rank{r}").exists() for r in (0, 1)), timeout=180,
-                     what=f"both ranks waiting after step {wait_at}")
+        with slurm_cluster.job(
+            readme_batch_file(),
+            *RECIPE,
+            f"output_dir={out}",
+            options=ONE_NODE,
+            log=root / "job.log",
+            env=job_env(faults, KEEL_TEST_WAIT_AT=str(wait_at)),
+        ) as job:
+            job.wait(
+                lambda j: all((faults / f"waiting-rank{r}").exists() for r in (0, 1)),
+                timeout=180,
+                what=f"both ranks waiting after step {wait_at}",
+            )
             _kill_job_processes(faults)  # SIGKILL: no handler runs, nothing is saved
             assert job.wait_done(timeout=60) == "FAILED", job.output()
             slurm._client(["scontrol", "requeue", job.job_id])
-            job.wait(lambda j: j.state() in slurm.TERMINAL and j.info().get("Restarts") == "1", timeout=240,
-                     what="requeue and completion")
+            job.wait(
+                lambda j: j.state() in slurm.TERMINAL and j.info().get("Restarts") == "1",
+                timeout=240,
+                what="requeue and completion",
+            )
             assert job.state() == "COMPLETED", (job.info(), job.output())
             return job, faults, out
 
@@ -223,13 +278,22 @@ def test_time_limit_without_signal_resumes_from_the_last_periodic_checkpoint(
     faults, out = tmp_path / "faults", tmp_path / "out"
     recipe = [*RECIPE, "trainer.preemption_check_interval=1000"]
     options = [*ONE_NODE[:-1], "--time=1"]
-    with slurm_cluster.job(script, *recipe, f"output_dir={out}", options=options, log=tmp_path / "job.log",
-                           env=job_env(faults, KEEL_TEST_STEP_SLEEP="8")) as job:
+    with slurm_cluster.job(
+        script,
+        *recipe,
+        f"output_dir={out}",
+        options=options,
+        log=tmp_path / "job.log",
+        env=job_env(faults, KEEL_TEST_STEP_SLEEP="8"),
+    ) as job:
         assert job.wait_done(timeout=180) == "TIMEOUT", job.output()
         killed_after = int((faults / "step-rank0").read_text())
         slurm._client(["scontrol", "requeue", job.job_id])
-        job.wait(lambda j: j.state() in slurm.TERMINAL and j.info().get("Restarts") == "1", timeout=180,
-                 what="requeue and completion")
+        job.wait(
+            lambda j: j.state() in slurm.TERMINAL and j.info().get("Restarts") == "1",
+            timeout=180,
+            what="requeue and completion",
+        )
         assert job.state() == "COMPLETED", (job.info(), job.output())
     log = job.output()
     assert "DUE TO TIME LIMIT" in log and "Preempted" not in log, log

@@ -16,16 +16,24 @@ import pytest
 from omegaconf import OmegaConf
 
 pytest.importorskip("sklearn", reason="the digits recipe needs scikit-learn (pip install -e '.[dev]')")
-pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="needs hydra-submitit-launcher: "
-                    "pip install -e '.[slurm]' (also in '.[dev]')")
+pytest.importorskip(
+    "hydra_plugins.hydra_submitit_launcher",
+    reason="needs hydra-submitit-launcher: pip install -e '.[slurm]' (also in '.[dev]')",
+)
 
 from launch import python  # noqa: E402
 from slurm import cluster as slurm  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
-TINY = ["logger=csv", "test=false", "trainer.max_steps=3", "trainer.limit_val_batches=1",
-        "trainer.num_sanity_val_steps=0", "hydra.launcher.timeout_min=5"]
+TINY = [
+    "logger=csv",
+    "test=false",
+    "trainer.max_steps=3",
+    "trainer.limit_val_batches=1",
+    "trainer.num_sanity_val_steps=0",
+    "hydra.launcher.timeout_min=5",
+]
 SWEEP = "task.lr=0.001,0.002"
 
 
@@ -44,9 +52,18 @@ def test_submitit_slurm_sweep_is_two_jobs_of_two_ranks_each(slurm_cluster: slurm
     out, name = tmp_path / "out", f"keel-sweep-{uuid.uuid4().hex[:8]}"
     try:
         result = slurm_cluster.command(
-            sys.executable, "-m", "recipes.train", "-m", "hydra/launcher=submitit_slurm",
-            "hydra.launcher.tasks_per_node=2", f"hydra.launcher.name={name}", *TINY, f"output_dir={out}", SWEEP,
-            timeout=300, cwd=tmp_path,
+            sys.executable,
+            "-m",
+            "recipes.train",
+            "-m",
+            "hydra/launcher=submitit_slurm",
+            "hydra.launcher.tasks_per_node=2",
+            f"hydra.launcher.name={name}",
+            *TINY,
+            f"output_dir={out}",
+            SWEEP,
+            timeout=300,
+            cwd=tmp_path,
         ).check()
     finally:
         slurm_cluster.cancel_by_name(name)
@@ -71,15 +88,23 @@ def test_submitit_slurm_sweep_is_two_jobs_of_two_ranks_each(slurm_cluster: slurm
 
 def test_submitit_local_sweep_runs_jobs_side_by_side_in_their_own_run_directories(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    result = python("recipes.train", "-m", "hydra/launcher=submitit_local", *TINY, f"output_dir={out}", SWEEP,
-                    module=True, cwd=tmp_path, timeout=240).check()
+    result = python(
+        "recipes.train",
+        "-m",
+        "hydra/launcher=submitit_local",
+        *TINY,
+        f"output_dir={out}",
+        SWEEP,
+        module=True,
+        cwd=tmp_path,
+        timeout=240,
+    ).check()
     assert "Submitit 'local' sweep output dir" in result.stdout, result.tail()
     dirs = run_dirs(out)
     assert [d.name for d in dirs] == ["version_0", "version_1"] and swept_lrs(dirs) == {0.001, 0.002}
     identities = [(d / ".keel_run_id").read_text() for d in dirs]
     assert all(i.startswith("submitit-local:") for i in identities) and len(set(identities)) == 2, identities
     assert not list(out.glob("digits/version_*/config.1.yaml"))  # neither job resumed the other
-
 
 
 def test_submitit_local_with_several_tasks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

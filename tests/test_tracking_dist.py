@@ -24,9 +24,15 @@ STEPS = 8  # 32 samples, batch 4, 2 ranks: 4 steps per epoch; validation at step
 
 
 def _env(root: Path) -> dict[str, str]:
-    return {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
-            "WANDB_CONFIG_DIR": str(root / ".wandb-config"), "WANDB_CACHE_DIR": str(root / ".wandb-cache"),
-            "WANDB_DATA_DIR": str(root / ".wandb-data"), "MLFLOW_TRACKING_URI": ""}
+    return {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_DISABLE_GIT": "true",
+        "WANDB_CONFIG_DIR": str(root / ".wandb-config"),
+        "WANDB_CACHE_DIR": str(root / ".wandb-cache"),
+        "WANDB_DATA_DIR": str(root / ".wandb-data"),
+        "MLFLOW_TRACKING_URI": "",
+    }
 
 
 def _mlflow(result: dict) -> dict[str, list[tuple[int, float]]]:
@@ -38,8 +44,10 @@ def _mlflow(result: dict) -> dict[str, list[tuple[int, float]]]:
     assert [run.info.run_id for run in runs] == [result["mlflow"]]  # one MLflow run for the job
     assert runs[0].info.status == "FINISHED"
     assert runs[0].data.params["trainer/max_steps"] == str(STEPS)
-    return {key: sorted((m.step, m.value) for m in client.get_metric_history(result["mlflow"], key))
-            for key in ("train/loss", "val/loss", "epoch")}
+    return {
+        key: sorted((m.step, m.value) for m in client.get_metric_history(result["mlflow"], key))
+        for key in ("train/loss", "val/loss", "epoch")
+    }
 
 
 def _wandb(result: dict, attempts: int) -> dict[str, list[tuple[int, float]]]:
@@ -81,8 +89,20 @@ def test_two_ranks_log_each_step_once_to_one_run(uninterrupted: dict) -> None:
 def test_killed_and_resumed_run_continues_the_same_runs_without_gaps_or_repeats(
     tmp_path: Path, uninterrupted: dict
 ) -> None:
-    result = torchrun(SCRIPT, str(tmp_path), "--steps", str(STEPS), "--kill-at", "6", "--kill-rank", "0",
-                      nproc=2, timeout=300, max_restarts=1, env=_env(tmp_path))
+    result = torchrun(
+        SCRIPT,
+        str(tmp_path),
+        "--steps",
+        str(STEPS),
+        "--kill-at",
+        "6",
+        "--kill-rank",
+        "0",
+        nproc=2,
+        timeout=300,
+        max_restarts=1,
+        env=_env(tmp_path),
+    )
     result.check()
     assert not (tmp_path / "result-attempt0.json").exists()  # the first attempt died
     resumed = json.loads((tmp_path / "result-attempt1.json").read_text())
@@ -97,14 +117,31 @@ def test_killed_and_resumed_run_continues_the_same_runs_without_gaps_or_repeats(
 def test_preempted_and_restarted_run_continues_the_same_runs(tmp_path: Path, uninterrupted: dict) -> None:
     """SIGTERM (a cluster's preemption notice): keel saves at the step boundary and exits 75, closing both
     tracked runs cleanly (nothing lost, no delay needed); the restart resumes from that checkpoint."""
-    result = torchrun(SCRIPT, str(tmp_path), "--steps", str(STEPS), "--kill-at", "6", "--kill-rank", "1",
-                      "--kill-signal", "TERM", "--kill-delay", "0", nproc=2, timeout=300, max_restarts=1,
-                      env=_env(tmp_path))
+    result = torchrun(
+        SCRIPT,
+        str(tmp_path),
+        "--steps",
+        str(STEPS),
+        "--kill-at",
+        "6",
+        "--kill-rank",
+        "1",
+        "--kill-signal",
+        "TERM",
+        "--kill-delay",
+        "0",
+        nproc=2,
+        timeout=300,
+        max_restarts=1,
+        env=_env(tmp_path),
+    )
     result.check()
     resumed = json.loads((tmp_path / "result-attempt1.json").read_text())
     assert "Resumed at global step 6" in result.stdout
-    for logged, reference in ((_mlflow(resumed), uninterrupted["mlflow"]),
-                              (_wandb(resumed, attempts=2), uninterrupted["wandb"])):
+    for logged, reference in (
+        (_mlflow(resumed), uninterrupted["mlflow"]),
+        (_wandb(resumed, attempts=2), uninterrupted["wandb"]),
+    ):
         _check_steps(logged)
         for key in ("train/loss", "val/loss"):
             assert [v for _, v in logged[key]] == pytest.approx([v for _, v in reference[key]], rel=1e-6), key

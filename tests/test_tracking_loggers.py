@@ -30,8 +30,11 @@ pytest.importorskip("wandb", reason="pip install -e '.[dev]' (or .[wandb])")
 def _offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Strictly offline W&B, with its config and cache folders inside the test's temporary folder."""
     for name, value in {
-        "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(tmp_path / ".wandb-config"),
-        "WANDB_CACHE_DIR": str(tmp_path / ".wandb-cache"), "WANDB_DATA_DIR": str(tmp_path / ".wandb-data"),
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_CONFIG_DIR": str(tmp_path / ".wandb-config"),
+        "WANDB_CACHE_DIR": str(tmp_path / ".wandb-cache"),
+        "WANDB_DATA_DIR": str(tmp_path / ".wandb-data"),
         "WANDB_DISABLE_GIT": "true",
     }.items():
         monkeypatch.setenv(name, value)
@@ -47,8 +50,10 @@ def _client(logger: MLFlowLogger):
 
 
 def _history(logger: MLFlowLogger, key: str) -> list[tuple[int, float]]:
-    return [(m.step, m.value) for m in sorted(_client(logger).get_metric_history(logger.run_id, key),
-                                              key=lambda m: (m.step, m.timestamp))]
+    return [
+        (m.step, m.value)
+        for m in sorted(_client(logger).get_metric_history(logger.run_id, key), key=lambda m: (m.step, m.timestamp))
+    ]
 
 
 def _offline_runs(logger: WandbLogger) -> list[Path]:
@@ -62,8 +67,10 @@ def _wandb_file(run_dir: Path) -> Path:
 
 # ---------------------------------------------------------------------------------------------- import
 def test_importing_the_loggers_imports_neither_library() -> None:
-    code = ("import sys, trainer, trainer.loggers; from trainer.loggers import WandbLogger, MLFlowLogger; "
-            "bad = [m for m in ('wandb', 'mlflow') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys, trainer, trainer.loggers; from trainer.loggers import WandbLogger, MLFlowLogger; "
+        "bad = [m for m in ('wandb', 'mlflow') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=TESTS.parent, timeout=120)
 
 
@@ -208,8 +215,13 @@ def test_wandb_resume_continues_the_run_id_and_skips_recorded_steps(tmp_path: Pa
     runs = _offline_runs(again)
     assert len(runs) == 2  # one offline folder per attempt, both of the one W&B run
     assert [wandb_records.run_ids(_wandb_file(run)) for run in runs] == [[run_id], [run_id]]
-    seen = [(row["_step"], key) for run in runs for row in wandb_records.history(_wandb_file(run))
-            for key in row if key in ("train/loss", "val/loss")]
+    seen = [
+        (row["_step"], key)
+        for run in runs
+        for row in wandb_records.history(_wandb_file(run))
+        for key in row
+        if key in ("train/loss", "val/loss")
+    ]
     assert sorted(s for s, key in seen if key == "train/loss") == [1, 2, 3, 4, 5, 6, 7]
     assert sorted(s for s, key in seen if key == "val/loss") == [4, 5, 6, 7]
 
@@ -221,8 +233,9 @@ def test_wandb_log_model_adds_a_model_artifact(tmp_path: Path) -> None:
     (Path(logger.log_dir) / "checkpoints" / "epoch=0-step=1.ckpt").write_bytes(b"weights")
     logger.finalize("success")
     (run_dir,) = _offline_runs(logger)
-    artifacts = [r.artifact for r in wandb_records.records(_wandb_file(run_dir))
-                 if r.WhichOneof("record_type") == "artifact"]
+    artifacts = [
+        r.artifact for r in wandb_records.records(_wandb_file(run_dir)) if r.WhichOneof("record_type") == "artifact"
+    ]
     assert [(a.name, a.type) for a in artifacts] == [("weights", "model")]
     assert [entry.path for entry in artifacts[0].manifest.contents] == ["epoch=0-step=1.ckpt"]
 
@@ -240,8 +253,15 @@ def _compose(overrides: list[str]):
 def test_hydra_several_loggers_share_the_run_directory(tmp_path: Path) -> None:
     from recipes.train import build
 
-    cfg = _compose(["logger=mlflow", "+logger@loggers.wandb=wandb", "+logger@loggers.csv=csv", "logger.version=3",
-                    f"output_dir={tmp_path}"])
+    cfg = _compose(
+        [
+            "logger=mlflow",
+            "+logger@loggers.wandb=wandb",
+            "+logger@loggers.csv=csv",
+            "logger.version=3",
+            f"output_dir={tmp_path}",
+        ]
+    )
     trainer, _, _ = build(cfg)
     assert [type(lg).__name__ for lg in trainer.loggers] == ["MLFlowLogger", "WandbLogger", "CSVLogger"]
     assert {lg.log_dir for lg in trainer.loggers} == {str(tmp_path / "digits" / "version_3")}
@@ -253,11 +273,24 @@ def test_recipe_logs_config_and_metrics_to_both_trackers(tmp_path: Path) -> None
     pytest.importorskip("sklearn", reason="the digits recipe needs scikit-learn")
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
     env["PYTHONPATH"] = str(TESTS.parent)
-    args = ["logger=mlflow", "+logger@loggers.wandb=wandb", "loggers.wandb.offline=true", "trainer.max_steps=3",
-            "trainer.log_every_n_steps=1", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2",
-            f"output_dir={tmp_path}"]
-    proc = subprocess.run([sys.executable, "-m", "recipes.train", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=240)
+    args = [
+        "logger=mlflow",
+        "+logger@loggers.wandb=wandb",
+        "loggers.wandb.offline=true",
+        "trainer.max_steps=3",
+        "trainer.log_every_n_steps=1",
+        "trainer.limit_val_batches=2",
+        "trainer.limit_test_batches=2",
+        f"output_dir={tmp_path}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipes.train", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "digits" / "version_0"
     ml = MLFlowLogger(experiment_name="digits", save_dir=tmp_path, version=0)

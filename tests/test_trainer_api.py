@@ -53,7 +53,9 @@ def test_validate_and_test_return_batch_size_weighted_means() -> None:
     (metrics,) = trainer.validate(task, loader(val, 5))  # batches 5,5,5,5,3
     x, y = val.tensors
     with torch.no_grad():
-        expected = sum(F.mse_loss(task(x[i:i + 5]), y[i:i + 5]).item() * len(x[i:i + 5]) for i in range(0, 23, 5)) / 23
+        expected = (
+            sum(F.mse_loss(task(x[i : i + 5]), y[i : i + 5]).item() * len(x[i : i + 5]) for i in range(0, 23, 5)) / 23
+        )
     assert math.isclose(metrics["val/loss"], expected, rel_tol=1e-6)
     assert float(trainer.callback_metrics["val/loss"]) == pytest.approx(expected, rel=1e-6)
     (test_metrics,) = trainer.test(task, loader(val, 7))
@@ -112,8 +114,14 @@ def test_run_state_properties() -> None:
 
     class Probe(Callback):
         def on_train_batch_end(self, trainer, t, outputs, batch, batch_idx) -> None:
-            seen.update(step=t.global_step, epoch=t.current_epoch, device=t.device, rank=t.global_rank,
-                        world=t.world_size, trainer=t.trainer)
+            seen.update(
+                step=t.global_step,
+                epoch=t.current_epoch,
+                device=t.device,
+                rank=t.global_rank,
+                world=t.world_size,
+                trainer=t.trainer,
+            )
 
     trainer = Trainer(**quiet(max_epochs=2, callbacks=[Probe()]))
     trainer.fit(task, loader(regression_data(), 32))
@@ -170,7 +178,8 @@ def test_gradient_clipping_equals_hand_written(algorithm: str) -> None:
     task = Regression()
     clip = 0.1 if algorithm == "norm" else 0.01
     Trainer(**quiet(max_epochs=1, gradient_clip_val=clip, gradient_clip_algorithm=algorithm)).fit(
-        task, loader(regression_data(), 10))
+        task, loader(regression_data(), 10)
+    )
     for name, value in net.state_dict().items():
         assert torch.allclose(task.net.state_dict()[name], value, atol=1e-7, rtol=0), name
 
@@ -208,7 +217,8 @@ def test_unknown_length_loader_accumulates_like_a_known_one() -> None:
     streamed = Regression(dtype=torch.float64)
     with pytest.warns(UserWarning, match="IterableDataset|exact"):
         Trainer(**quiet(max_epochs=1, accumulate_grad_batches=4, precision="64")).fit(
-            streamed, DataLoader(Stream(data), batch_size=4))
+            streamed, DataLoader(Stream(data), batch_size=4)
+        )
     for name, value in known.net.state_dict().items():
         assert torch.allclose(streamed.net.state_dict()[name], value, atol=1e-12, rtol=0), name
 
@@ -235,7 +245,9 @@ def test_num_items_loss_is_normalised_by_the_global_count() -> None:
     trainer.fit(task, DataLoader(TensorDataset(x, y, mask), batch_size=8))
     for name, value in ref.net.state_dict().items():
         assert torch.allclose(task.net.state_dict()[name], value, atol=1e-12, rtol=0), name
-    assert trainer.progress_bar_metrics["loss"] == pytest.approx(float((per_item.sum() / mask.sum()).detach()), rel=1e-12)
+    assert trainer.progress_bar_metrics["loss"] == pytest.approx(
+        float((per_item.sum() / mask.sum()).detach()), rel=1e-12
+    )
 
 
 def test_bad_num_items_and_step_outputs_are_named() -> None:
@@ -269,7 +281,9 @@ def test_configure_optimizers_forms() -> None:
     assert parse_optimizers(a) == ([a], [])
     opts, scheds = parse_optimizers(([a, b], [s]))
     assert opts == [a, b] and scheds[0].scheduler is s and scheds[0].interval == "epoch"
-    opts, scheds = parse_optimizers({"optimizer": a, "lr_scheduler": {"scheduler": s, "interval": "step", "frequency": 2}})
+    opts, scheds = parse_optimizers(
+        {"optimizer": a, "lr_scheduler": {"scheduler": s, "interval": "step", "frequency": 2}}
+    )
     assert scheds[0].interval == "step" and scheds[0].frequency == 2
     opts, scheds = parse_optimizers([{"optimizer": a, "lr_scheduler": s}, {"optimizer": b}])
     assert opts == [a, b] and len(scheds) == 1
@@ -327,8 +341,11 @@ def test_estimated_stepping_batches_matches_the_steps_taken() -> None:
             seen["estimate"] = self.trainer.estimated_stepping_batches
             return super().configure_optimizers()
 
-    for options in (dict(max_epochs=3, accumulate_grad_batches=3), dict(max_epochs=3, max_steps=5),
-                    dict(max_epochs=2, limit_train_batches=0.5)):
+    for options in (
+        dict(max_epochs=3, accumulate_grad_batches=3),
+        dict(max_epochs=3, max_steps=5),
+        dict(max_epochs=2, limit_train_batches=0.5),
+    ):
         trainer = Trainer(**quiet(**options))
         trainer.fit(Probe(), loader(regression_data(), 8))
         assert seen["estimate"] == trainer.global_step, options

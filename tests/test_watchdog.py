@@ -11,7 +11,12 @@ from pathlib import Path
 import pytest
 
 from launch import python, torchrun
-from trainer.distributed.watchdog import PHASE_TRAINING_STEP, Watchdog, describe_phase, nccl_flight_recorder_env_defaults
+from trainer.distributed.watchdog import (
+    PHASE_TRAINING_STEP,
+    Watchdog,
+    describe_phase,
+    nccl_flight_recorder_env_defaults,
+)
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -108,8 +113,11 @@ def test_nccl_flight_recorder_env_defaults(tmp_path):
         file_key: str(tmp_path / "nccl_trace_rank_"),
     }
     # Whatever the user (or torchrun) set, under either spelling, is left alone.
-    user = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/trace_"}
+    user = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "50",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/trace_",
+    }
     kept = nccl_flight_recorder_env_defaults(tmp_path, environ=user)
     assert set(kept) == {"TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_ENABLE_MONITORING"}
     assert file_key not in nccl_flight_recorder_env_defaults(None, environ={})

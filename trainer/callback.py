@@ -94,7 +94,9 @@ class Callback:
     ) -> None: ...
     def on_before_backward(self, trainer: Trainer, task: TaskModule, loss: torch.Tensor) -> None: ...
     def on_after_backward(self, trainer: Trainer, task: TaskModule) -> None: ...
-    def on_before_optimizer_step(self, trainer: Trainer, task: TaskModule, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_before_optimizer_step(
+        self, trainer: Trainer, task: TaskModule, optimizer: torch.optim.Optimizer
+    ) -> None: ...
     def on_before_zero_grad(self, trainer: Trainer, task: TaskModule, optimizer: torch.optim.Optimizer) -> None: ...
 
     # evaluation
@@ -156,8 +158,9 @@ def _checked_keywords(init: Callable[..., None]) -> Callable[..., None]:
         if unknown:
             close = {k: difflib.get_close_matches(k, valid, n=1) for k in unknown}
             hints = "".join(f" (did you mean {c[0]!r} for {k!r}?)" for k, c in close.items() if c)
-            raise TypeError(f"{type(self).__name__}() got unknown keyword argument(s) {unknown}{hints}; valid "
-                            f"keywords: {valid}.")
+            raise TypeError(
+                f"{type(self).__name__}() got unknown keyword argument(s) {unknown}{hints}; valid keywords: {valid}."
+            )
         init(self, *args, **kwargs)
 
     return checked
@@ -185,4 +188,3 @@ def check_callbacks(callbacks: Sequence[Any]) -> list[Callback]:
                 )
             keys[cb.state_key] = cb
     return list(callbacks)
-

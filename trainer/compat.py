@@ -132,7 +132,9 @@ def _keel_owned(cls: type, name: str) -> bool:
 
 
 # ---------------------------------------------------------------------- validation in fit
-def fit_validation(task: Any, loaders: list[Any], limit: Callable[[Any], int | None]) -> tuple[list[Any], list[int | None]]:
+def fit_validation(
+    task: Any, loaders: list[Any], limit: Callable[[Any], int | None]
+) -> tuple[list[Any], list[int | None]]:
     """The validation loaders ``fit`` runs and their batch limits, decided as Lightning does:
 
     * loaders but no ``validation_step``: validation is skipped, with a warning (Lightning: "You passed in
@@ -140,9 +142,12 @@ def fit_validation(task: Any, loaders: list[Any], limit: Callable[[Any], int | N
     * ``limit_val_batches=0`` (every loader limited to 0 batches): no validation and no sanity check.
     """
     if loaders and is_keel_default(task.validation_step):
-        warnings.warn(f"{type(task).__name__} got validation data but defines no validation_step: validation is "
-                      "skipped (as in Lightning). Implement validation_step(batch, batch_idx) to run it.",
-                      UserWarning, stacklevel=3)
+        warnings.warn(
+            f"{type(task).__name__} got validation data but defines no validation_step: validation is "
+            "skipped (as in Lightning). Implement validation_step(batch, batch_idx) to run it.",
+            UserWarning,
+            stacklevel=3,
+        )
         return [], []
     limits = [limit(loader) for loader in loaders]
     if loaders and all(n == 0 for n in limits):
@@ -181,8 +186,10 @@ class TrainerAttributes:
             raise RuntimeError("estimated_stepping_batches is known once fit() has its training dataloader.")
         opts = self.options
         return estimate_stepping_batches(
-            self.accumulation_schedule, batches=self._limit(self._train.loader, "limit_train_batches"),
-            epochs=1 if opts.fast_dev_run else opts.max_epochs, max_steps=opts.max_steps,
+            self.accumulation_schedule,
+            batches=self._limit(self._train.loader, "limit_train_batches"),
+            epochs=1 if opts.fast_dev_run else opts.max_epochs,
+            max_steps=opts.max_steps,
             drop_incomplete=opts.drop_incomplete_accumulation,
         )
 
@@ -195,12 +202,17 @@ class TrainerAttributes:
             return False
         opts = self.options
         if (opts.min_steps is None or self.global_step >= opts.min_steps) and (
-                opts.min_epochs is None or self.current_epoch >= opts.min_epochs):
+            opts.min_epochs is None or self.current_epoch >= opts.min_epochs
+        ):
             return True
         if not self._min_logged:
             self._min_logged = True
-            log.info("Trainer was signaled to stop but the required min_epochs=%r or min_steps=%r has not been met. "
-                     "Training will continue...", opts.min_epochs, opts.min_steps)
+            log.info(
+                "Trainer was signaled to stop but the required min_epochs=%r or min_steps=%r has not been met. "
+                "Training will continue...",
+                opts.min_epochs,
+                opts.min_steps,
+            )
         return False
 
     @should_stop.setter

@@ -57,13 +57,30 @@ _MAX_RANKS_SHOWN = 8  # per-rank details in a check line
 
 # Environment variables shown in the report: these names, and every name with these prefixes.
 _ENV_NAMES = (
-    "MASTER_ADDR", "MASTER_PORT", "TORCH_DISTRIBUTED_DEBUG", "TORCH_CPP_LOG_LEVEL",
-    "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCH_DISTRIBUTED_DEBUG",
+    "TORCH_CPP_LOG_LEVEL",
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
 )
 _ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_")
 _VERSION_KEYS = ("python", "torch", "cuda", "nccl")
-_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
-               "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+    "GIB": 1 << 30,
+}
 
 
 @dataclass
@@ -166,8 +183,7 @@ def relevant_env_vars(environ: Mapping[str, str] | None = None) -> dict[str, str
     """The variables that shape rendezvous and collectives (see ``_ENV_NAMES`` / ``_ENV_PREFIXES``)."""
     environ = os.environ if environ is None else environ
     return {
-        name: value for name, value in sorted(environ.items())
-        if name in _ENV_NAMES or name.startswith(_ENV_PREFIXES)
+        name: value for name, value in sorted(environ.items()) if name in _ENV_NAMES or name.startswith(_ENV_PREFIXES)
     }
 
 
@@ -176,9 +192,15 @@ def _local_report(env: launcher.DistEnv, device: torch.device) -> RankReport:
     if device.type == "cuda":
         device_text += f" ({torch.cuda.get_device_name(device)})"
     return RankReport(
-        rank=env.rank, local_rank=env.local_rank, node_rank=env.node_rank,
-        host=socket.gethostname(), pid=os.getpid(), device=device_text,
-        versions=_versions(), cuda_devices=_cuda_devices(), env_vars=relevant_env_vars(),
+        rank=env.rank,
+        local_rank=env.local_rank,
+        node_rank=env.node_rank,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        device=device_text,
+        versions=_versions(),
+        cuda_devices=_cuda_devices(),
+        env_vars=relevant_env_vars(),
     )
 
 
@@ -215,9 +237,7 @@ def _format_environment(env: launcher.DistEnv, backend: str, reports: Sequence[R
         if len(set(values)) == 1:
             lines.append(f"  {name}={values[0]}")
         else:
-            per_rank = ", ".join(
-                f"rank {r.rank}: {v if v is not None else '<unset>'}" for r, v in zip(reports, values)
-            )
+            per_rank = ", ".join(f"rank {r.rank}: {v if v is not None else '<unset>'}" for r, v in zip(reports, values))
             lines.append(f"  {name}: {per_rank}   (differs across ranks)")
     return "\n".join(lines)
 
@@ -254,8 +274,7 @@ def check_rendezvous(env: launcher.DistEnv, timeout: float) -> tuple[str, str | 
         socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         return "", (
-            f"MASTER_ADDR={addr} does not resolve on rank {env.rank} ({socket.gethostname()}): "
-            f"{exc.strerror or exc}"
+            f"MASTER_ADDR={addr} does not resolve on rank {env.rank} ({socket.gethostname()}): {exc.strerror or exc}"
         )
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if env.rank == 0 and not agent_store:
@@ -322,11 +341,13 @@ def run_checks(report: RankReport, device: torch.device, world: int, timeout: fl
     wrong = int((received != expected_t).sum())
     if wrong:
         diff = float((received - expected_t).abs().max())
-        report.failures.append((
-            "broadcast",
-            f"rank {rank} got {wrong} of {BROADCAST_NUMEL} elements different from rank 0's "
-            f"(max abs diff {diff:g})",
-        ))
+        report.failures.append(
+            (
+                "broadcast",
+                f"rank {rank} got {wrong} of {BROADCAST_NUMEL} elements different from rank 0's "
+                f"(max abs diff {diff:g})",
+            )
+        )
     report.results["broadcast"] = f"rank 0's random tensor ({BROADCAST_NUMEL} floats) identical on all ranks"
 
     beat("all_gather")
@@ -360,8 +381,7 @@ def format_bandwidth(reports: Sequence[RankReport], backend: str, iters: int) ->
     """nccl-tests' figures: algbw = bytes / time, busbw = algbw * 2(W-1)/W; time = slowest rank."""
     world = len(reports)
     lines = [
-        f"== all_reduce bandwidth ({backend}, {world} ranks, float32 sum, "
-        f"mean of {iters} iterations, slowest rank) ==",
+        f"== all_reduce bandwidth ({backend}, {world} ranks, float32 sum, mean of {iters} iterations, slowest rank) ==",
         f"{'size':>10} {'elements':>10} {'time (us)':>11} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}",
     ]
     for nbytes in reports[0].timings:
@@ -393,18 +413,33 @@ def build_parser() -> argparse.ArgumentParser:
             "passed' (rank 0); 1 with a 'FAIL <check>: <why>' line per failure; 2 for bad arguments."
         ),
     )
-    parser.add_argument("--init-timeout", type=_positive_float, default=60.0, metavar="SECONDS",
-                        help="limit for the rendezvous probe, process-group creation and every "
-                             "collective (default 60)")
-    parser.add_argument("--sizes", type=_parse_sizes, default=_parse_sizes(DEFAULT_SIZES), metavar="LIST",
-                        help="comma-separated all_reduce message sizes, K/M/G = KiB/MiB/GiB "
-                             f"(default {DEFAULT_SIZES})")
+    parser.add_argument(
+        "--init-timeout",
+        type=_positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="limit for the rendezvous probe, process-group creation and every collective (default 60)",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=_parse_sizes,
+        default=_parse_sizes(DEFAULT_SIZES),
+        metavar="LIST",
+        help=f"comma-separated all_reduce message sizes, K/M/G = KiB/MiB/GiB (default {DEFAULT_SIZES})",
+    )
     parser.add_argument("--iters", type=int, default=10, help="timed all_reduce iterations per size (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed all_reduce iterations per size (default 2)")
-    parser.add_argument("--accelerator", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="device as the Trainer picks it; cuda uses nccl, cpu uses gloo (default auto)")
-    parser.add_argument("--run-dir", default=os.path.join(tempfile.gettempdir(), "keel-doctor"),
-                        help="where a stalled rank writes its stacks (default: %(default)s)")
+    parser.add_argument(
+        "--accelerator",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="device as the Trainer picks it; cuda uses nccl, cpu uses gloo (default auto)",
+    )
+    parser.add_argument(
+        "--run-dir",
+        default=os.path.join(tempfile.gettempdir(), "keel-doctor"),
+        help="where a stalled rank writes its stacks (default: %(default)s)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages (process-group setup)")
     return parser
 
@@ -436,9 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os._exit(EXIT_FAIL)
 
     # Every wait below is bounded by --init-timeout; the watchdog catches whatever is not.
-    watchdog = Watchdog(
-        args.init_timeout + _WATCHDOG_MARGIN_S, run_dir=args.run_dir, rank=env.rank, on_fire=hang_exit
-    )
+    watchdog = Watchdog(args.init_timeout + _WATCHDOG_MARGIN_S, run_dir=args.run_dir, rank=env.rank, on_fire=hang_exit)
     watchdog.start()
     try:
         return _run(args, env, device, backend, report, watchdog)
@@ -454,8 +487,14 @@ def _fail_alone(env: launcher.DistEnv, backend: str, report: RankReport, check: 
     return EXIT_FAIL
 
 
-def _run(args: argparse.Namespace, env: launcher.DistEnv, device: torch.device, backend: str,
-         report: RankReport, watchdog: Watchdog) -> int:
+def _run(
+    args: argparse.Namespace,
+    env: launcher.DistEnv,
+    device: torch.device,
+    backend: str,
+    report: RankReport,
+    watchdog: Watchdog,
+) -> int:
     def beat(phase: str) -> None:
         watchdog.beat(phase, 0)
 
@@ -499,9 +538,12 @@ def _run(args: argparse.Namespace, env: launcher.DistEnv, device: torch.device, 
         for check in report.results:
             status = "FAIL" if check in failed_checks else "ok  "
             details = [r.results.get(check, "") for r in reports]
-            detail = details[0] if len(set(details)) == 1 else "; ".join(
-                f"rank {r.rank}: {d}" for r, d in list(zip(reports, details))[:_MAX_RANKS_SHOWN]
-            ) + ("" if len(reports) <= _MAX_RANKS_SHOWN else f"; ... ({len(reports)} ranks)")
+            detail = (
+                details[0]
+                if len(set(details)) == 1
+                else "; ".join(f"rank {r.rank}: {d}" for r, d in list(zip(reports, details))[:_MAX_RANKS_SHOWN])
+                + ("" if len(reports) <= _MAX_RANKS_SHOWN else f"; ... ({len(reports)} ranks)")
+            )
             lines.append(f"{status} {check:<20} {detail}")
         if reports[0].timings:
             lines.append(format_bandwidth(reports, backend, args.iters))

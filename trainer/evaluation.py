@@ -48,8 +48,15 @@ class EvaluationLoop:
     """Runs ``validation_step`` / ``test_step`` / ``predict_step`` over sharded loaders under
     ``torch.no_grad()``, with the task in eval mode (restored to train mode afterwards if it was)."""
 
-    def __init__(self, *, device: torch.device, precision: Precision, metrics: MetricCollector,
-                 beat: Callable[[str], None], strategy: Strategy) -> None:
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        precision: Precision,
+        metrics: MetricCollector,
+        beat: Callable[[str], None],
+        strategy: Strategy,
+    ) -> None:
         self.device = device
         self.strategy = strategy  # eval_context: e.g. FSDP keeps the parameters gathered for the whole loop
         self.precision = precision

@@ -23,8 +23,12 @@ from trainer.callback import Callback
 from trainer.module import TaskModule
 
 TRAIN_BATCH_HOOKS = (
-    "on_train_batch_start", "on_before_backward", "on_after_backward",
-    "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_train_batch_end",
 )
 
 

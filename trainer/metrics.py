@@ -52,8 +52,13 @@ from trainer.data.transfer import infer_batch_size, read_to_host
 log = logging.getLogger(__name__)
 
 REDUCE_FX = ("mean", "sum", "max", "min")
-_REDUCE_FX_ALIASES: dict[Any, str] = {"avg": "mean", torch.mean: "mean", torch.sum: "sum", torch.max: "max",
-                                      torch.min: "min"}
+_REDUCE_FX_ALIASES: dict[Any, str] = {
+    "avg": "mean",
+    torch.mean: "mean",
+    torch.sum: "sum",
+    torch.max: "max",
+    torch.min: "min",
+}
 
 # How a value combines over ranks: "reduce" with its reduce_fx; "rank_zero": rank 0's value as is;
 # "global": already global (a metric object's compute()), taken from the lowest rank that logged it.
@@ -62,8 +67,11 @@ Mode = Literal["reduce", "rank_zero", "global"]
 
 def is_metric_object(value: Any) -> bool:
     """True for a torchmetrics ``Metric`` or any object with callable ``compute`` and ``reset``."""
-    return (not isinstance(value, torch.Tensor) and callable(getattr(value, "compute", None))
-            and callable(getattr(value, "reset", None)))
+    return (
+        not isinstance(value, torch.Tensor)
+        and callable(getattr(value, "compute", None))
+        and callable(getattr(value, "reset", None))
+    )
 
 
 def normalise_reduce_fx(name: str, reduce_fx: Any) -> str:
@@ -73,8 +81,10 @@ def normalise_reduce_fx(name: str, reduce_fx: Any) -> str:
     except TypeError:  # unhashable
         fx = reduce_fx
     if fx not in REDUCE_FX:
-        raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): expected one of {REDUCE_FX} "
-                         "(or torch.mean / torch.sum / torch.max / torch.min).")
+        raise ValueError(
+            f"self.log({name!r}, reduce_fx={reduce_fx!r}): expected one of {REDUCE_FX} "
+            "(or torch.mean / torch.sum / torch.max / torch.min)."
+        )
     return fx
 
 
@@ -165,12 +175,13 @@ def _read(values: list[torch.Tensor | float], also: Sequence[torch.Tensor] = ())
     device-to-host transfer for all of them (a sync point)."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     flat = read_to_host(tensors + list(also))
-    read = iter(flat[:len(tensors)])
-    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values], flat[len(tensors):]
+    read = iter(flat[: len(tensors)])
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values], flat[len(tensors) :]
 
 
-def _exchange(local: dict[str, tuple[Any, ...]], flags: list[float],
-              device: torch.device | None) -> tuple[list[dict[str, tuple[Any, ...]]], list[float]]:
+def _exchange(
+    local: dict[str, tuple[Any, ...]], flags: list[float], device: torch.device | None
+) -> tuple[list[dict[str, tuple[Any, ...]]], list[float]]:
     """Every rank's ``local`` (name -> (value, options...)) and the max over ranks of ``flags``.
 
     The layout (names and options, not values) is hashed into 48 bits, exact in float64; one all-reduce
@@ -276,7 +287,9 @@ class MetricCollector:
         scalar = _to_scalar(name, value)
         if on_step:
             self._step[step_name] = _StepValue(scalar, reduce_fx, prog_bar, logger, mode)
-            self.live[step_name] = scalar if isinstance(scalar, torch.Tensor) else torch.tensor(scalar, dtype=torch.float64)
+            self.live[step_name] = (
+                scalar if isinstance(scalar, torch.Tensor) else torch.tensor(scalar, dtype=torch.float64)
+            )
         if on_epoch:
             weight = float(batch_size if batch_size is not None else (self.batch_size or 1))
             if isinstance(scalar, torch.Tensor):
@@ -287,17 +300,24 @@ class MetricCollector:
                 out_name = f"{name}_epoch" if on_step else name
                 epoch[name] = _Entry(total, weight, reduce_fx, prog_bar, logger, out_name, mode)
             elif isinstance(entry, _MetricRef):
-                raise ValueError(f"self.log({name!r}, ...): this epoch logged a metric object under this name; "
-                                 "log either the object or values, not both.")
+                raise ValueError(
+                    f"self.log({name!r}, ...): this epoch logged a metric object under this name; "
+                    "log either the object or values, not both."
+                )
             else:
                 if entry.reduce_fx != reduce_fx:
-                    raise ValueError(f"self.log({name!r}): reduce_fx changed from {entry.reduce_fx!r} to {reduce_fx!r}.")
+                    raise ValueError(
+                        f"self.log({name!r}): reduce_fx changed from {entry.reduce_fx!r} to {reduce_fx!r}."
+                    )
                 entry.total = _combine(reduce_fx, entry.total, scalar * weight if reduce_fx == "mean" else scalar)
                 entry.weight += weight
 
     # ------------------------------------------------------------------ reduction (collective: all ranks)
     def reduce_step(
-        self, *, device: torch.device | None = None, flags: Sequence[float] = (),
+        self,
+        *,
+        device: torch.device | None = None,
+        flags: Sequence[float] = (),
     ) -> tuple[dict[str, float], dict[str, float], dict[str, float], list[float]]:
         """Reduce the latest per-step values across ranks with each one's ``reduce_fx`` (see module doc).
 
@@ -321,7 +341,11 @@ class MetricCollector:
         return local, extra
 
     def exchange_step(
-        self, local: dict[str, tuple[Any, ...]], *, device: torch.device | None = None, flags: Sequence[float] = (),
+        self,
+        local: dict[str, tuple[Any, ...]],
+        *,
+        device: torch.device | None = None,
+        flags: Sequence[float] = (),
     ) -> tuple[dict[str, float], dict[str, float], dict[str, float], list[float]]:
         """Reduce what :meth:`read_step` returned across ranks. ``flags``: numbers of this rank (the loop's
         "non-finite loss seen") whose maximum over ranks rides on the same collectives. With several
@@ -381,15 +405,19 @@ class MetricCollector:
             if mode == "rank_zero":
                 items = [i for i in items if i[0] == 0]
                 if not items:
-                    self._warn_once(name, f"self.log({name!r}, rank_zero_only=True) was not logged on rank 0; "
-                                          "the value is dropped.")
+                    self._warn_once(
+                        name, f"self.log({name!r}, rank_zero_only=True) was not logged on rank 0; the value is dropped."
+                    )
                     continue
             elif mode == "global":
                 first = items[0][1]
                 if any(not math.isclose(i[1], first, rel_tol=1e-6, abs_tol=1e-12) for i in items[1:]):
-                    self._warn_once(name, f"metric object {name!r}: compute() gave different values on different "
-                                          "ranks (it does not sync across processes); keel uses rank "
-                                          f"{items[0][0]}'s value.")
+                    self._warn_once(
+                        name,
+                        f"metric object {name!r}: compute() gave different values on different "
+                        "ranks (it does not sync across processes); keel uses rank "
+                        f"{items[0][0]}'s value.",
+                    )
                 items = items[:1]
             if mode == "global":
                 value = items[0][1]

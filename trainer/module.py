@@ -437,6 +437,7 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
 
     def on_predict_model_eval(self) -> None:
         self.eval()
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
 
@@ -486,10 +487,17 @@ def check_stage_inputs(
     if task is None:
         raise ValueError(f"Trainer.{stage}() needs a task: pass the TaskModule as the first argument.")
     if not isinstance(task, TaskModule):
-        hint = (" A LightningModule ports by subclassing trainer.TaskModule (or `import callbacks.lightning as L`; "
-                "README \"Porting from Lightning\").") if "lightning" in type(task).__module__ else ""
-        raise TypeError(f"Trainer.{stage}() expects a TaskModule (or torch.compile(task)), got "
-                        f"{type(task).__name__}.{hint}")
+        hint = (
+            (
+                " A LightningModule ports by subclassing trainer.TaskModule (or `import callbacks.lightning as L`; "
+                'README "Porting from Lightning").'
+            )
+            if "lightning" in type(task).__module__
+            else ""
+        )
+        raise TypeError(
+            f"Trainer.{stage}() expects a TaskModule (or torch.compile(task)), got {type(task).__name__}.{hint}"
+        )
     if datamodule is not None:
         if not isinstance(datamodule, DataModule):
             raise TypeError(f"datamodule must be a trainer.DataModule, got {type(datamodule).__name__}.")

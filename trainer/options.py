@@ -216,7 +216,11 @@ class TrainerOptions:
             self.callbacks = [self.callbacks]
         self.callbacks = list(self.callbacks)
         if self.bucket_cap_mb is not None:
-            if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb <= 0:
+            if (
+                isinstance(self.bucket_cap_mb, bool)
+                or not isinstance(self.bucket_cap_mb, (int, float))
+                or self.bucket_cap_mb <= 0
+            ):
                 raise _fail("bucket_cap_mb", self.bucket_cap_mb, "a number of megabytes > 0, or None")
         timeout = self.process_group_timeout
         if isinstance(timeout, datetime.timedelta):
@@ -231,8 +235,11 @@ class TrainerOptions:
             if value is None and name == "watchdog_timeout":
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise _fail(name, getattr(self, name), "a number of seconds > 0 or a timedelta"
-                            + (" or None" if name == "watchdog_timeout" else ""))
+                raise _fail(
+                    name,
+                    getattr(self, name),
+                    "a number of seconds > 0 or a timedelta" + (" or None" if name == "watchdog_timeout" else ""),
+                )
             setattr(self, name, float(value))
         from trainer.observability.profiler import resolve_profiler
 
@@ -254,8 +261,10 @@ class TrainerOptions:
         known = {f.name for f in dataclasses.fields(cls)}
         lightning = sorted(set(options) & set(LIGHTNING_UNSUPPORTED))
         unknown = sorted(set(options) - known - set(lightning))
-        lines = [f"Trainer option {name!r} is a Lightning option keel does not support: {LIGHTNING_UNSUPPORTED[name]}"
-                 for name in lightning]
+        lines = [
+            f"Trainer option {name!r} is a Lightning option keel does not support: {LIGHTNING_UNSUPPORTED[name]}"
+            for name in lightning
+        ]
         if unknown:
             lines.append(f"Unknown Trainer option(s) {unknown}. Valid options: {sorted(known)}.")
         if lines:
@@ -277,8 +286,10 @@ class TrainerOptions:
         return out
 
 
-_GLOBAL_BATCH_EXPECTED = ("an int >= 1 (samples per optimizer step, all ranks together), a {epoch: G} or "
-                          "{'step': {global_step: G}} schedule, or None")
+_GLOBAL_BATCH_EXPECTED = (
+    "an int >= 1 (samples per optimizer step, all ranks together), a {epoch: G} or "
+    "{'step': {global_step: G}} schedule, or None"
+)
 
 
 def parse_global_batch(value: Any) -> tuple[str, list[tuple[int, int]]]:
@@ -306,8 +317,11 @@ def parse_global_batch(value: Any) -> tuple[str, list[tuple[int, int]]]:
     except ValueError as exc:
         raise _fail("global_batch_size", value, f"{_GLOBAL_BATCH_EXPECTED} ({exc})") from None
     if items[0][0] != 0:
-        raise _fail("global_batch_size", value, f"a schedule whose first {clock} key is 0 (the global batch from "
-                    "the start of the run)")
+        raise _fail(
+            "global_batch_size",
+            value,
+            f"a schedule whose first {clock} key is 0 (the global batch from the start of the run)",
+        )
     return clock, items
 
 
@@ -378,7 +392,8 @@ def _normalise_devices(value: Any) -> int | str:
         return value
     if isinstance(value, (list, tuple)) or (isinstance(value, str) and "," in value):
         raise _fail(
-            "devices", value,
+            "devices",
+            value,
             "a number of processes per node, 'auto' or -1 (keel does not pick device indices: every process "
             "uses cuda:LOCAL_RANK; select GPUs with CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 ...)",
         )
@@ -388,24 +403,39 @@ def _normalise_devices(value: Any) -> int | str:
 def _check_fsdp(opts: TrainerOptions) -> None:
     """The fsdp_* options: well-formed, and only with strategy='fsdp' (otherwise they would do nothing)."""
     if opts.fsdp_reduce_grads not in FSDP_REDUCE_GRADS:
-        raise _fail("fsdp_reduce_grads", opts.fsdp_reduce_grads,
-                    "'every_micro_batch' (reduce-scatter each backward: sharded gradients, less memory, more "
-                    "traffic) or 'last_micro_batch' (once per accumulation window, like DDP's no_sync)")
+        raise _fail(
+            "fsdp_reduce_grads",
+            opts.fsdp_reduce_grads,
+            "'every_micro_batch' (reduce-scatter each backward: sharded gradients, less memory, more "
+            "traffic) or 'last_micro_batch' (once per accumulation window, like DDP's no_sync)",
+        )
     units = opts.fsdp_units
     if units is not None:
         if isinstance(units, (str, type)):
             units = opts.fsdp_units = [units]
         if not isinstance(units, (list, tuple)) or not units or not all(isinstance(u, (str, type)) for u in units):
-            raise _fail("fsdp_units", opts.fsdp_units,
-                        "a non-empty list of module class names (e.g. ['Block']) or classes, or None (every "
-                        "module held in an nn.ModuleList)")
+            raise _fail(
+                "fsdp_units",
+                opts.fsdp_units,
+                "a non-empty list of module class names (e.g. ['Block']) or classes, or None (every "
+                "module held in an nn.ModuleList)",
+            )
         opts.fsdp_units = list(units)
-    changed = [name for name, default in (("fsdp_units", None), ("fsdp_reshard_after_forward", True),
-                                          ("fsdp_cpu_offload", False), ("fsdp_reduce_grads", "every_micro_batch"),
-                                          ("fsdp_bf16_params", False))
-               if getattr(opts, name) != default]
+    changed = [
+        name
+        for name, default in (
+            ("fsdp_units", None),
+            ("fsdp_reshard_after_forward", True),
+            ("fsdp_cpu_offload", False),
+            ("fsdp_reduce_grads", "every_micro_batch"),
+            ("fsdp_bf16_params", False),
+        )
+        if getattr(opts, name) != default
+    ]
     if changed and opts.strategy != "fsdp":
-        raise _fail(changed[0], getattr(opts, changed[0]), f"its default unless strategy='fsdp' (strategy={opts.strategy!r})")
+        raise _fail(
+            changed[0], getattr(opts, changed[0]), f"its default unless strategy='fsdp' (strategy={opts.strategy!r})"
+        )
     if opts.fsdp_bf16_params and opts.precision != "bf16-mixed":
         raise _fail("fsdp_bf16_params", True, f"False unless precision='bf16-mixed' (precision={opts.precision!r})")
 
@@ -418,13 +448,18 @@ def _check_strategy(value: Any) -> None:
     elif isinstance(value, str) and value in ("ddp_spawn", "ddp_fork", "ddp_notebook", "spawn"):
         hint = "keel does not spawn processes; launch with `torchrun --nproc-per-node G your_script.py`"
     elif not isinstance(value, str):
-        hint = ("pass DDP settings as Trainer options instead of a strategy object: find_unused_parameters, "
-                "static_graph, gradient_as_bucket_view, bucket_cap_mb, broadcast_buffers, process_group_timeout")
+        hint = (
+            "pass DDP settings as Trainer options instead of a strategy object: find_unused_parameters, "
+            "static_graph, gradient_as_bucket_view, bucket_cap_mb, broadcast_buffers, process_group_timeout"
+        )
     else:
-        hint = ("keel runs DistributedDataParallel ('ddp') and FSDP2 ('fsdp', with the fsdp_* options); no "
-                "DeepSpeed or DataParallel")
-    raise _fail("strategy", value if isinstance(value, str) else type(value).__name__,
-                f"'ddp', 'fsdp', 'auto' or None; {hint}")
+        hint = (
+            "keel runs DistributedDataParallel ('ddp') and FSDP2 ('fsdp', with the fsdp_* options); no "
+            "DeepSpeed or DataParallel"
+        )
+    raise _fail(
+        "strategy", value if isinstance(value, str) else type(value).__name__, f"'ddp', 'fsdp', 'auto' or None; {hint}"
+    )
 
 
 def _launch_command(env: "DistEnv", nodes: int, per_node: int) -> str:
@@ -462,8 +497,10 @@ def check_lightning_keywords(options: TrainerOptions, env: "DistEnv") -> None:
     if env.launcher == "single":
         started = "as a single process (no torchrun or SLURM environment)"
     else:
-        started = (f"by {env.launcher} with {env.local_world_size} process(es) on this node and "
-                   f"{env_nodes if env_nodes is not None else '?'} node(s) (world size {env.world_size})")
+        started = (
+            f"by {env.launcher} with {env.local_world_size} process(es) on this node and "
+            f"{env_nodes if env_nodes is not None else '?'} node(s) (world size {env.world_size})"
+        )
     command = _launch_command(env, want_nodes or 1, want_per_node)
     raise ValueError(
         f"Trainer({', '.join(asked)}) does not match the launch: this process was started {started}. keel "

@@ -21,11 +21,25 @@ from trainer.checkpoint import state as ckpt
 from trainer.distributed import comm, launcher
 from trainer.data import global_batch as elastic
 from trainer.distributed import watchdog as wd
-from trainer.step.accumulation import AccumulationSchedule, MicroBatch, StepNormaliser, finite_on_all_ranks, micro_batches
+from trainer.step.accumulation import (
+    AccumulationSchedule,
+    MicroBatch,
+    StepNormaliser,
+    finite_on_all_ranks,
+    micro_batches,
+)
 from trainer.callback import Callback, check_callbacks
 from trainer.compat import TrainerAttributes, compile_step, fit_validation
 from trainer.checkpoint.files import CheckpointIO
-from trainer.data.loaders import AdaptedLoader, adapt_eval_loader, adapt_train_loader, limit_batches, plan_epoch, resolve_loaders, warn_if_unsharded
+from trainer.data.loaders import (
+    AdaptedLoader,
+    adapt_eval_loader,
+    adapt_train_loader,
+    limit_batches,
+    plan_epoch,
+    resolve_loaders,
+    warn_if_unsharded,
+)
 from trainer.evaluation import EvaluationLoop, log_results
 from trainer.hooks import TrainHooks
 from trainer.lifecycle import setup_stage, teardown_stage, with_default_callbacks
@@ -78,11 +92,17 @@ class Trainer(TrainerAttributes):
         self._moves_batches = self.device.type != "cpu" or self._precision.param_dtype is not None
         # How the task is replicated or sharded (trainer/distributed/strategy.py); chosen before any process group.
         self.strategy: Strategy = select_strategy(opts, self.env, self.device)
-        self.callbacks: list[Callback] = check_callbacks(with_default_callbacks(
-            check_callbacks(opts.callbacks), progress_bar=ProgressBar if opts.enable_progress_bar else None,
-            checkpoint=ModelCheckpoint if opts.enable_checkpointing else None))
+        self.callbacks: list[Callback] = check_callbacks(
+            with_default_callbacks(
+                check_callbacks(opts.callbacks),
+                progress_bar=ProgressBar if opts.enable_progress_bar else None,
+                checkpoint=ModelCheckpoint if opts.enable_checkpointing else None,
+            )
+        )
         self.loggers: list[Logger] = default_loggers(opts.logger, opts.default_root_dir)
-        self.profiler = opts.profiler  # a trainer.observability.profiler.Profiler; PassThroughProfiler (disabled) when off
+        self.profiler = (
+            opts.profiler
+        )  # a trainer.observability.profiler.Profiler; PassThroughProfiler (disabled) when off
         # Run state: the step clock, the epoch, the data cursor.
         self.global_step = 0
         self.current_epoch = 0
@@ -113,7 +133,9 @@ class Trainer(TrainerAttributes):
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
         self._owns_group = False
-        self._nonfinite = NonFiniteGuard(enabled=opts.on_nonfinite == "error", world_size=self.world_size, device=self.device)
+        self._nonfinite = NonFiniteGuard(
+            enabled=opts.on_nonfinite == "error", world_size=self.world_size, device=self.device
+        )
         self._skip_nonfinite = opts.on_nonfinite == "skip"
         self._dynamo_ctx: Any = None  # torch.compile settings when fit() got torch.compile(task)
         self._preemption = PreemptionWatcher()
@@ -123,8 +145,13 @@ class Trainer(TrainerAttributes):
         self._check_sharding = False
         self._checkpoint_io = CheckpointIO()
         self._logged_options = False
-        self._eval_loop = EvaluationLoop(device=self.device, precision=self._precision, metrics=self._metrics,
-                                         beat=self._beat, strategy=self.strategy)
+        self._eval_loop = EvaluationLoop(
+            device=self.device,
+            precision=self._precision,
+            metrics=self._metrics,
+            beat=self._beat,
+            strategy=self.strategy,
+        )
 
     # ------------------------------------------------------------------ public properties (more in trainer/compat.py)
     @property
@@ -169,8 +196,13 @@ class Trainer(TrainerAttributes):
     ) -> None:
         """Train ``model`` (a TaskModule, or ``torch.compile(task)``; Lightning's parameter name). A DataModule
         may come second, as in Lightning. ``ckpt_path`` resumes from a checkpoint file, or ``"last"`` / ``"best"``."""
-        self._run("fit", model, datamodule, lambda train, val: self._fit(train, val, ckpt_path),
-                  loaders=(train_dataloaders, val_dataloaders))
+        self._run(
+            "fit",
+            model,
+            datamodule,
+            lambda train, val: self._fit(train, val, ckpt_path),
+            loaders=(train_dataloaders, val_dataloaders),
+        )
 
     def validate(
         self,
@@ -182,8 +214,13 @@ class Trainer(TrainerAttributes):
     ) -> list[dict[str, float]]:
         """Run the validation loop once. Returns one dict of epoch metrics per dataloader (reduced over
         all ranks: means weighted by batch size), the same on every rank; ``verbose`` logs them (rank 0)."""
-        body = lambda given: log_results("validate", self._evaluate(  # noqa: E731
-            "validate", self._stage_loaders("validate", given, ckpt_path)), verbose=verbose and self.is_global_zero)
+        body = lambda given: log_results(
+            "validate",
+            self._evaluate(  # noqa: E731
+                "validate", self._stage_loaders("validate", given, ckpt_path)
+            ),
+            verbose=verbose and self.is_global_zero,
+        )
         return self._run("validate", model, datamodule, body, loaders=(dataloaders,))
 
     def test(
@@ -195,8 +232,13 @@ class Trainer(TrainerAttributes):
         verbose: bool = True,
     ) -> list[dict[str, float]]:
         """Run the test loop once; returns (and with ``verbose`` logs) metrics like :meth:`validate`."""
-        body = lambda given: log_results("test", self._evaluate(  # noqa: E731
-            "test", self._stage_loaders("test", given, ckpt_path)), verbose=verbose and self.is_global_zero)
+        body = lambda given: log_results(
+            "test",
+            self._evaluate(  # noqa: E731
+                "test", self._stage_loaders("test", given, ckpt_path)
+            ),
+            verbose=verbose and self.is_global_zero,
+        )
         return self._run("test", model, datamodule, body, loaders=(dataloaders,))
 
     def predict(
@@ -214,7 +256,9 @@ class Trainer(TrainerAttributes):
         with ``"rank_zero"`` rank 0 returns it and other ranks return None. With several dataloaders the
         result is a list of such lists. ``return_predictions=False`` (Lightning's) returns None everywhere.
         """
-        out = self._run("predict", model, datamodule, lambda given: self._predict(given, ckpt_path), loaders=(dataloaders,))
+        out = self._run(
+            "predict", model, datamodule, lambda given: self._predict(given, ckpt_path), loaders=(dataloaders,)
+        )
         return None if return_predictions is False else out
 
     def save_checkpoint(self, path: str | os.PathLike, weights_only: bool = False) -> None:
@@ -239,8 +283,9 @@ class Trainer(TrainerAttributes):
         *,
         loaders: tuple[Any, ...],
     ) -> Any:
-        task, datamodule, loaders, self._dynamo_ctx = check_stage_inputs(stage, task if task is not None else self.task,
-                                                                          datamodule, loaders)
+        task, datamodule, loaders, self._dynamo_ctx = check_stage_inputs(
+            stage, task if task is not None else self.task, datamodule, loaders
+        )
         self._init_distributed()
         self.task, self.datamodule, self.state_stage = task, datamodule, stage
         task._trainer = self
@@ -251,8 +296,12 @@ class Trainer(TrainerAttributes):
             self._setup_stage(stage)
             # A daemon thread that dumps this rank's stacks and exits if no beat arrives in time.
             self._watchdog = wd.start_for_run(
-                self.options.watchdog_timeout, world_size=self.world_size, rank=self.global_rank,
-                process_group_timeout=self.options.process_group_timeout, run_dir=self.log_dir)
+                self.options.watchdog_timeout,
+                world_size=self.world_size,
+                rank=self.global_rank,
+                process_group_timeout=self.options.process_group_timeout,
+                run_dir=self.log_dir,
+            )
             # Beats on the hot path are skipped outright when nothing listens (no watchdog, no profiler).
             self._beating = self._watchdog is not None or self.profiler.enabled
             self._beat(wd.PHASE_SETUP)
@@ -278,13 +327,18 @@ class Trainer(TrainerAttributes):
 
     def _init_distributed(self) -> None:
         opts = self.options
-        self._owns_group = comm.ensure_process_group(
-            self.env, device=self.device, timeout=datetime.timedelta(seconds=opts.process_group_timeout),
-            init_timeout=datetime.timedelta(seconds=opts.init_timeout),
-            # NCCL's flight recorder on by default, so a collective timeout leaves a trace to read.
-            backend_env=wd.nccl_flight_recorder_env_defaults(self.default_root_dir),
-            single_process=self.strategy.needs_process_group,
-        ) or self._owns_group
+        self._owns_group = (
+            comm.ensure_process_group(
+                self.env,
+                device=self.device,
+                timeout=datetime.timedelta(seconds=opts.process_group_timeout),
+                init_timeout=datetime.timedelta(seconds=opts.init_timeout),
+                # NCCL's flight recorder on by default, so a collective timeout leaves a trace to read.
+                backend_env=wd.nccl_flight_recorder_env_defaults(self.default_root_dir),
+                single_process=self.strategy.needs_process_group,
+            )
+            or self._owns_group
+        )
 
     def _setup_stage(self, stage: str) -> None:
         opts, task = self.options, self.task
@@ -292,15 +346,33 @@ class Trainer(TrainerAttributes):
         if not self._logged_options and self.is_global_zero:
             log.info("Trainer options: %s", self.options.resolved())
             self._logged_options = True
-        setup_stage(self, stage, task=task, datamodule=self.datamodule, callbacks=self.callbacks, loggers=self.loggers,
-                    seed=opts.seed, deterministic=opts.deterministic, local_rank=self.local_rank, profiler=self.profiler)
+        setup_stage(
+            self,
+            stage,
+            task=task,
+            datamodule=self.datamodule,
+            callbacks=self.callbacks,
+            loggers=self.loggers,
+            seed=opts.seed,
+            deterministic=opts.deterministic,
+            local_rank=self.local_rank,
+            profiler=self.profiler,
+        )
         task.to(self.device)
         self._precision.convert_module(task)
 
     def _teardown_stage(self, stage: str, *, failed: bool) -> None:
         try:
-            teardown_stage(self, stage, task=self.task, datamodule=self.datamodule, callbacks=self.callbacks,
-                           loggers=self.loggers, failed=failed, profiler=self.profiler)
+            teardown_stage(
+                self,
+                stage,
+                task=self.task,
+                datamodule=self.datamodule,
+                callbacks=self.callbacks,
+                loggers=self.loggers,
+                failed=failed,
+                profiler=self.profiler,
+            )
         finally:
             self._model = self._run_step = self._hooks = self._metrics.batch = None
             self.strategy.teardown()
@@ -310,8 +382,10 @@ class Trainer(TrainerAttributes):
         return resolve_loaders(self.datamodule if self.datamodule is not None else self.task, stage, given)
 
     def _eval_loaders(self, stage: str, given: Any) -> list[AdaptedLoader]:
-        return [adapt_eval_loader(loader, num_replicas=self.world_size, rank=self.global_rank, seed=self.options.seed or 0)
-                for loader in self._loaders(stage, given)]
+        return [
+            adapt_eval_loader(loader, num_replicas=self.world_size, rank=self.global_rank, seed=self.options.seed or 0)
+            for loader in self._loaders(stage, given)
+        ]
 
     def _limit(self, loader: Any, name: str) -> int | None:
         """Batches to run from ``loader`` under the ``limit_*_batches`` option ``name`` and fast_dev_run."""
@@ -332,10 +406,14 @@ class Trainer(TrainerAttributes):
             train_loaders[0], num_replicas=self.world_size, rank=self.global_rank, seed=opts.seed or 0
         )
         elastic.configure(self, self._train.loader)  # global_batch_size -> accumulation at this world size
-        self._copy_batch = BatchCopier(self.device, float_dtype=self._precision.param_dtype,
-                                       overlap=bool(getattr(self._train.loader, "pin_memory", False)))
+        self._copy_batch = BatchCopier(
+            self.device,
+            float_dtype=self._precision.param_dtype,
+            overlap=bool(getattr(self._train.loader, "pin_memory", False)),
+        )
         val_loaders, self.num_val_batches = fit_validation(  # none without validation_step or with limit 0
-            task, self._eval_loaders("validate", val_dataloaders), lambda v: self._limit(v.loader, "limit_val_batches"))
+            task, self._eval_loaders("validate", val_dataloaders), lambda v: self._limit(v.loader, "limit_val_batches")
+        )
         self._check_sharding = self.world_size > 1 and self._train.sampler is None
         self._configure_model_and_optimizers()
         self.global_step = self.current_epoch = self._epoch_batches_done = self._epoch_samples = 0
@@ -344,7 +422,9 @@ class Trainer(TrainerAttributes):
         if ckpt_path is not None:
             ckpt.restore(self, ckpt_path, full=True)
         if self.is_global_zero:
-            summary = opts.enable_model_summary and not any(getattr(cb, "is_model_summary", False) for cb in self.callbacks)
+            summary = opts.enable_model_summary and not any(
+                getattr(cb, "is_model_summary", False) for cb in self.callbacks
+            )
             log_fit_start(self.loggers, task, self.options.resolved(), summary=summary)
         task.on_fit_start()
         for cb in self.callbacks:
@@ -395,8 +475,14 @@ class Trainer(TrainerAttributes):
         # Every parameter the optimizers update (clipping and gradient rescaling act on these).
         self._params = [p for o in self.optimizers for group in o.param_groups for p in group["params"]]
         self._manual = ManualOptimization(
-            trainer=self, task=task, callbacks=self.callbacks, strategy=self.strategy, precision=self._precision,
-            clip_val=opts.gradient_clip_val, clip_algorithm=opts.gradient_clip_algorithm, beat=self._beat,
+            trainer=self,
+            task=task,
+            callbacks=self.callbacks,
+            strategy=self.strategy,
+            precision=self._precision,
+            clip_val=opts.gradient_clip_val,
+            clip_algorithm=opts.gradient_clip_algorithm,
+            beat=self._beat,
         )
 
     def _train_epoch(self, val_loaders: list[AdaptedLoader]) -> None:
@@ -404,9 +490,16 @@ class Trainer(TrainerAttributes):
         task, opts, train = self.task, self.options, self._train
         assert task is not None and train is not None and self._model is not None
         # Sampler epoch, resume cursor, and (for loaders keel does not shard) agreement between ranks.
-        plan = plan_epoch(train, epoch=self.current_epoch, batches_done=self._epoch_batches_done,
-                          samples_done=self._epoch_samples, limit=lambda loader: self._limit(loader, "limit_train_batches"),
-                          world_size=self.world_size, device=self.device, uneven=opts.uneven_batches)
+        plan = plan_epoch(
+            train,
+            epoch=self.current_epoch,
+            batches_done=self._epoch_batches_done,
+            samples_done=self._epoch_samples,
+            limit=lambda loader: self._limit(loader, "limit_train_batches"),
+            world_size=self.world_size,
+            device=self.device,
+            uneven=opts.uneven_batches,
+        )
         self._epoch_batches_done, self._epoch_samples = plan.start, plan.samples_done
         self.num_training_batches = num_batches = plan.num_batches
         task.train()
@@ -423,8 +516,14 @@ class Trainer(TrainerAttributes):
         log_every, max_steps = (1 if opts.fast_dev_run else opts.log_every_n_steps), opts.max_steps
         drop_incomplete, manual, beating = opts.drop_incomplete_accumulation, self._manual_mode, self._beating
         samples_per_batch, batch_end_hooks = plan.samples_per_batch, hooks.on_train_batch_end
-        for micro in micro_batches(train.loader, start_idx=plan.start, num_batches=num_batches, accumulate=self._window_k,
-                                   drop_incomplete=drop_incomplete, agree=plan.agree):
+        for micro in micro_batches(
+            train.loader,
+            start_idx=plan.start,
+            num_batches=num_batches,
+            accumulate=self._window_k,
+            drop_incomplete=drop_incomplete,
+            agree=plan.agree,
+        ):
             if self._check_sharding:
                 self._check_sharding = False
                 warn_if_unsharded(micro.batch, train.loader)
@@ -460,8 +559,13 @@ class Trainer(TrainerAttributes):
             if stepped and val_loaders and self.val_check_due:
                 self._evaluate("validate", val_loaders)
             # Preemption: a signal seen here (one process), or every preempt_every steps all ranks agree.
-            if stepped and (preemption.requested or (multi_rank and self.global_step % preempt_every == 0)) and \
-                    preemption.due(self.global_step, device=self.device, world_size=self.world_size, interval=preempt_every):
+            if (
+                stepped
+                and (preemption.requested or (multi_rank and self.global_step % preempt_every == 0))
+                and preemption.due(
+                    self.global_step, device=self.device, world_size=self.world_size, interval=preempt_every
+                )
+            ):
                 save_and_exit(self, preemption)
             # should_stop (callbacks) takes effect at an optimizer-step boundary, never inside a window.
             if (self._stop_requested and self.should_stop) or (max_steps != -1 and self.global_step >= max_steps):
@@ -562,11 +666,14 @@ class Trainer(TrainerAttributes):
     def _skip_step(self, step_loss: torch.Tensor | None, no_items: bool) -> bool:
         """A step that does not update: zero items on every rank, or a non-finite loss under 'skip'."""
         if no_items:
-            log.warning("Step %d saw zero items (num_items) on every rank; the optimizer step is skipped.",
-                        self.global_step)
+            log.warning(
+                "Step %d saw zero items (num_items) on every rank; the optimizer step is skipped.", self.global_step
+            )
         else:
-            log.warning("Non-finite loss at step %d: the optimizer step is skipped on every rank (on_nonfinite='skip').",
-                        self.global_step + 1)
+            log.warning(
+                "Non-finite loss at step %d: the optimizer step is skipped on every rank (on_nonfinite='skip').",
+                self.global_step + 1,
+            )
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         return False
@@ -578,13 +685,22 @@ class Trainer(TrainerAttributes):
         on at this step."""
         pending = self._nonfinite.pending()  # the losses kept since the last check (device)
         if self._step_loss is not None:
-            self._metrics.log("loss", self._step_loss, on_step=True, on_epoch=False, prog_bar=True, logger=False,
-                              batch_size=None, reduce_fx="mean")
+            self._metrics.log(
+                "loss",
+                self._step_loss,
+                on_step=True,
+                on_epoch=False,
+                prog_bar=True,
+                logger=False,
+                batch_size=None,
+                reduce_fx="mean",
+            )
         self._beat(wd.PHASE_METRICS_REDUCTION)
         local, kept = self._metrics.read_step(also=pending)
         bad = self._nonfinite.judge(kept)  # this rank's first non-finite loss, if any
         values, to_logger, to_bar, (any_bad,) = self._metrics.exchange_step(
-            local, device=self.device, flags=(float(bad[0] != float("inf")),))
+            local, device=self.device, flags=(float(bad[0] != float("inf")),)
+        )
         if any_bad:
             self._nonfinite.fail(bad, f"at logging step {self.global_step}")  # raises on every rank
         if values:
@@ -603,8 +719,11 @@ class Trainer(TrainerAttributes):
         opts = self.options
         self._nonfinite.check(f"at the end of epoch {self.current_epoch}")
         every = opts.check_val_every_n_epoch
-        if val_loaders and opts.val_check_interval is None and every is not None and (
-            not completed or (self.current_epoch + 1) % every == 0
+        if (
+            val_loaders
+            and opts.val_check_interval is None
+            and every is not None
+            and (not completed or (self.current_epoch + 1) % every == 0)
         ):
             self._evaluate("validate", val_loaders)
         task = self.task
@@ -627,20 +746,38 @@ class Trainer(TrainerAttributes):
         """validate / test / predict: the sharded loaders, and the weights of ``ckpt_path`` when given."""
         loaders = self._eval_loaders(stage, dataloaders)
         if not loaders:
-            raise ValueError(f"Trainer.{stage}() found no dataloader: pass dataloaders=..., a datamodule, or implement "
-                             f"task.{'val' if stage == 'validate' else stage}_dataloader().")
+            raise ValueError(
+                f"Trainer.{stage}() found no dataloader: pass dataloaders=..., a datamodule, or implement "
+                f"task.{'val' if stage == 'validate' else stage}_dataloader()."
+            )
         if ckpt_path is not None:
             ckpt.restore(self, ckpt_path, full=False)
         return loaders
 
-    def _evaluate(self, stage: str, loaders: list[AdaptedLoader], *, limit_override: int | None = None) -> list[dict[str, float]]:
+    def _evaluate(
+        self, stage: str, loaders: list[AdaptedLoader], *, limit_override: int | None = None
+    ) -> list[dict[str, float]]:
         name = "limit_val_batches" if stage == "validate" else "limit_test_batches"
         limits = [limit_override if limit_override is not None else self._limit(a.loader, name) for a in loaders]
-        return self._eval_loop.run(self, self.task, self.callbacks, stage, loaders, limits,  # type: ignore[arg-type]
-                                   publish=None if self.sanity_checking else self._publish, sanity=self.sanity_checking)
+        return self._eval_loop.run(
+            self,
+            self.task,
+            self.callbacks,
+            stage,
+            loaders,
+            limits,  # type: ignore[arg-type]
+            publish=None if self.sanity_checking else self._publish,
+            sanity=self.sanity_checking,
+        )
 
     def _predict(self, dataloaders: Any, ckpt_path: str | None) -> list[Any] | None:
         loaders = self._stage_loaders("predict", dataloaders, ckpt_path)
         limits = [self._limit(a.loader, "limit_predict_batches") for a in loaders]
-        return self._eval_loop.predict(self, self.task, self.callbacks, loaders, limits,
-                                       return_here=self.is_global_zero or self.options.predict_return == "all_ranks")
+        return self._eval_loop.predict(
+            self,
+            self.task,
+            self.callbacks,
+            loaders,
+            limits,
+            return_here=self.is_global_zero or self.options.predict_return == "all_ranks",
+        )

@@ -2,6 +2,7 @@
 
 Launched by torchrun (env:// init).  Output: "rank R sum S group G world W".
 """
+
 import os
 import sys
 

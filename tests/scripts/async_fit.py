@@ -88,17 +88,33 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_top_k=1, async_save=not args.sync)
     callbacks = [Faults(args), checkpoint, CrashAfterSave(args)]
-    trainer = Trainer(max_steps=args.steps, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
-                      num_sanity_val_steps=0, log_every_n_steps=3, preemption_check_interval=2,
-                      callbacks=callbacks, seed=7)
+    trainer = Trainer(
+        max_steps=args.steps,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=3,
+        preemption_check_interval=2,
+        callbacks=callbacks,
+        seed=7,
+    )
     task = Classifier()
-    trainer.fit(task, DataLoader(data(), batch_size=4, shuffle=True), DataLoader(data(20, 1), batch_size=5),
-                ckpt_path="last")
+    trainer.fit(
+        task, DataLoader(data(), batch_size=4, shuffle=True), DataLoader(data(20, 1), batch_size=5), ckpt_path="last"
+    )
     assert not checkpoint._checkpointer.in_flight
-    torch.save({"weights": task.state_dict(), "step": trainer.global_step,
-                "optimizer": trainer.optimizers[0].state_dict()["state"],
-                "best": checkpoint.best_model_path, "last": checkpoint.last_model_path, "seen": task.seen},
-               Path(args.out) / f"rank{trainer.global_rank}.pt")
+    torch.save(
+        {
+            "weights": task.state_dict(),
+            "step": trainer.global_step,
+            "optimizer": trainer.optimizers[0].state_dict()["state"],
+            "best": checkpoint.best_model_path,
+            "last": checkpoint.last_model_path,
+            "seen": task.seen,
+        },
+        Path(args.out) / f"rank{trainer.global_rank}.pt",
+    )
 
 
 if __name__ == "__main__":

@@ -25,9 +25,22 @@ from trainer import Callback, Trainer  # noqa: E402
 
 SYNC_OPS = {"item", "cpu", "__bool__", "tolist", "__float__", "__int__", "numpy"}
 COLLECTIVES = [
-    "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
-    "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "gather", "gather_object",
-    "scatter", "reduce_scatter_tensor", "all_to_all", "send", "recv",
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "monitored_barrier",
+    "reduce",
+    "gather",
+    "gather_object",
+    "scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "send",
+    "recv",
 ]
 counts: Counter[str] = Counter()
 

@@ -38,7 +38,8 @@ class Blocks(TaskModule):
     def __init__(self, fused: bool) -> None:
         super().__init__()
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(2))
+            torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(2)
+        )
         self.head = torch.nn.Linear(64, 1)
         self.fused = fused
 
@@ -94,15 +95,30 @@ def main() -> None:
     data = TensorDataset(torch.randn(512, 64, generator=g), torch.randn(512, generator=g))
     guard = SyncGuard()
     trainer = Trainer(
-        accelerator="cuda", strategy=args.strategy, precision=args.precision, gradient_clip_val=args.clip,
-        max_steps=14, log_every_n_steps=LOG_EVERY, callbacks=[guard], logger=False, enable_progress_bar=False,
-        enable_checkpointing=False, num_sanity_val_steps=0, enable_model_summary=False,
+        accelerator="cuda",
+        strategy=args.strategy,
+        precision=args.precision,
+        gradient_clip_val=args.clip,
+        max_steps=14,
+        log_every_n_steps=LOG_EVERY,
+        callbacks=[guard],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        enable_model_summary=False,
     )
     trainer.fit(Blocks(fused=args.precision == "16-mixed"), DataLoader(data, batch_size=32, pin_memory=True))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "result.json").write_text(json.dumps(
-        {"strict_steps": guard.strict_steps, "global_step": trainer.global_step,
-         "scale": trainer._precision.scaler.get_scale() if trainer._precision.scaler is not None else None}))
+    (Path(args.out) / "result.json").write_text(
+        json.dumps(
+            {
+                "strict_steps": guard.strict_steps,
+                "global_step": trainer.global_step,
+                "scale": trainer._precision.scaler.get_scale() if trainer._precision.scaler is not None else None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -65,10 +65,12 @@ def main() -> None:
     val = indexed(regression_data(args.val_n, seed=1, dtype=torch.float64))
     task = Recording()
     accelerator = os.environ.get("KEEL_TEST_ACCELERATOR", "auto")  # tests/test_gpu.py sets "cuda"
-    trainer = Trainer(**quiet(max_epochs=args.epochs, precision="64", accumulate_grad_batches=args.accumulate,
-                              accelerator=accelerator))
-    trainer.fit(task, DataLoader(train, batch_size=args.batch, shuffle=args.shuffle),
-                DataLoader(val, batch_size=5))
+    trainer = Trainer(
+        **quiet(
+            max_epochs=args.epochs, precision="64", accumulate_grad_batches=args.accumulate, accelerator=accelerator
+        )
+    )
+    trainer.fit(task, DataLoader(train, batch_size=args.batch, shuffle=args.shuffle), DataLoader(val, batch_size=5))
     val_metrics = trainer.validate(task, DataLoader(val, batch_size=5))
     test_metrics = trainer.test(task, DataLoader(val, batch_size=4))
     predictions = trainer.predict(task, DataLoader(val, batch_size=3))

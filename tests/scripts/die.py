@@ -1,4 +1,5 @@
 """Rank 1 dies (exit code 3) before a collective that rank 0 has entered."""
+
 import datetime
 import os
 import sys

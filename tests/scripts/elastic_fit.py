@@ -42,8 +42,9 @@ ORDER_KEY = "elastic_fit_order"
 def data(n: int) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 6, generator=g, dtype=torch.float64)
-    y = x @ torch.randn(6, 1, generator=g, dtype=torch.float64) + 0.1 * torch.randn(n, 1, generator=g,
-                                                                                     dtype=torch.float64)
+    y = x @ torch.randn(6, 1, generator=g, dtype=torch.float64) + 0.1 * torch.randn(
+        n, 1, generator=g, dtype=torch.float64
+    )
     return TensorDataset(x, y, torch.arange(n))  # the index records the data order
 
 
@@ -77,9 +78,16 @@ class Regression(TaskModule):
         merged = [0] * sum(len(s) for s in shares)
         for rank, share in enumerate(shares):
             merged[rank::world] = share
-        self.order.append({"step": self.trainer.global_step, "epoch": self.trainer.current_epoch,
-                           "samples": merged, "accumulate": self.micro,
-                           "world_size": world, "weights_sum": float(sum(p.detach().sum() for p in self.parameters()))})
+        self.order.append(
+            {
+                "step": self.trainer.global_step,
+                "epoch": self.trainer.current_epoch,
+                "samples": merged,
+                "accumulate": self.micro,
+                "world_size": world,
+                "weights_sum": float(sum(p.detach().sum() for p in self.parameters())),
+            }
+        )
         self.local, self.micro = [], 0
 
     def on_save_checkpoint(self, checkpoint) -> None:
@@ -176,20 +184,35 @@ def main() -> None:
     parser.add_argument("--join-wait", type=float, default=60.0)
     args = parser.parse_args()
     clock("imported")
-    callbacks = [Membership(args), ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_top_k=1),
-                 Clock()]
+    callbacks = [Membership(args), ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_top_k=1), Clock()]
     global_batch = {"step": {0: args.global_batch, args.grow_at: 2 * args.global_batch}}
     logger = CSVLogger(args.log_dir, name=None, version=0) if args.log_dir else False
-    trainer = Trainer(max_epochs=args.epochs, global_batch_size=global_batch, precision="64", logger=logger,
-                      enable_progress_bar=False, num_sanity_val_steps=0, log_every_n_steps=1,
-                      preemption_check_interval=1, callbacks=callbacks, seed=3)
+    trainer = Trainer(
+        max_epochs=args.epochs,
+        global_batch_size=global_batch,
+        precision="64",
+        logger=logger,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        preemption_check_interval=1,
+        callbacks=callbacks,
+        seed=3,
+    )
     task = Regression()
     clock("fit called")
     trainer.fit(task, DataLoader(data(args.samples), batch_size=args.batch, shuffle=True), ckpt_path="last")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"weights": task.state_dict(), "step": trainer.global_step, "order": task.order,
-                "world_size": trainer.world_size}, out / f"rank{trainer.global_rank}.pt")
+    torch.save(
+        {
+            "weights": task.state_dict(),
+            "step": trainer.global_step,
+            "order": task.order,
+            "world_size": trainer.world_size,
+        },
+        out / f"rank{trainer.global_rank}.pt",
+    )
 
 
 if __name__ == "__main__":

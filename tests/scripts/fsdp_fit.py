@@ -106,14 +106,21 @@ class Kill(Callback):
 
     def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
         first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if first and trainer.optimizer_stepped and trainer.global_step == self.step and trainer.global_rank == trainer.world_size - 1:
+        if (
+            first
+            and trainer.optimizer_stepped
+            and trainer.global_step == self.step
+            and trainer.global_rank == trainer.world_size - 1
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 def full_weights(task: TaskModule) -> dict[str, torch.Tensor]:
     """The whole model on every rank, as plain CPU tensors (gathered from DTensor shards under FSDP)."""
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
-            for k, v in task.state_dict().items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+        for k, v in task.state_dict().items()
+    }
 
 
 class NanInShard(Callback):
@@ -147,7 +154,9 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--precision", default="64")
-    parser.add_argument("--nan-at", type=int, default=-1, help="a NaN in rank 1's shard after step N (on_nonfinite=skip)")
+    parser.add_argument(
+        "--nan-at", type=int, default=-1, help="a NaN in rank 1's shard after step N (on_nonfinite=skip)"
+    )
     args = parser.parse_args()
     extra = {}  # the fsdp_* options are refused with another strategy: pass them to FSDP runs only
     if args.reduce and args.strategy == "fsdp":
@@ -159,18 +168,35 @@ def main() -> None:
         callbacks.append(NanInShard(args.nan_at))
         extra["on_nonfinite"] = "skip"  # the NaN loss that follows skips steps; the save must still be refused
     if args.ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_top_k=1,
-                                         async_save=args.async_save))
-    trainer = Trainer(max_epochs=args.epochs, max_steps=args.steps, precision=args.precision, strategy=args.strategy,
-                      accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(args.ckpt_dir),
-                      num_sanity_val_steps=0, log_every_n_steps=2, callbacks=callbacks, **extra)
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_top_k=1, async_save=args.async_save)
+        )
+    trainer = Trainer(
+        max_epochs=args.epochs,
+        max_steps=args.steps,
+        precision=args.precision,
+        strategy=args.strategy,
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(args.ckpt_dir),
+        num_sanity_val_steps=0,
+        log_every_n_steps=2,
+        callbacks=callbacks,
+        **extra,
+    )
     task = BlockNet(items=args.items, manual=args.manual, late=args.configure_model)
     train, val = data(48, 0), data(37, 1)
     if args.precision != "64":  # float32 data for the other precisions
         train, val = (TensorDataset(d.tensors[0], d.tensors[1].float(), d.tensors[2].float()) for d in (train, val))
-    trainer.fit(task, DataLoader(train, batch_size=args.batch, shuffle=True), DataLoader(val, batch_size=5),
-                ckpt_path="last" if args.ckpt_dir else None)
+    trainer.fit(
+        task,
+        DataLoader(train, batch_size=args.batch, shuffle=True),
+        DataLoader(val, batch_size=5),
+        ckpt_path="last" if args.ckpt_dir else None,
+    )
     val_metrics = trainer.validate(task, DataLoader(val, batch_size=5))
     test_metrics = trainer.test(task, DataLoader(val, batch_size=4))
     predictions = trainer.predict(task, DataLoader(val, batch_size=3))
@@ -178,11 +204,21 @@ def main() -> None:
         direct = task(val.tensors[1][:4]).detach().cpu()  # task(x) on the (sharded) task: every rank calls it
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"weights": full_weights(task), "val": val_metrics, "test": test_metrics,
-                "predictions": torch.cat(predictions), "direct": direct, "global_step": trainer.global_step,
-                "seen": task.seen, "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__,
-                "last": trainer.checkpoint_callback.last_model_path if args.ckpt_dir else None},
-               out / f"rank{trainer.global_rank}.pt")
+    torch.save(
+        {
+            "weights": full_weights(task),
+            "val": val_metrics,
+            "test": test_metrics,
+            "predictions": torch.cat(predictions),
+            "direct": direct,
+            "global_step": trainer.global_step,
+            "seen": task.seen,
+            "world_size": trainer.world_size,
+            "strategy": type(trainer.strategy).__name__,
+            "last": trainer.checkpoint_callback.last_model_path if args.ckpt_dir else None,
+        },
+        out / f"rank{trainer.global_rank}.pt",
+    )
 
 
 if __name__ == "__main__":

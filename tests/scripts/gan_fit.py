@@ -17,5 +17,7 @@ task = GAN()
 trainer = Trainer(**quiet(max_epochs=2, precision="64", log_every_n_steps=2))
 trainer.fit(task, DataLoader(gan_data(), batch_size=batch))
 out.mkdir(parents=True, exist_ok=True)
-torch.save({"weights": task.state_dict(), "step": trainer.global_step, "d_loss": trainer.callback_metrics["d_loss"]},
-           out / f"rank{trainer.global_rank}.pt")
+torch.save(
+    {"weights": task.state_dict(), "step": trainer.global_step, "d_loss": trainer.callback_metrics["d_loss"]},
+    out / f"rank{trainer.global_rank}.pt",
+)

@@ -1,4 +1,5 @@
 """Every rank writes "<pid> <parent pid>" to <dir>/rank<R>.pid, then sleeps forever."""
+
 import os
 import sys
 import time

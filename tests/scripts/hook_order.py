@@ -298,8 +298,15 @@ def record() -> list[str]:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     events: list[str] = []
     task = RecordingTask(events)
-    trainer = Trainer(**quiet(max_epochs=2, accumulate_grad_batches=2, num_sanity_val_steps=1, log_every_n_steps=1,
-                              callbacks=[RecordingCallback(events)]))
+    trainer = Trainer(
+        **quiet(
+            max_epochs=2,
+            accumulate_grad_batches=2,
+            num_sanity_val_steps=1,
+            log_every_n_steps=1,
+            callbacks=[RecordingCallback(events)],
+        )
+    )
     train = regression_data(TRAIN_BATCHES * BATCH * world_size)
     val = regression_data(VAL_BATCHES * BATCH * world_size, seed=1)
     trainer.fit(task, loader(train, BATCH), loader(val, BATCH))

@@ -84,9 +84,17 @@ class Task(Regression):
         if FORWARDS:
             self.log(name, value, rank_zero_only=True, **kwargs)
         else:  # until trainer/module.py forwards the keyword: the collector side directly
-            self.trainer._metrics.log(name, value, on_step=kwargs.get("on_step"), on_epoch=kwargs.get("on_epoch"),
-                                      prog_bar=False, logger=True, batch_size=None, reduce_fx="mean",
-                                      rank_zero_only=True)
+            self.trainer._metrics.log(
+                name,
+                value,
+                on_step=kwargs.get("on_step"),
+                on_epoch=kwargs.get("on_epoch"),
+                prog_bar=False,
+                logger=True,
+                batch_size=None,
+                reduce_fx="mean",
+                rank_zero_only=True,
+            )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -139,8 +147,17 @@ def main() -> None:
     val = regression_data(37, seed=1, dtype=torch.float64)
     recorder = StepRecorder()
     # Lightning's launch keywords, matching `torchrun --nnodes 1 --nproc-per-node 2`.
-    trainer = Trainer(**quiet(devices=2, num_nodes=1, strategy="ddp", max_epochs=2, log_every_n_steps=1,
-                              precision="64", callbacks=[recorder]))
+    trainer = Trainer(
+        **quiet(
+            devices=2,
+            num_nodes=1,
+            strategy="ddp",
+            max_epochs=2,
+            log_every_n_steps=1,
+            precision="64",
+            callbacks=[recorder],
+        )
+    )
     check_lightning_keywords(trainer.options, trainer.env)
     try:
         check_lightning_keywords(TrainerOptions(devices=4), trainer.env)

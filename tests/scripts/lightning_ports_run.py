@@ -33,9 +33,14 @@ def autoencoder(out: Path) -> dict[str, Any]:
 
     result = port.main(max_epochs=2, default_root_dir=str(out), logger=False, **QUIET)
     trainer = result["trainer"]
-    return {"global_step": trainer.global_step, "tested": result["tested"], "ckpt_path": trainer.ckpt_path,
-            "predictions": [list(p.shape) for p in result["predictions"]],
-            "num_devices": trainer.num_devices, "processes": trainer.strategy.num_processes}
+    return {
+        "global_step": trainer.global_step,
+        "tested": result["tested"],
+        "ckpt_path": trainer.ckpt_path,
+        "predictions": [list(p.shape) for p in result["predictions"]],
+        "num_devices": trainer.num_devices,
+        "processes": trainer.strategy.num_processes,
+    }
 
 
 def gan(out: Path) -> dict[str, Any]:
@@ -47,18 +52,33 @@ def gan(out: Path) -> dict[str, Any]:
 
     class StepMetrics(L.Callback):  # callback_metrics after EVERY step, as Lightning has them
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            seen.append({k: [type(v).__name__, str(v.device) if isinstance(v, torch.Tensor) else ""]
-                         for k, v in trainer.callback_metrics.items()})
+            seen.append(
+                {
+                    k: [type(v).__name__, str(v.device) if isinstance(v, torch.Tensor) else ""]
+                    for k, v in trainer.callback_metrics.items()
+                }
+            )
 
     L.seed_everything(0, workers=True)
     logger = L.pytorch.loggers.TensorBoardLogger(str(out / "tb"), name="gan")
-    trainer = L.Trainer(max_epochs=2, limit_train_batches=3, logger=logger, callbacks=[StepMetrics()],
-                        enable_checkpointing=False, **QUIET)
+    trainer = L.Trainer(
+        max_epochs=2,
+        limit_train_batches=3,
+        logger=logger,
+        callbacks=[StepMetrics()],
+        enable_checkpointing=False,
+        **QUIET,
+    )
     model = port.GAN(latent_dim=32)
     trainer.fit(model, DataLoader(MNIST(), batch_size=8))
     events = sorted(os.path.relpath(p, out) for p in glob.glob(str(out / "tb" / "**" / "events.out.*"), recursive=True))
-    return {"global_step": trainer.global_step, "metrics": _floats(trainer.callback_metrics), "steps_seen": seen,
-            "event_files": events, "rank": trainer.global_rank}
+    return {
+        "global_step": trainer.global_step,
+        "metrics": _floats(trainer.callback_metrics),
+        "steps_seen": seen,
+        "event_files": events,
+        "rank": trainer.global_rank,
+    }
 
 
 def transformer(out: Path) -> dict[str, Any]:
@@ -73,19 +93,31 @@ def transformer(out: Path) -> dict[str, Any]:
     trainer = L.Trainer(max_steps=4, logger=False, callbacks=[checkpoint], **QUIET)
     trainer.fit(model=torch.compile(model, backend="eager"), train_dataloaders=dataloader)  # Lightning's idiom
     state = torch.load(out / "ckpt" / "last.ckpt", weights_only=True) if trainer.is_global_zero else {}
-    return {"global_step": trainer.global_step, "keys_match": sorted(state.get("state_dict", {})) == sorted(
-        model.state_dict()) if trainer.is_global_zero else True, "trained_is_plain": trainer.model is model,
-        "loss_finite": bool(torch.isfinite(torch.as_tensor([float(p.detach().abs().sum()) for p in model.parameters()])).all())}
+    return {
+        "global_step": trainer.global_step,
+        "keys_match": sorted(state.get("state_dict", {})) == sorted(model.state_dict())
+        if trainer.is_global_zero
+        else True,
+        "trained_is_plain": trainer.model is model,
+        "loss_finite": bool(
+            torch.isfinite(torch.as_tensor([float(p.detach().abs().sum()) for p in model.parameters()])).all()
+        ),
+    }
 
 
 def imagenet(out: Path) -> dict[str, Any]:
     from lightning_ports import imagenet as port
 
-    result = port.main(str(out), max_epochs=1, devices="auto", limit_train_batches=2, limit_val_batches=2,
-                       enable_model_summary=False)
+    result = port.main(
+        str(out), max_epochs=1, devices="auto", limit_train_batches=2, limit_val_batches=2, enable_model_summary=False
+    )
     trainer, model = result["trainer"], result["model"]
-    return {"global_step": trainer.global_step, "batch_size": model.batch_size, "validated": result["validated"],
-            "best": os.path.basename(trainer.checkpoint_callback.best_model_path)}
+    return {
+        "global_step": trainer.global_step,
+        "batch_size": model.batch_size,
+        "validated": result["validated"],
+        "best": os.path.basename(trainer.checkpoint_callback.best_model_path),
+    }
 
 
 def hydra_mnist(out: Path) -> dict[str, Any]:
@@ -97,8 +129,10 @@ def hydra_mnist(out: Path) -> dict[str, Any]:
 
     config = OmegaConf.create(port.CALLBACKS_YAML)
     config.paths = {"output_dir": str(out)}
-    callbacks = [hydra.utils.instantiate(config[name]) for name in
-                 ("model_checkpoint", "early_stopping", "model_summary", "rich_progress_bar")]
+    callbacks = [
+        hydra.utils.instantiate(config[name])
+        for name in ("model_checkpoint", "early_stopping", "model_summary", "rich_progress_bar")
+    ]
     model = port.MNISTLitModule(
         net=port.SimpleDenseNet(lin1_size=32, lin2_size=32, lin3_size=32),
         optimizer=functools.partial(torch.optim.Adam, lr=0.001, weight_decay=0.0),
@@ -106,14 +140,26 @@ def hydra_mnist(out: Path) -> dict[str, Any]:
         compile=False,
     )
     datamodule = port.MNISTDataModule(batch_size=16)
-    trainer = L.Trainer(min_epochs=1, max_epochs=3, callbacks=callbacks, logger=False, default_root_dir=str(out),
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        min_epochs=1,
+        max_epochs=3,
+        callbacks=callbacks,
+        logger=False,
+        default_root_dir=str(out),
+        enable_model_summary=False,
+    )
     trainer.fit(model=model, datamodule=datamodule)
     tested = trainer.test(model=model, datamodule=datamodule, ckpt_path="best")
     files = sorted(os.listdir(out / "checkpoints"))
-    return {"global_step": trainer.global_step, "files": files, "tested": tested, "ckpt_path": os.path.basename(
-        trainer.ckpt_path or ""), "metrics": _floats(trainer.callback_metrics),
-        "dm_hparams": dict(datamodule.hparams), "per_device": datamodule.batch_size_per_device}
+    return {
+        "global_step": trainer.global_step,
+        "files": files,
+        "tested": tested,
+        "ckpt_path": os.path.basename(trainer.ckpt_path or ""),
+        "metrics": _floats(trainer.callback_metrics),
+        "dm_hparams": dict(datamodule.hparams),
+        "per_device": datamodule.batch_size_per_device,
+    }
 
 
 def nan(out: Path) -> dict[str, Any]:

@@ -15,8 +15,16 @@ from trainer import Trainer  # noqa: E402
 
 
 def main() -> None:
-    trainer = Trainer(max_steps=6, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                      num_sanity_val_steps=0, profiler="pytorch", default_root_dir=sys.argv[1], seed=0)
+    trainer = Trainer(
+        max_steps=6,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        profiler="pytorch",
+        default_root_dir=sys.argv[1],
+        seed=0,
+    )
     torch.manual_seed(0)
     trainer.fit(Classifier(), DataLoader(data(64), batch_size=4))
 

@@ -59,10 +59,14 @@ def main() -> None:
     stopper = EarlyStopping("val/only0", patience=2)
     throughput = ThroughputMonitor(window=4)
     timer = Timer(duration=3600)  # never stops; exercises its broadcast at logging steps and epoch ends
-    trainer = Trainer(**quiet(
-        max_epochs=len(VAL_SEQUENCE), log_every_n_steps=2, logger=CSVLogger(out / "logs"),
-        callbacks=[stopper, throughput, timer, LearningRateMonitor(), ModelSummary()],
-    ))
+    trainer = Trainer(
+        **quiet(
+            max_epochs=len(VAL_SEQUENCE),
+            log_every_n_steps=2,
+            logger=CSVLogger(out / "logs"),
+            callbacks=[stopper, throughput, timer, LearningRateMonitor(), ModelSummary()],
+        )
+    )
     # 32 samples, batch 4 per rank: 4 steps per epoch on each of 2 ranks. Validation: 1 batch per rank.
     trainer.fit(Task(), loader(regression_data(32), 4), loader(regression_data(8, seed=1), 4))
     out.mkdir(parents=True, exist_ok=True)

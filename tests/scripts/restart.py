@@ -1,4 +1,5 @@
 """Fails (exit 1) on the first attempt; on a torchelastic restart, all_reduces and succeeds."""
+
 import os
 import sys
 

@@ -110,8 +110,11 @@ def main() -> None:
     parser.add_argument("--crash-at", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--sigterm-at", type=int, default=-1)
-    parser.add_argument("--check-on-logging-steps", action="store_true",
-                        help="preemption_check_interval=None: ranks agree on the logging steps' collective")
+    parser.add_argument(
+        "--check-on-logging-steps",
+        action="store_true",
+        help="preemption_check_interval=None: ranks agree on the logging steps' collective",
+    )
     parser.add_argument("--kill-in-save-at", type=int, default=-1)
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--resumed", action="store_true", help="a manual second run: inject no faults")
@@ -119,25 +122,47 @@ def main() -> None:
     args = parser.parse_args()
     checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_top_k=1)
     callbacks = [Faults(args), checkpoint, CrashAfterSave(args)]
-    trainer = Trainer(max_steps=args.steps, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
-                      num_sanity_val_steps=0, log_every_n_steps=3,
-                      preemption_check_interval=None if args.check_on_logging_steps else 2,
-                      callbacks=callbacks, seed=7)
+    trainer = Trainer(
+        max_steps=args.steps,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=3,
+        preemption_check_interval=None if args.check_on_logging_steps else 2,
+        callbacks=callbacks,
+        seed=7,
+    )
     task = Classifier()
     if args.save_on_crash_dir:
         import atexit
 
         out_crash = Path(args.save_on_crash_dir)
-        atexit.register(lambda: (out_crash.mkdir(parents=True, exist_ok=True),
-                                 torch.save(task.seen, out_crash / f"seen{trainer.global_rank}.pt")))
-    trainer.fit(task, DataLoader(data(), batch_size=args.batch, shuffle=True), DataLoader(data(20, 1), batch_size=5),
-                ckpt_path="last")
+        atexit.register(
+            lambda: (
+                out_crash.mkdir(parents=True, exist_ok=True),
+                torch.save(task.seen, out_crash / f"seen{trainer.global_rank}.pt"),
+            )
+        )
+    trainer.fit(
+        task,
+        DataLoader(data(), batch_size=args.batch, shuffle=True),
+        DataLoader(data(20, 1), batch_size=5),
+        ckpt_path="last",
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"weights": task.state_dict(), "step": trainer.global_step,
-                "optimizer": trainer.optimizers[0].state_dict()["state"],
-                "best": checkpoint.best_model_path, "last": checkpoint.last_model_path, "seen": task.seen},
-               out / f"rank{trainer.global_rank}.pt")
+    torch.save(
+        {
+            "weights": task.state_dict(),
+            "step": trainer.global_step,
+            "optimizer": trainer.optimizers[0].state_dict()["state"],
+            "best": checkpoint.best_model_path,
+            "last": checkpoint.last_model_path,
+            "seen": task.seen,
+        },
+        out / f"rank{trainer.global_rank}.pt",
+    )
 
 
 if __name__ == "__main__":

@@ -91,8 +91,9 @@ def main() -> None:
         trainer.fit(Sleepy(), data)
     elif args.case in ("nan-error", "nan-skip"):
         weights = Weights()
-        trainer = Trainer(**quiet(max_steps=6, log_every_n_steps=1, on_nonfinite=args.case.split("-")[1],
-                                  callbacks=[weights]))
+        trainer = Trainer(
+            **quiet(max_steps=6, log_every_n_steps=1, on_nonfinite=args.case.split("-")[1], callbacks=[weights])
+        )
         try:
             trainer.fit(NaNAt(3), data)
         finally:
@@ -117,9 +118,11 @@ def main() -> None:
             sys.stdout.write(f"init failed after {time.monotonic() - t0:.1f}s: {exc}\n")
             raise SystemExit(3)
     elif args.case == "record":
+
         @comm.record
         def failing_main() -> None:
             raise ValueError("root cause from failing_main")
+
         failing_main()
 
 

@@ -3,6 +3,7 @@
 Writes "<own pid> <grandchild pid>" to <dir>/stubborn.pid, then sleeps forever:
 models a wedged launcher whose worker escaped its process group.
 """
+
 import os
 import signal
 import subprocess

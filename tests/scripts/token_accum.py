@@ -67,13 +67,27 @@ def main() -> None:
     args = parser.parse_args()
     grads = FirstGrads()
     task = TinyLM()
-    trainer = Trainer(**quiet(max_steps=args.steps, precision="64", accumulate_grad_batches=args.accumulate,
-                              log_every_n_steps=1, callbacks=[grads]))
+    trainer = Trainer(
+        **quiet(
+            max_steps=args.steps,
+            precision="64",
+            accumulate_grad_batches=args.accumulate,
+            log_every_n_steps=1,
+            callbacks=[grads],
+        )
+    )
     trainer.fit(task, DataLoader(sequences(), batch_size=args.batch))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"grads": grads.grads, "weights": task.state_dict(), "loss": trainer.progress_bar_metrics["loss"],
-                "steps": trainer.global_step}, out / f"rank{trainer.global_rank}.pt")
+    torch.save(
+        {
+            "grads": grads.grads,
+            "weights": task.state_dict(),
+            "loss": trainer.progress_bar_metrics["loss"],
+            "steps": trainer.global_step,
+        },
+        out / f"rank{trainer.global_rank}.pt",
+    )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,12 @@ class KillAt(Callback):
 
     def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
         first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if first and trainer.optimizer_stepped and trainer.global_step == self.step and trainer.global_rank == self.rank:
+        if (
+            first
+            and trainer.optimizer_stepped
+            and trainer.global_step == self.step
+            and trainer.global_rank == self.rank
+        ):
             self._wait_for_wandb(trainer, self.step - 1)
             os.kill(os.getpid(), self.sig)
 
@@ -64,8 +69,12 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--kill-delay", type=float, default=30.0)
-    parser.add_argument("--kill-signal", choices=("KILL", "TERM"), default="KILL",
-                        help="TERM: keel's preemption path (save at the step boundary, exit 75, restart)")
+    parser.add_argument(
+        "--kill-signal",
+        choices=("KILL", "TERM"),
+        default="KILL",
+        help="TERM: keel's preemption path (save at the step boundary, exit 75, restart)",
+    )
     args = parser.parse_args()
     root = Path(args.root)
     loggers = [
@@ -74,16 +83,29 @@ def main() -> None:
     ]
     kill = KillAt(args.kill_at, args.kill_rank, args.kill_delay, getattr(signal, f"SIG{args.kill_signal}"))
     callbacks = [kill, ModelCheckpoint(every_n_train_steps=1, save_top_k=1)]
-    trainer = Trainer(max_steps=args.steps, logger=loggers, enable_progress_bar=False, num_sanity_val_steps=0,
-                      log_every_n_steps=1, callbacks=callbacks, seed=7)
+    trainer = Trainer(
+        max_steps=args.steps,
+        logger=loggers,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        callbacks=callbacks,
+        seed=7,
+    )
     task = Classifier()
     torch.manual_seed(0)
-    trainer.fit(task, DataLoader(data(32), batch_size=4, shuffle=True), DataLoader(data(8, 1), batch_size=4),
-                ckpt_path="last")
+    trainer.fit(
+        task, DataLoader(data(32), batch_size=4, shuffle=True), DataLoader(data(8, 1), batch_size=4), ckpt_path="last"
+    )
     if trainer.is_global_zero:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        result = {"mlflow": loggers[0].run_id, "wandb": loggers[1].run_id, "run_dir": trainer.log_dir,
-                  "tracking_uri": loggers[0].tracking_uri, "world_size": trainer.world_size}
+        result = {
+            "mlflow": loggers[0].run_id,
+            "wandb": loggers[1].run_id,
+            "run_dir": trainer.log_dir,
+            "tracking_uri": loggers[0].tracking_uri,
+            "world_size": trainer.world_size,
+        }
         (root / f"result-attempt{attempt}.json").write_text(json.dumps(result))
 
 

@@ -25,8 +25,17 @@ import launch
 START = Path(__file__).resolve().parent / "start.sh"
 DIR = Path(os.environ.get("KEEL_SLURM_DIR", "/tmp/keel-slurm"))
 CONF = DIR / "slurm.conf"
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-            "DEADLINE", "PREEMPTED"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 def client_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -39,16 +48,22 @@ def client_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def _client(args: Sequence[str], *, timeout: float = 30, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=client_env(),
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        list(args), capture_output=True, text=True, timeout=timeout, env=client_env(), stdin=subprocess.DEVNULL
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}: {proc.stdout}{proc.stderr}")
     return proc
 
 
 def _start_script(action: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(START), action, "--no-install"], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        ["bash", str(START), action, "--no-install"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @dataclass
@@ -75,8 +90,10 @@ class Job:
         deadline = time.monotonic() + timeout
         while not until(self):
             if time.monotonic() > deadline:
-                raise AssertionError(f"job {self.job_id}: {what} did not happen within {timeout:g}s "
-                                     f"(state {self.info()})\n--- job log ---\n{launch._tail(self.output())}")
+                raise AssertionError(
+                    f"job {self.job_id}: {what} did not happen within {timeout:g}s "
+                    f"(state {self.info()})\n--- job log ---\n{launch._tail(self.output())}"
+                )
             time.sleep(0.25)
 
     def wait_done(self, *, timeout: float) -> str:
@@ -94,8 +111,9 @@ class Cluster:
     jobs: list[Job] = field(default_factory=list)
 
     @contextlib.contextmanager
-    def job(self, script: str, *args: str, options: Sequence[str] = (), log: Path,
-            env: dict[str, str] | None = None) -> Iterator[Job]:
+    def job(
+        self, script: str, *args: str, options: Sequence[str] = (), log: Path, env: dict[str, str] | None = None
+    ) -> Iterator[Job]:
         """Submits ``script`` (the text of a batch file) with ``sbatch [options] FILE args``, the output
         in ``log``; on leaving, cancels the job if it still runs and kills its leftover processes."""
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -106,9 +124,15 @@ class Cluster:
         # so that every process of the job can be found and killed.
         job_env = launch._make_env(env, marker)
         job_env = client_env({k: v for k, v in job_env.items() if not k.startswith("SLURM_")})
-        proc = subprocess.run(["sbatch", "--parsable", f"--output={log}", *options, str(path), *args],
-                              capture_output=True, text=True, timeout=30, env=job_env, cwd=launch.REPO_ROOT,
-                              stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            ["sbatch", "--parsable", f"--output={log}", *options, str(path), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=job_env,
+            cwd=launch.REPO_ROOT,
+            stdin=subprocess.DEVNULL,
+        )
         if proc.returncode != 0:
             raise AssertionError(f"sbatch failed ({proc.returncode}): {proc.stdout}{proc.stderr}")
         job = Job(proc.stdout.strip().split(";")[0], log, marker)
@@ -126,14 +150,16 @@ class Cluster:
         for pid in launch._marked_pids(job.marker):
             launch._signal_pid(pid, signal.SIGKILL)
 
-    def srun(self, *args: str, timeout: float, env: dict[str, str] | None = None,
-             cwd: str | os.PathLike | None = None) -> launch.LaunchResult:
+    def srun(
+        self, *args: str, timeout: float, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None
+    ) -> launch.LaunchResult:
         """``srun args...`` through the launch harness: ends within ``timeout``, leaves no process
         (the tasks inherit the harness's marker), retried once on the known gloo abort at exit."""
         return launch._retry_known_abort(lambda: [self.command("srun", *args, timeout=timeout, env=env, cwd=cwd)])[0]
 
-    def command(self, *cmd: str, timeout: float, env: dict[str, str] | None = None,
-                cwd: str | os.PathLike | None = None) -> launch.LaunchResult:
+    def command(
+        self, *cmd: str, timeout: float, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None
+    ) -> launch.LaunchResult:
         """``cmd`` (a SLURM client, or a program that calls them) through the launch harness, talking to
         this cluster: the SLURM_* variables of a job pytest may run in are removed, SLURM_CONF is set."""
         clear = [f"--unset={name}" for name in os.environ if name.startswith("SLURM_")]
@@ -157,12 +183,15 @@ def connect() -> tuple[Cluster | None, str]:
         started = False
         if _start_script("status", 30).returncode != 0:
             if os.geteuid() != 0:
-                return None, ("no SLURM test cluster is running and starting one needs root: "
-                              f"sudo {START.relative_to(launch.REPO_ROOT)}")
+                return None, (
+                    "no SLURM test cluster is running and starting one needs root: "
+                    f"sudo {START.relative_to(launch.REPO_ROOT)}"
+                )
             proc = _start_script("start", 120)
             if proc.returncode != 0:
                 return None, f"the SLURM test cluster could not start ({START.name}): " + launch._tail(
-                    proc.stdout + proc.stderr, 8)
+                    proc.stdout + proc.stderr, 8
+                )
             started = True
         cpus = int(_client(["sinfo", "-h", "-N", "-o", "%c"]).stdout.split()[0])
     except (OSError, subprocess.TimeoutExpired, AssertionError, ValueError, IndexError) as exc:

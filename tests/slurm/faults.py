@@ -47,9 +47,15 @@ class Faults(Callback):
         if self.folder is None:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        record = {"step": trainer.global_step, "rank": trainer.global_rank, "local_rank": trainer.local_rank,
-                  "world_size": trainer.world_size, "run_dir": os.path.abspath(trainer.log_dir),
-                  "job_id": os.environ.get("SLURM_JOB_ID"), "restart": os.environ.get("SLURM_RESTART_COUNT", "0")}
+        record = {
+            "step": trainer.global_step,
+            "rank": trainer.global_rank,
+            "local_rank": trainer.local_rank,
+            "world_size": trainer.world_size,
+            "run_dir": os.path.abspath(trainer.log_dir),
+            "job_id": os.environ.get("SLURM_JOB_ID"),
+            "restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
+        }
         with open(self.folder / f"started-rank{trainer.global_rank}", "a") as handle:
             handle.write(json.dumps(record) + "\n")
 

@@ -206,13 +206,17 @@ class CpuStager:
             values.reverse()  # pop() hands them out in the order they were made
         return pool
 
-    def _stage(self, obj: Any, memo: dict[tuple, torch.Tensor], pool: dict[tuple, list[torch.Tensor]],
-               cuda: list[bool]) -> Any:
+    def _stage(
+        self, obj: Any, memo: dict[tuple, torch.Tensor], pool: dict[tuple, list[torch.Tensor]], cuda: list[bool]
+    ) -> Any:
         if isinstance(obj, torch.Tensor):
             t = obj.detach()
             strided = t.layout == torch.strided
-            key = (t.device, t.dtype, t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride())) \
-                if strided and t.numel() else None
+            key = (
+                (t.device, t.dtype, t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                if strided and t.numel()
+                else None
+            )
             if key is not None and key in memo:
                 return memo[key]
             on_cuda = t.device.type == "cuda"
@@ -239,8 +243,9 @@ class CpuStager:
         if isinstance(obj, tuple):
             items = [self._stage(v, memo, pool, cuda) for v in obj]
             return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-        if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype, torch.device,
-                                           torch.Size)):
+        if obj is None or isinstance(
+            obj, (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+        ):
             return obj
         return copy.deepcopy(obj)
 
@@ -278,9 +283,17 @@ def save_async(trainer: Any, path: str, checkpointer: AsyncCheckpointer, commit:
 
         task = trainer.task  # non-finite weights: refused on the staged copy, in the background (as below)
         checkpointer.wait()  # the save in flight first: its DCP collectives come before this one's
-        sharded_checkpoint.save_async(ckpt.assemble(trainer), path, model_key=K_STATE_DICT,
-                                      optimizers_key=K_OPTIMIZERS, task=task, optimizers=trainer.optimizers,
-                                      is_writer=trainer.is_global_zero, checkpointer=checkpointer, commit=commit)
+        sharded_checkpoint.save_async(
+            ckpt.assemble(trainer),
+            path,
+            model_key=K_STATE_DICT,
+            optimizers_key=K_OPTIMIZERS,
+            task=task,
+            optimizers=trainer.optimizers,
+            is_writer=trainer.is_global_zero,
+            checkpointer=checkpointer,
+            commit=commit,
+        )
         return
     state = ckpt.assemble(trainer)
     if not trainer.is_global_zero:
@@ -301,7 +314,9 @@ def save_async(trainer: Any, path: str, checkpointer: AsyncCheckpointer, commit:
 def _refuse_non_finite(weights: dict[str, Any], params: list[str], path: str, step: int) -> None:
     """As ``checkpoint.save``: a checkpoint of NaN/inf weights is never written (parameters only: a buffer
     may hold -inf on purpose, an attention mask)."""
-    tensors = [weights[n] for n in params if isinstance(weights.get(n), torch.Tensor) and weights[n].is_floating_point()]
+    tensors = [
+        weights[n] for n in params if isinstance(weights.get(n), torch.Tensor) and weights[n].is_floating_point()
+    ]
     if tensors and not bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()):
         raise FloatingPointError(
             f"Refusing to write checkpoint {path!r} at step {step}: the weights hold NaN or inf (a non-finite "

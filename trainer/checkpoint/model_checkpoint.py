@@ -49,12 +49,15 @@ def check_filename(template: str) -> None:
             format(sample, fmt)
         except (ValueError, TypeError) as exc:
             kind = "an int" if key in ("epoch", "step") else "a float (metrics are floats)"
-            raise ValueError(f"ModelCheckpoint(filename={template!r}): field {{{key}:{fmt}}} cannot format "
-                             f"{kind}: {exc}.") from None
+            raise ValueError(
+                f"ModelCheckpoint(filename={template!r}): field {{{key}:{fmt}}} cannot format {kind}: {exc}."
+            ) from None
     leftover = _FIELD.sub("", template)
     if "{" in leftover or "}" in leftover:
-        raise ValueError(f"ModelCheckpoint(filename={template!r}): unbalanced braces; fields look like {{epoch}} "
-                         "or {val/loss:.3f}.")
+        raise ValueError(
+            f"ModelCheckpoint(filename={template!r}): unbalanced braces; fields look like {{epoch}} "
+            "or {val/loss:.3f}."
+        )
 
 
 def link_last(path: str) -> None:
@@ -150,20 +153,28 @@ class ModelCheckpoint(Callback):
                 raise ValueError(f"ModelCheckpoint({name}={value!r}): expected an int >= 1 or None.")
         if not isinstance(async_save, bool):
             raise ValueError(f"ModelCheckpoint(async_save={async_save!r}): expected True or False.")
-        for name, flag in (("verbose", verbose), ("save_weights_only", save_weights_only),
-                           ("auto_insert_metric_name", auto_insert_metric_name),
-                           ("enable_version_counter", enable_version_counter)):
+        for name, flag in (
+            ("verbose", verbose),
+            ("save_weights_only", save_weights_only),
+            ("auto_insert_metric_name", auto_insert_metric_name),
+            ("enable_version_counter", enable_version_counter),
+        ):
             if not isinstance(flag, bool):
                 raise ValueError(f"ModelCheckpoint({name}={flag!r}): expected True or False.")
         if save_on_train_epoch_end is not None and not isinstance(save_on_train_epoch_end, bool):
-            raise ValueError(f"ModelCheckpoint(save_on_train_epoch_end={save_on_train_epoch_end!r}): expected "
-                             "True, False or None.")
+            raise ValueError(
+                f"ModelCheckpoint(save_on_train_epoch_end={save_on_train_epoch_end!r}): expected True, False or None."
+            )
         if save_last not in (None, True, False):
-            raise ValueError(f"ModelCheckpoint(save_last={save_last!r}): expected True, False or None (keel has no "
-                             "'link' mode: save_last=True already leaves last.ckpt as a hard link).")
+            raise ValueError(
+                f"ModelCheckpoint(save_last={save_last!r}): expected True, False or None (keel has no "
+                "'link' mode: save_last=True already leaves last.ckpt as a hard link)."
+            )
         if async_save and save_weights_only:
-            raise ValueError("ModelCheckpoint(async_save=True, save_weights_only=True): pick one (async saves "
-                             "stage the whole run state).")
+            raise ValueError(
+                "ModelCheckpoint(async_save=True, save_weights_only=True): pick one (async saves "
+                "stage the whole run state)."
+            )
         check_filename(filename or "{epoch}-{step}")
         if train_time_interval is not None and not train_time_interval > 0:
             raise ValueError(f"ModelCheckpoint(train_time_interval={train_time_interval!r}): expected seconds > 0.")
@@ -248,8 +259,12 @@ class ModelCheckpoint(Callback):
 
     def on_exception(self, trainer: Trainer, task: TaskModule, exception: BaseException) -> None:
         self._checkpointer.wait(raise_errors=False)  # finish (commit) the save in flight; the run's error wins
-        if (self.save_on_exception and trainer.state_stage == "fit" and trainer.optimizers
-                and trainer.global_step != self._last_saved_step):
+        if (
+            self.save_on_exception
+            and trainer.state_stage == "fit"
+            and trainer.optimizers
+            and trainer.global_step != self._last_saved_step
+        ):
             self.save(trainer, suffix="-exception", force=True)
 
     def state_dict(self) -> dict[str, Any]:
@@ -345,8 +360,11 @@ class ModelCheckpoint(Callback):
             link_last(path)
         if self.verbose:
             score = self.best_k_models.get(path)
-            why = (f"{self.monitor!r} = {score:.6g} (best {self.best_model_score:.6g})" if self.monitor and score is not None
-                   else "the latest")
+            why = (
+                f"{self.monitor!r} = {score:.6g} (best {self.best_model_score:.6g})"
+                if self.monitor and score is not None
+                else "the latest"
+            )
             log.info("Epoch %d, global step %d: saved %s as %s.", trainer.current_epoch, trainer.global_step, path, why)
         for victim in victims:
             if victim != path and victim not in self.best_k_models and os.path.exists(victim):

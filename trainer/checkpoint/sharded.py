@@ -42,7 +42,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 
 from trainer.distributed import comm
@@ -59,8 +63,14 @@ K_OPTIMIZERS = "optimizers"
 # What a real .metadata pickle refers to (torch 2.4 - 2.13); anything else is refused.
 _ALLOWED_GLOBALS: dict[str, set[str]] = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
@@ -83,7 +93,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED_GLOBALS.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise UnsafeCheckpointError(
             f"Checkpoint metadata {self.path!r} refers to {module}.{name}, which is not one of DCP's metadata "
@@ -122,8 +134,16 @@ def _finish(tmp: Path, target: Path, keel_state: dict[str, Any]) -> None:
     _commit(tmp, target)
 
 
-def save(state: dict[str, Any], path: str | os.PathLike, *, model_key: str, optimizers_key: str,
-         task: torch.nn.Module, optimizers: list[torch.optim.Optimizer], is_writer: bool) -> None:
+def save(
+    state: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    model_key: str,
+    optimizers_key: str,
+    task: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    is_writer: bool,
+) -> None:
     """Write ``state`` as the folder ``path``. A collective: every rank calls it.
 
     ``state[model_key]`` / ``state[optimizers_key]`` are replaced by the task's and optimizers' states
@@ -140,7 +160,10 @@ def save(state: dict[str, Any], path: str | os.PathLike, *, model_key: str, opti
     if is_writer:
         target.parent.mkdir(parents=True, exist_ok=True)
     comm.barrier()
-    tensors = {K_MODEL: get_model_state_dict(task), K_OPTIMIZERS: [get_optimizer_state_dict(task, o) for o in optimizers]}
+    tensors = {
+        K_MODEL: get_model_state_dict(task),
+        K_OPTIMIZERS: [get_optimizer_state_dict(task, o) for o in optimizers],
+    }
     rest = {k: v for k, v in state.items() if k not in (model_key, optimizers_key)}
     try:
         # DCP's own error type derives from BaseException: catch it here and say what happened.
@@ -156,9 +179,18 @@ def save(state: dict[str, Any], path: str | os.PathLike, *, model_key: str, opti
     comm.barrier()
 
 
-def save_async(state: dict[str, Any], path: str | os.PathLike, *, model_key: str, optimizers_key: str,
-               task: torch.nn.Module, optimizers: list[torch.optim.Optimizer], is_writer: bool,
-               checkpointer: Any, commit: Any) -> None:
+def save_async(
+    state: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    model_key: str,
+    optimizers_key: str,
+    task: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    is_writer: bool,
+    checkpointer: Any,
+    commit: Any,
+) -> None:
     """:func:`save` in the background. A collective: every rank calls it at the same step boundary.
 
     ``checkpointer`` (trainer/checkpoint/async_save.py) first waits for the save in flight; then every rank
@@ -174,13 +206,17 @@ def save_async(state: dict[str, Any], path: str | os.PathLike, *, model_key: str
     tmp = target.parent / str(tmp_name)
     if is_writer:
         target.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {K_MODEL: get_model_state_dict(task), K_OPTIMIZERS: [get_optimizer_state_dict(task, o) for o in optimizers]}
+    tensors = {
+        K_MODEL: get_model_state_dict(task),
+        K_OPTIMIZERS: [get_optimizer_state_dict(task, o) for o in optimizers],
+    }
     rest = {k: v for k, v in state.items() if k not in (model_key, optimizers_key)}
     stager = checkpointer.__dict__.setdefault("dcp_stager", ReusedStaging())
 
     def stage() -> Any:
-        future = dcp.async_save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
-                                async_stager=stager)
+        future = dcp.async_save(
+            tensors, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group, async_stager=stager
+        )
         return future, _cpu_copy(rest) if is_writer else None
 
     params = [name for name, p in task.named_parameters() if p.is_floating_point()]
@@ -202,7 +238,8 @@ def save_async(state: dict[str, Any], path: str | os.PathLike, *, model_key: str
                 shutil.rmtree(tmp, ignore_errors=True)
             raise FloatingPointError(
                 f"Refusing to write checkpoint {str(target)!r}: the weights hold NaN or inf (a non-finite step got "
-                "through). The last good checkpoint is kept.")
+                "through). The last good checkpoint is kept."
+            )
         try:
             if is_writer:
                 _finish(tmp, target, keel_state)
@@ -282,14 +319,17 @@ def _cpu_copy(obj: Any) -> Any:
 def _save_error(target: Path, tensors: Any, exc: BaseException) -> BaseException:
     """A failed folder write, explained: the OSError of whichever rank failed (DCP collects every rank's
     failures in a CheckpointException, a BaseException), with the bytes needed (this rank's shards) and free."""
-    causes = [exc] + [failure[0] if isinstance(failure, tuple) else failure
-                      for failure in getattr(exc, "failures", {}).values()]
+    causes = [exc] + [
+        failure[0] if isinstance(failure, tuple) else failure for failure in getattr(exc, "failures", {}).values()
+    ]
     for cause in causes:
         found = _os_error(cause) if isinstance(cause, BaseException) else None
         if found is not None:
             return CheckpointSaveError.for_file(target, tensors, found)
-    return RuntimeError(f"Writing sharded checkpoint {os.fspath(target)!r} failed ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0] if str(exc) else ''}); the previous checkpoint is intact.")
+    return RuntimeError(
+        f"Writing sharded checkpoint {os.fspath(target)!r} failed ({type(exc).__name__}: "
+        f"{str(exc).splitlines()[0] if str(exc) else ''}); the previous checkpoint is intact."
+    )
 
 
 def _commit(tmp: Path, target: Path) -> None:
@@ -317,8 +357,9 @@ def read_keel_state(path: str | os.PathLike) -> dict[str, Any]:
     except UnsafeCheckpointError as exc:
         raise CheckpointError(str(exc)) from exc
     except Exception as exc:
-        raise CheckpointError(f"Sharded checkpoint metadata {str(metadata)!r} is truncated or corrupt "
-                              f"({type(exc).__name__}: {exc}).") from exc
+        raise CheckpointError(
+            f"Sharded checkpoint metadata {str(metadata)!r} is truncated or corrupt ({type(exc).__name__}: {exc})."
+        ) from exc
     return CheckpointIO().load(folder / KEEL_FILE, required=(K_FORMAT,))
 
 
@@ -334,13 +375,21 @@ def load(path: str | os.PathLike, task: torch.nn.Module, optimizers: list[torch.
     except BaseException as exc:  # CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(f"Sharded checkpoint {os.fspath(path)!r} could not be loaded into "
-                              f"{type(task).__name__} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}).") from exc
+        raise CheckpointError(
+            f"Sharded checkpoint {os.fspath(path)!r} could not be loaded into "
+            f"{type(task).__name__} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})."
+        ) from exc
     return tensors[K_MODEL], tensors.get(K_OPTIMIZERS, [])
 
 
-def apply(task: torch.nn.Module, optimizers: list[torch.optim.Optimizer], model_state: Any,
-          optimizer_states: list[Any], *, strict: bool = True) -> None:
+def apply(
+    task: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    model_state: Any,
+    optimizer_states: list[Any],
+    *,
+    strict: bool = True,
+) -> None:
     """Load what :func:`load` returned into the task and the optimizers."""
     set_model_state_dict(task, model_state, options=StateDictOptions(strict=strict))
     for optimizer, state in zip(optimizers, optimizer_states):
@@ -355,6 +404,10 @@ def read_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
     read_keel_state(path)  # committed and safe, or a CheckpointError naming the problem
     tensors: dict[str, Any] = {}
-    _load_state_dict(tensors, storage_reader=SafeFileSystemReader(os.fspath(path)),
-                     planner=_EmptyStateDictLoadPlanner(keys={K_MODEL}), no_dist=True)
+    _load_state_dict(
+        tensors,
+        storage_reader=SafeFileSystemReader(os.fspath(path)),
+        planner=_EmptyStateDictLoadPlanner(keys={K_MODEL}),
+        no_dist=True,
+    )
     return {k: v for k, v in tensors[K_MODEL].items()}

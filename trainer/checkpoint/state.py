@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
+
 # ---------------------------------------------------------------------- RNG states
 def _rng_state(device: torch.device) -> dict[str, Any]:
     state: dict[str, Any] = {"python": _python_state_to_safe(random.getstate()), "torch": torch.get_rng_state()}
@@ -146,8 +147,15 @@ def save(trainer: Trainer, path: str | os.PathLike, *, weights_only: bool = Fals
     if trainer.strategy.sharded:
         from trainer.checkpoint import sharded as sharded_checkpoint
 
-        sharded_checkpoint.save(state, path, model_key=K_STATE_DICT, optimizers_key=K_OPTIMIZERS, task=task,
-                                optimizers=trainer.optimizers, is_writer=trainer.is_global_zero)
+        sharded_checkpoint.save(
+            state,
+            path,
+            model_key=K_STATE_DICT,
+            optimizers_key=K_OPTIMIZERS,
+            task=task,
+            optimizers=trainer.optimizers,
+            is_writer=trainer.is_global_zero,
+        )
     else:
         trainer._checkpoint_io.save(state, path, is_writer=trainer.is_global_zero)
     comm.barrier(trainer.device)
@@ -171,8 +179,11 @@ def _plain_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
         if _is_plain(value):
             out[str(key)] = value
         else:
-            log.warning("hparams[%r] (%s) is not a plain value; it is kept in memory but not saved in checkpoints.",
-                        key, type(value).__name__)
+            log.warning(
+                "hparams[%r] (%s) is not a plain value; it is kept in memory but not saved in checkpoints.",
+                key,
+                type(value).__name__,
+            )
     return out
 
 
@@ -230,13 +241,16 @@ def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
     if folder:  # the sharded weights, read into this run's layout (collective), applied after the hooks
         from trainer.checkpoint import sharded as sharded_checkpoint
 
-        state[K_STATE_DICT], state[K_OPTIMIZERS] = sharded_checkpoint.load(path, task, trainer.optimizers if full else [])
+        state[K_STATE_DICT], state[K_OPTIMIZERS] = sharded_checkpoint.load(
+            path, task, trainer.optimizers if full else []
+        )
     task.on_load_checkpoint(state)
     for cb in trainer.callbacks:
         cb.on_load_checkpoint(trainer, task, state)
     if folder:
-        sharded_checkpoint.apply(task, trainer.optimizers if full else [], state[K_STATE_DICT],
-                                 state[K_OPTIMIZERS] if full else [])
+        sharded_checkpoint.apply(
+            task, trainer.optimizers if full else [], state[K_STATE_DICT], state[K_OPTIMIZERS] if full else []
+        )
     else:
         trainer.strategy.load_model_state_dict(task, state[K_STATE_DICT], strict=True)
     log.info("Restored weights from %s.", path)
@@ -244,7 +258,9 @@ def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
         return
     for name in (K_OPTIMIZERS, K_SCHEDULERS, K_LOOP):
         if name not in state:
-            raise CheckpointError(f"Checkpoint {path!r} has no {name!r}: it holds weights only and cannot resume a fit.")
+            raise CheckpointError(
+                f"Checkpoint {path!r} has no {name!r}: it holds weights only and cannot resume a fit."
+            )
     if len(state[K_OPTIMIZERS]) != len(trainer.optimizers):
         raise CheckpointError(
             f"Checkpoint {path!r} holds {len(state[K_OPTIMIZERS])} optimizer state(s) but configure_optimizers "
@@ -267,8 +283,10 @@ def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
         if cb_state is not None:
             cb.load_state_dict(cb_state)
     if saved_callbacks:
-        log.warning("Checkpoint state for callbacks %s has no matching callback in this run; it is ignored.",
-                    sorted(saved_callbacks))
+        log.warning(
+            "Checkpoint state for callbacks %s has no matching callback in this run; it is ignored.",
+            sorted(saved_callbacks),
+        )
     if trainer.datamodule is not None and K_DATAMODULE in state:
         trainer.datamodule.load_state_dict(state[K_DATAMODULE])
     loop = state[K_LOOP]
@@ -302,9 +320,15 @@ def restore_loop(trainer: Trainer, loop: dict[str, Any], *, saved_world_size: in
     else:
         # Another world size or micro-batch size: the global cursor stays exact; batch indices restart from it.
         trainer._epoch_batches_done = -(-trainer._epoch_samples // per_step)
-        log.warning("Checkpoint was saved with world size %d, resuming on %d (micro-batch %s): the data cursor "
-                    "resumes at sample %d of epoch %d.", saved_world_size, trainer.world_size, batch_size,
-                    trainer._epoch_samples, trainer.current_epoch)
+        log.warning(
+            "Checkpoint was saved with world size %d, resuming on %d (micro-batch %s): the data cursor "
+            "resumes at sample %d of epoch %d.",
+            saved_world_size,
+            trainer.world_size,
+            batch_size,
+            trainer._epoch_samples,
+            trainer.current_epoch,
+        )
 
 
 def resolve_ckpt_path(trainer: Trainer, ckpt_path: str) -> str | None:
@@ -331,8 +355,10 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str) -> str | None:
                 break
         best = comm.broadcast_object(best)
         if not best:
-            raise ValueError('ckpt_path="best": no best checkpoint is known (no monitored ModelCheckpoint save '
-                             f"in {callback.dirpath}).")
+            raise ValueError(
+                'ckpt_path="best": no best checkpoint is known (no monitored ModelCheckpoint save '
+                f"in {callback.dirpath})."
+            )
         return best
     chosen: str | None = None
     if trainer.is_global_zero:

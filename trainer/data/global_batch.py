@@ -87,8 +87,10 @@ def _not_divisible(size: int, world_size: int, micro_batch: int, where: str = ""
         per_rank = size // world_size
         divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
         closest = sorted(sorted(divisors, key=lambda d: (abs(d - micro_batch), d))[:6])
-        micro_hint = (f", or keep {size} with a micro-batch size that divides {size} / {world_size} = "
-                      f"{per_rank}: {', '.join(map(str, closest))}")
+        micro_hint = (
+            f", or keep {size} with a micro-batch size that divides {size} / {world_size} = "
+            f"{per_rank}: {', '.join(map(str, closest))}"
+        )
     else:
         micro_hint = f"; no micro-batch size works: {size} is not a multiple of the world size {world_size}"
     return (
@@ -108,10 +110,17 @@ def configure(trainer: Any, loader: Any) -> None:
     if trainer.options.global_batch_size is None:
         return
     micro = micro_batch_size(loader)
-    trainer.accumulation_schedule = accumulation_for(trainer.options.global_batch_size,
-                                                     world_size=trainer.world_size, micro_batch=micro)
-    log.info("%s=%r on %d rank(s) x micro-batch %d: accumulation %s.", OPTION, trainer.options.global_batch_size,
-             trainer.world_size, micro, trainer.accumulation_schedule)
+    trainer.accumulation_schedule = accumulation_for(
+        trainer.options.global_batch_size, world_size=trainer.world_size, micro_batch=micro
+    )
+    log.info(
+        "%s=%r on %d rank(s) x micro-batch %d: accumulation %s.",
+        OPTION,
+        trainer.options.global_batch_size,
+        trainer.world_size,
+        micro,
+        trainer.accumulation_schedule,
+    )
 
 
 def _spec(value: Any) -> Any:

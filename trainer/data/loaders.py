@@ -296,8 +296,7 @@ def _unadaptable_reason(loader: Iterable[Any]) -> tuple[str | None, bool | None]
     inner = getattr(loader.batch_sampler, "sampler", None)
     if isinstance(loader.sampler, DistributedSampler) or isinstance(inner, DistributedSampler):
         raise ValueError(
-            "keel shards data itself; pass the DataLoader with shuffle=True/False and "
-            "no DistributedSampler"
+            "keel shards data itself; pass the DataLoader with shuffle=True/False and no DistributedSampler"
         )
     if type(loader) is not DataLoader:
         name = type(loader).__qualname__
@@ -364,8 +363,13 @@ def _adapt(
         # The sampler seeds this generator now and reseeds it on each set_epoch.
         generator = torch.Generator()
         sampler = ResumableDistributedSampler(
-            n, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-            drop_last=False, worker_generator=generator,
+            n,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=False,
+            worker_generator=generator,
         )
     else:
         generator = torch.Generator().manual_seed(_derive_seed(seed, rank, "eval"))
@@ -400,9 +404,7 @@ def _warn_as_is(loader: Iterable[Any], kind: str, reason: str, num_replicas: int
     )
 
 
-def adapt_train_loader(
-    loader: Iterable[Any], *, num_replicas: int, rank: int, seed: int
-) -> AdaptedLoader:
+def adapt_train_loader(loader: Iterable[Any], *, num_replicas: int, rank: int, seed: int) -> AdaptedLoader:
     """Rebuild a plain training DataLoader around a :class:`ResumableDistributedSampler`.
 
     A loader is rebuilt only when it is exactly ``torch.utils.data.DataLoader`` over a
@@ -440,9 +442,7 @@ def adapt_train_loader(
     return _adapt(loader, "train", num_replicas, rank, seed)
 
 
-def adapt_eval_loader(
-    loader: Iterable[Any], *, num_replicas: int, rank: int, seed: int
-) -> AdaptedLoader:
+def adapt_eval_loader(loader: Iterable[Any], *, num_replicas: int, rank: int, seed: int) -> AdaptedLoader:
     """Rebuild a plain evaluation DataLoader around an :class:`EvalShardSampler`.
 
     Same rules, arguments and errors as :func:`adapt_train_loader`, except that the
@@ -541,11 +541,12 @@ def agree_on_batches(num_batches: int, device: torch.device, *, uneven: Literal[
     low, high = int(counts[0].item()), -int(counts[1].item())
     if low == high:
         return num_batches
-    message = (f"Ranks have different numbers of training batches this epoch (min {low}, max {high}; this rank "
-               f"{num_batches}), from a loader keel does not shard.")
+    message = (
+        f"Ranks have different numbers of training batches this epoch (min {low}, max {high}; this rank "
+        f"{num_batches}), from a loader keel does not shard."
+    )
     if uneven == "error":
-        raise ValueError(message + " Pass a plain DataLoader so keel shards it evenly, or "
-                         "uneven_batches='truncate'.")
+        raise ValueError(message + " Pass a plain DataLoader so keel shards it evenly, or uneven_batches='truncate'.")
     logger.warning("%s Every rank runs %d (uneven_batches='truncate').", message, low)
     return low
 
@@ -566,7 +567,9 @@ def warn_if_unsharded(batch: Any, loader: Any) -> None:
         logger.warning(
             "Every rank got the same first batch from %s: the data is probably not sharded by rank, so each "
             "rank trains on the same samples. Shard it (trainer.data.shard_iterable) or pass a plain "
-            "DataLoader over a map-style dataset.", type(loader).__name__)
+            "DataLoader over a map-style dataset.",
+            type(loader).__name__,
+        )
 
 
 @dataclass
@@ -580,9 +583,17 @@ class EpochPlan:
     samples_per_batch: int  # global samples one micro-batch consumes; 0 when keel does not shard
 
 
-def plan_epoch(train: AdaptedLoader, *, epoch: int, batches_done: int, samples_done: int,
-               limit: Callable[[Iterable[Any]], int | None], world_size: int, device: torch.device,
-               uneven: Literal["error", "truncate"]) -> EpochPlan:
+def plan_epoch(
+    train: AdaptedLoader,
+    *,
+    epoch: int,
+    batches_done: int,
+    samples_done: int,
+    limit: Callable[[Iterable[Any]], int | None],
+    world_size: int,
+    device: torch.device,
+    uneven: Literal["error", "truncate"],
+) -> EpochPlan:
     """Set the sampler to ``epoch`` and the resume cursor, and make every rank run the same batches.
 
     ``limit(loader)`` gives the epoch's length after ``limit_train_batches``; it is read after the
@@ -606,8 +617,10 @@ def plan_epoch(train: AdaptedLoader, *, epoch: int, batches_done: int, samples_d
     if start and sampler is not None:
         sampler.set_cursor(samples_done)  # resume at the global sample cursor: nothing is re-read
     elif start:
-        logger.warning("Resuming mid-epoch with a loader keel cannot adapt (%s): the epoch restarts from its "
-                       "first batch.", train.reason)
+        logger.warning(
+            "Resuming mid-epoch with a loader keel cannot adapt (%s): the epoch restarts from its first batch.",
+            train.reason,
+        )
         start = samples_done = 0
     samples_per_batch = (train.loader.batch_size or 0) * world_size if sampler is not None else 0
     return EpochPlan(start, samples_done, num_batches, agree, samples_per_batch)

@@ -26,13 +26,19 @@ def move_to_device(batch: Any, device: torch.device, *, float_dtype: torch.dtype
                 return obj.to(device=device, dtype=float_dtype, non_blocking=non_blocking)
             return obj.to(device, non_blocking=non_blocking)
         if isinstance(obj, Mapping):
-            return type(obj)({k: move(v) for k, v in obj.items()}) if type(obj) is not dict else {k: move(v) for k, v in obj.items()}
+            return (
+                type(obj)({k: move(v) for k, v in obj.items()})
+                if type(obj) is not dict
+                else {k: move(v) for k, v in obj.items()}
+            )
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # named tuple
             return type(obj)(*(move(v) for v in obj))
         if isinstance(obj, (list, tuple)):
             return type(obj)(move(v) for v in obj)
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            return dataclasses.replace(obj, **{f.name: move(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init})
+            return dataclasses.replace(
+                obj, **{f.name: move(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+            )
         return obj
 
     return move(batch)

@@ -114,7 +114,12 @@ def init_process_group(
             kwargs["device_id"] = torch.device("cuda", index)
     logger.info(
         "Initialising process group: backend=%s rank=%d world_size=%d master=%s:%s timeout=%s",
-        backend, env.rank, env.world_size, env.master_addr, env.master_port, timeout,
+        backend,
+        env.rank,
+        env.world_size,
+        env.master_addr,
+        env.master_port,
+        timeout,
     )
     join_timeout = init_timeout or timeout
     try:
@@ -178,7 +183,10 @@ def ensure_process_group(
         _destroy_at_exit()
     logger.info(
         "Process group: backend=%s world_size=%d (launcher %s, %d node(s)).",
-        backend, env.world_size, env.launcher, max(1, env.world_size // max(1, env.local_world_size)),
+        backend,
+        env.world_size,
+        env.launcher,
+        max(1, env.world_size // max(1, env.local_world_size)),
     )
     return created
 
@@ -216,7 +224,11 @@ def _rendezvous_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
         store = dist.TCPStore(host_name=host, port=port, world_size=env.world_size, is_master=False, timeout=timeout)
         return dist.PrefixStore(f"keel/attempt_{attempt}", store)
     return dist.TCPStore(
-        host_name=host, port=port, world_size=env.world_size, is_master=env.rank == 0, timeout=timeout,
+        host_name=host,
+        port=port,
+        world_size=env.world_size,
+        is_master=env.rank == 0,
+        timeout=timeout,
         wait_for_workers=True,
     )
 

@@ -22,8 +22,13 @@ Launcher = Literal["single", "torchrun", "slurm"]
 # Variables whose presence means "launched by torchrun"; the rest are read if present.
 _TORCHRUN_MARKERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _TORCHRUN_VARS = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-    "MASTER_ADDR", "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
 )
 _SLURM_PORT_BASE = 10000
 _SLURM_PORT_SPAN = 20000
@@ -90,13 +95,9 @@ def _check_ranks(
     if rank >= world_size:
         raise ValueError(f"{rank_n}={rank} must be smaller than {world_n}={world_size}.")
     if local_world_size > world_size:
-        raise ValueError(
-            f"{local_world_n}={local_world_size} cannot exceed {world_n}={world_size}."
-        )
+        raise ValueError(f"{local_world_n}={local_world_size} cannot exceed {world_n}={world_size}.")
     if local_rank >= local_world_size:
-        raise ValueError(
-            f"{local_n}={local_rank} must be smaller than {local_world_n}={local_world_size}."
-        )
+        raise ValueError(f"{local_n}={local_rank} must be smaller than {local_world_n}={local_world_size}.")
 
 
 def _parse_port(name: str, value: str) -> int:
@@ -123,12 +124,13 @@ def _detect_torchrun(environ: Mapping[str, str]) -> DistEnv:
     world_size = _parse_int("WORLD_SIZE", environ["WORLD_SIZE"], minimum=1)
     rank = _parse_int("RANK", environ["RANK"])
     local_rank = _parse_int("LOCAL_RANK", environ.get("LOCAL_RANK", "0"))
-    local_world_size = _parse_int(
-        "LOCAL_WORLD_SIZE", environ.get("LOCAL_WORLD_SIZE", str(world_size)), minimum=1
-    )
+    local_world_size = _parse_int("LOCAL_WORLD_SIZE", environ.get("LOCAL_WORLD_SIZE", str(world_size)), minimum=1)
     node_rank = _parse_int("GROUP_RANK", environ.get("GROUP_RANK", "0"))
     _check_ranks(
-        rank, world_size, local_rank, local_world_size,
+        rank,
+        world_size,
+        local_rank,
+        local_world_size,
         ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
     )
     master_addr = environ["MASTER_ADDR"].strip()
@@ -136,8 +138,14 @@ def _detect_torchrun(environ: Mapping[str, str]) -> DistEnv:
         raise ValueError("Environment variable MASTER_ADDR is empty; set it to rank 0's host.")
     master_port = _parse_port("MASTER_PORT", environ["MASTER_PORT"])
     return DistEnv(
-        "torchrun", rank, local_rank, world_size, local_world_size, node_rank,
-        master_addr, master_port,
+        "torchrun",
+        rank,
+        local_rank,
+        world_size,
+        local_world_size,
+        node_rank,
+        master_addr,
+        master_port,
     )
 
 
@@ -174,7 +182,10 @@ def _detect_slurm(environ: Mapping[str, str], ntasks: int, ntasks_name: str) -> 
     node_rank = _parse_int("SLURM_NODEID", environ.get("SLURM_NODEID", "0"))
     local_world_size, local_world_name = _slurm_local_world_size(environ, node_rank)
     _check_ranks(
-        rank, ntasks, local_rank, local_world_size,
+        rank,
+        ntasks,
+        local_rank,
+        local_world_size,
         ("SLURM_PROCID", ntasks_name, "SLURM_LOCALID", local_world_name),
     )
     if environ.get("MASTER_ADDR", "").strip():
@@ -200,9 +211,7 @@ def _detect_slurm(environ: Mapping[str, str], ntasks: int, ntasks_name: str) -> 
         # Derived from the job id alone, so every task of the job computes the same port.
         job_id = _parse_int(job_id_name, environ[job_id_name])
         master_port = _SLURM_PORT_BASE + job_id % _SLURM_PORT_SPAN
-    return DistEnv(
-        "slurm", rank, local_rank, ntasks, local_world_size, node_rank, master_addr, master_port
-    )
+    return DistEnv("slurm", rank, local_rank, ntasks, local_world_size, node_rank, master_addr, master_port)
 
 
 def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -255,7 +264,8 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
                         "SLURM_NTASKS=%d but SLURM_STEP_NUM_TASKS is unset: assuming %d tasks "
                         "were started by srun. If you ran python directly in an sbatch script, "
                         "launch it with `srun` (or use --ntasks=1), or init will time out.",
-                        ntasks, ntasks,
+                        ntasks,
+                        ntasks,
                     )
                 return _detect_slurm(env, ntasks, ntasks_name)
     return _single_env()
@@ -286,11 +296,9 @@ def parse_slurm_nodelist_first(nodelist: str) -> str:
             if end == -1:
                 raise ValueError(f"Malformed Slurm node list {nodelist!r}: '[' without ']'.")
             # The first item's lower bound, kept as written so "09-11" gives "09".
-            first = text[i + 1:end].split(",")[0].split("-")[0].strip()
+            first = text[i + 1 : end].split(",")[0].split("-")[0].strip()
             if not first.isdigit():
-                raise ValueError(
-                    f"Malformed Slurm node list {nodelist!r}: bad range {text[i:end + 1]!r}."
-                )
+                raise ValueError(f"Malformed Slurm node list {nodelist!r}: bad range {text[i : end + 1]!r}.")
             host.append(first)
             i = end + 1
         elif text[i] == "]":

@@ -83,7 +83,12 @@ def save_and_exit(trainer: Any, watcher: PreemptionWatcher) -> None:
     else:
         path = os.path.join(trainer.log_dir, "checkpoints", f"preempted-step={trainer.global_step}.ckpt")
         trainer.save_checkpoint(path)
-    log.warning("Preempted (%s) at step %d: saved %s; exiting with code %d so the launcher restarts the "
-                "job (resume with ckpt_path='last').", watcher.signal_name or "signal on another rank",
-                trainer.global_step, path, PREEMPTED_EXIT_CODE)
+    log.warning(
+        "Preempted (%s) at step %d: saved %s; exiting with code %d so the launcher restarts the "
+        "job (resume with ckpt_path='last').",
+        watcher.signal_name or "signal on another rank",
+        trainer.global_step,
+        path,
+        PREEMPTED_EXIT_CODE,
+    )
     raise SystemExit(PREEMPTED_EXIT_CODE)

@@ -140,7 +140,8 @@ class Strategy:
         if not isinstance(tensor, torch.Tensor) or self.world_size == 1:
             return tensor
         op = {None: "mean", "mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}.get(
-            reduce_op.lower() if isinstance(reduce_op, str) else reduce_op)
+            reduce_op.lower() if isinstance(reduce_op, str) else reduce_op
+        )
         if op is None:
             raise ValueError(f"Strategy.reduce(reduce_op={reduce_op!r}): expected 'mean', 'sum', 'max' or 'min'.")
         out = tensor.detach().clone() if tensor.is_floating_point() or op != "mean" else tensor.double()
@@ -376,12 +377,19 @@ class FSDPStrategy(Strategy):
         # precision plugin's autocast (the numerics of DDP's bf16-mixed, and Lightning's FSDP mapping).
         # fsdp_bf16_params also gathers and computes with bf16 parameters: half the all-gather traffic and
         # unsharded-parameter memory, at a measured cost in accuracy (README).
-        mp = MixedPrecisionPolicy(reduce_dtype=torch.float32) if opts.precision == "bf16-mixed" else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(reduce_dtype=torch.float32)
+            if opts.precision == "bf16-mixed"
+            else MixedPrecisionPolicy()
+        )
         if opts.fsdp_bf16_params:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if opts.fsdp_cpu_offload else OffloadPolicy()
-        kwargs = dict(mesh=mesh, reshard_after_forward=opts.fsdp_reshard_after_forward, mp_policy=mp,
-                      offload_policy=offload)
+        offload = (
+            CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if opts.fsdp_cpu_offload else OffloadPolicy()
+        )
+        kwargs = dict(
+            mesh=mesh, reshard_after_forward=opts.fsdp_reshard_after_forward, mp_policy=mp, offload_policy=offload
+        )
         for unit in self.units(task):
             fully_shard(unit, **kwargs)
         fully_shard(task, **kwargs)  # the root: every parameter left outside the units
@@ -405,14 +413,22 @@ class FSDPStrategy(Strategy):
         else:
             names = {w for w in wanted if isinstance(w, str)}
             types = tuple(w for w in wanted if isinstance(w, type))
-            found = [m for m in task.modules() if m is not task and (
-                type(m).__name__ in names or type(m).__qualname__ in names or (types and isinstance(m, types)))]
-            present = {type(m).__name__ for m in found} | {t.__name__ for t in types if any(isinstance(m, t) for m in found)}
+            found = [
+                m
+                for m in task.modules()
+                if m is not task
+                and (type(m).__name__ in names or type(m).__qualname__ in names or (types and isinstance(m, types)))
+            ]
+            present = {type(m).__name__ for m in found} | {
+                t.__name__ for t in types if any(isinstance(m, t) for m in found)
+            }
             missing = sorted(n for n in names if n not in present and not any(type(m).__qualname__ == n for m in found))
             if missing:
                 classes = sorted({type(m).__name__ for m in task.modules() if m is not task})
-                raise ValueError(f"Trainer option fsdp_units names {missing}, which no submodule of "
-                                 f"{type(task).__name__} is; its module classes: {classes}.")
+                raise ValueError(
+                    f"Trainer option fsdp_units names {missing}, which no submodule of "
+                    f"{type(task).__name__} is; its module classes: {classes}."
+                )
         inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
         units = [m for m in found if id(m) not in inner and any(True for _ in m.parameters())]
         return units
@@ -420,8 +436,11 @@ class FSDPStrategy(Strategy):
     def _check_batchnorm(self, task: nn.Module) -> None:
         if self.options.sync_batchnorm:
             return
-        bn = [name for name, m in task.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-              and not isinstance(m, nn.SyncBatchNorm)]
+        bn = [
+            name
+            for name, m in task.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+        ]
         if bn:
             raise ValueError(
                 f"strategy='fsdp': {type(task).__name__} has BatchNorm layers ({', '.join(bn[:5])}), whose running "
@@ -452,7 +471,9 @@ class FSDPStrategy(Strategy):
 
     def weights_finite(self, task: nn.Module) -> bool:
         local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in task.parameters()]
-        flag = torch.tensor([1.0 if all(bool(torch.isfinite(t).all()) for t in local) else 0.0], device=self.root_device)
+        flag = torch.tensor(
+            [1.0 if all(bool(torch.isfinite(t).all()) for t in local) else 0.0], device=self.root_device
+        )
         return bool(comm.all_reduce(flag, "min").item() > 0)  # a collective: every rank answers the same
 
     def model_state_dict(self, task: nn.Module) -> dict[str, Any]:
@@ -480,8 +501,10 @@ class FSDPStrategy(Strategy):
             # A plain optimizer.state_dict() (a DDP checkpoint file): parameters by position; name them.
             names = {id(p): n for n, p in self.task.named_parameters()}  # type: ignore[union-attr]
             order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-            state = {"state": {order[i]: v for i, v in state["state"].items()},
-                     "param_groups": [dict(g, params=[order[i] for i in g["params"]]) for g in groups]}
+            state = {
+                "state": {order[i]: v for i, v in state["state"].items()},
+                "param_groups": [dict(g, params=[order[i] for i in g["params"]]) for g in groups],
+            }
             set_optimizer_state_dict(self.task, optimizer, state, options=StateDictOptions(full_state_dict=True))
             return
         set_optimizer_state_dict(self.task, optimizer, state)

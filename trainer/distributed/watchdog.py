@@ -224,15 +224,22 @@ class Watchdog:
         logger.error(
             "Rank %d made no progress for %.1f s (watchdog timeout %g s): stuck %s at step %d%s. "
             "Python stacks of all threads: %s. Exiting so the launcher can restart the job.",
-            self.rank, silent_for, self.timeout, describe_phase(phase), step,
-            _main_thread_location(), where,
+            self.rank,
+            silent_for,
+            self.timeout,
+            describe_phase(phase),
+            step,
+            _main_thread_location(),
+            where,
         )
         # After the log line: the first dump in a process can take seconds (torch imports lazily).
         fr_path = self._write_flight_recorder(stamp)
         if fr_path is not None:
             logger.error(
                 "Rank %d: collectives in flight are in the c10d Flight Recorder dump %s "
-                "(read all ranks' dumps with `torchfrtrace`).", self.rank, fr_path,
+                "(read all ranks' dumps with `torchfrtrace`).",
+                self.rank,
+                fr_path,
             )
         self.on_fire()
 
@@ -363,15 +370,12 @@ def nccl_flight_recorder_env_defaults(
     if run_dir is not None:
         prefix = os.path.join(os.path.abspath(os.fspath(run_dir)), "nccl_trace_rank_")
         candidates.append((file_names if fr_names else file_names[::-1], prefix))
-    return {
-        names[0]: value
-        for names, value in candidates
-        if not any(name in environ for name in names)
-    }
+    return {names[0]: value for names, value in candidates if not any(name in environ for name in names)}
 
 
-def start_for_run(timeout: float | None, *, world_size: int, process_group_timeout: float, run_dir: str,
-                  rank: int) -> Watchdog | None:
+def start_for_run(
+    timeout: float | None, *, world_size: int, process_group_timeout: float, run_dir: str, rank: int
+) -> Watchdog | None:
     """The Trainer's watchdog for one stage, started; None when off. ``timeout`` None means the default:
     ``min(600, process_group_timeout)`` seconds in a distributed run, off in a single process."""
     if timeout is None and world_size > 1:

@@ -214,8 +214,9 @@ def log_fit_start(loggers: list[Logger], task: Any, options: dict[str, Any], *, 
         total = sum(p.numel() for p in params)
         trainable = sum(p.numel() for p in params if p.requires_grad)
         size_mb = sum(p.numel() * p.element_size() for p in params) / 2**20
-        log.info("%s: %s parameters (%s trainable), %.2f MB.", type(task).__name__, f"{total:,}",
-                 f"{trainable:,}", size_mb)
+        log.info(
+            "%s: %s parameters (%s trainable), %.2f MB.", type(task).__name__, f"{total:,}", f"{trainable:,}", size_mb
+        )
     hparams: dict[str, Any] = {"trainer": options}
     if task.hparams and task._log_hyperparams:
         hparams["task"] = dict(task.hparams)
@@ -257,4 +258,3 @@ def default_loggers(option: Any, default_root_dir: str | None) -> list[Logger]:
     if isinstance(option, (list, tuple)) and all(isinstance(item, Logger) for item in option):
         return list(option)
     raise ValueError(f"Invalid Trainer option logger={option!r}; expected {_VALID_LOGGER_CHOICES}.")
-

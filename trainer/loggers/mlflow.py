@@ -81,8 +81,10 @@ class MLFlowLogger(Logger):
         self.experiment_name = experiment_name
         self.run_name = run_name
         self._default_store = tracking_uri is None and not os.environ.get("MLFLOW_TRACKING_URI")
-        self.tracking_uri: str = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (
-            "sqlite:///" + str(Path(self.save_dir).resolve() / DB_FILE)
+        self.tracking_uri: str = (
+            tracking_uri
+            or os.environ.get("MLFLOW_TRACKING_URI")
+            or ("sqlite:///" + str(Path(self.save_dir).resolve() / DB_FILE))
         )
         self.tags = dict(tags or {})
         self.log_model = tracking.check_log_model(log_model, type(self).__name__)
@@ -132,7 +134,7 @@ class MLFlowLogger(Logger):
             from mlflow.tracking import MlflowClient
         except ImportError as exc:
             raise ImportError(
-                "MLFlowLogger needs the mlflow package: `pip install -e \".[mlflow]\"` (or `pip install mlflow`)."
+                'MLFlowLogger needs the mlflow package: `pip install -e ".[mlflow]"` (or `pip install mlflow`).'
             ) from exc
         client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment_id = self._experiment(client)
@@ -140,19 +142,26 @@ class MLFlowLogger(Logger):
         run_id = self._requested_run_id or state.get("run_id") or self._find_run(client, experiment_id, log_dir)
         if run_id is None:
             tags = {RUN_DIR_TAG: os.path.abspath(log_dir), **{k: str(v) for k, v in self.tags.items()}}
-            run = client.create_run(experiment_id, tags=tags,
-                                    run_name=self.run_name or os.path.relpath(log_dir, self.save_dir))
+            run = client.create_run(
+                experiment_id, tags=tags, run_name=self.run_name or os.path.relpath(log_dir, self.save_dir)
+            )
             run_id = run.info.run_id
             steps: dict[str, int] = {}
         else:
             client.update_run(run_id, status="RUNNING")
             steps = self._recorded_steps(client, run_id)
-        tracking.write_state(self.state_path, {"run_id": run_id, "experiment_id": experiment_id,
-                                               "tracking_uri": self.tracking_uri})
+        tracking.write_state(
+            self.state_path, {"run_id": run_id, "experiment_id": experiment_id, "tracking_uri": self.tracking_uri}
+        )
         self._client, self._run_id, self._experiment_id, self._running = client, run_id, experiment_id, True
         self._marks = tracking.StepWatermarks(steps)
-        log.info("MLflow run %s (%s) of experiment %r in %s", run_id, "resumed" if steps or state else "new",
-                 self.experiment_name, self.tracking_uri)
+        log.info(
+            "MLflow run %s (%s) of experiment %r in %s",
+            run_id,
+            "resumed" if steps or state else "new",
+            self.experiment_name,
+            self.tracking_uri,
+        )
 
     def _experiment(self, client: MlflowClient) -> str:
         found = client.get_experiment_by_name(self.experiment_name)
@@ -205,7 +214,7 @@ class MLFlowLogger(Logger):
         batch = [Metric(key, float(value), stamp, step) for key, value in fresh.items()]
         extra = {} if self.synchronous is None else {"synchronous": self.synchronous}
         for start in range(0, len(batch), 1000):
-            client.log_batch(self._run_id, metrics=batch[start:start + 1000], **extra)  # type: ignore[arg-type]
+            client.log_batch(self._run_id, metrics=batch[start : start + 1000], **extra)  # type: ignore[arg-type]
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         """Logs ``params`` flattened with ``/`` as MLflow params; params the run already has are kept."""
@@ -224,10 +233,14 @@ class MLFlowLogger(Logger):
             elif existing[key] != value:
                 changed.append(f"{key}: {existing[key]!r} -> {value!r}")
         for start in range(0, len(new), _BATCH):
-            client.log_batch(self._run_id, params=new[start:start + _BATCH])  # type: ignore[arg-type]
+            client.log_batch(self._run_id, params=new[start : start + _BATCH])  # type: ignore[arg-type]
         if changed:
-            log.warning("MLflow run %s keeps its first value of %d param(s) (MLflow params cannot change):\n  %s",
-                        self._run_id, len(changed), "\n  ".join(changed))
+            log.warning(
+                "MLflow run %s keeps its first value of %d param(s) (MLflow params cannot change):\n  %s",
+                self._run_id,
+                len(changed),
+                "\n  ".join(changed),
+            )
 
     def log_config(self, config: dict[str, Any]) -> None:
         """The resolved run config: ``config.yaml`` among the run's artifacts and ``config/...`` params."""
@@ -250,5 +263,7 @@ class MLFlowLogger(Logger):
         self._running = False
 
     def __repr__(self) -> str:
-        return (f"MLFlowLogger(experiment_name={self.experiment_name!r}, save_dir={self.save_dir!r}, "
-                f"version={self.version!r}, tracking_uri={self.tracking_uri!r}, run_id={self.run_id!r})")
+        return (
+            f"MLFlowLogger(experiment_name={self.experiment_name!r}, save_dir={self.save_dir!r}, "
+            f"version={self.version!r}, tracking_uri={self.tracking_uri!r}, run_id={self.run_id!r})"
+        )

@@ -64,8 +64,11 @@ class StepWatermarks:
             else:
                 self.skipped += 1
         if len(out) != len(metrics):
-            log.debug("step %d: %d metric(s) already recorded by the tracked run, not sent again", step,
-                      len(metrics) - len(out))
+            log.debug(
+                "step %d: %d metric(s) already recorded by the tracked run, not sent again",
+                step,
+                len(metrics) - len(out),
+            )
         return out
 
 
@@ -86,8 +89,10 @@ def checkpoint_files(log_dir: str) -> list[str]:
     if not os.path.isdir(folder):
         return []
     return sorted(
-        os.path.join(folder, name) for name in os.listdir(folder)
-        if name.endswith(CHECKPOINT_SUFFIXES) and not name.startswith(".")
+        os.path.join(folder, name)
+        for name in os.listdir(folder)
+        if name.endswith(CHECKPOINT_SUFFIXES)
+        and not name.startswith(".")
         and os.path.isfile(os.path.join(folder, name))
     )
 

@@ -139,13 +139,18 @@ class WandbLogger(Logger):
             import wandb
         except ImportError as exc:
             raise ImportError(
-                "WandbLogger needs the wandb package: `pip install -e \".[wandb]\"` (or `pip install wandb`)."
+                'WandbLogger needs the wandb package: `pip install -e ".[wandb]"` (or `pip install wandb`).'
             ) from exc
         state = tracking.read_state(self.state_path)
         run_id = self._requested_id or state.get("id") or _new_run_id()
         if state.get("id") not in (None, run_id):
-            log.warning("WandbLogger: %s names W&B run %s but id=%r was given; logging to %s.",
-                        self.state_path, state["id"], run_id, run_id)
+            log.warning(
+                "WandbLogger: %s names W&B run %s but id=%r was given; logging to %s.",
+                self.state_path,
+                state["id"],
+                run_id,
+                run_id,
+            )
         self._state = {"id": run_id, "project": self.project}
         tracking.write_state(self.state_path, self._state)  # before the run exists: a restart keeps the id
         wandb_dir = self.dir or log_dir
@@ -167,8 +172,13 @@ class WandbLogger(Logger):
         init.update(self._init_kwargs)
         os.makedirs(wandb_dir, exist_ok=True)
         run = wandb.init(**init)
-        log.info("W&B run %s (%s%s) in %s", run.id, f"resumed after step {max(self._marks.steps.values())}, "
-                 if self._marks.steps else "", "offline" if run.offline else "online", log_dir)
+        log.info(
+            "W&B run %s (%s%s) in %s",
+            run.id,
+            f"resumed after step {max(self._marks.steps.values())}, " if self._marks.steps else "",
+            "offline" if run.offline else "online",
+            log_dir,
+        )
         return run
 
     @staticmethod
@@ -223,5 +233,7 @@ class WandbLogger(Logger):
                 log.warning("W&B had not finished writing %s after %.0f s.", run_file, FINISH_TIMEOUT)
 
     def __repr__(self) -> str:
-        return (f"WandbLogger(project={self.project!r}, save_dir={self.save_dir!r}, version={self.version!r}, "
-                f"run_id={self.run_id!r})")
+        return (
+            f"WandbLogger(project={self.project!r}, save_dir={self.save_dir!r}, version={self.version!r}, "
+            f"run_id={self.run_id!r})"
+        )

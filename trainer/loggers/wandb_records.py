@@ -38,7 +38,7 @@ def _payloads(data: bytes) -> Iterator[bytes]:
         if length == 0 and kind == 0:  # zero padding at the end of a block
             pos += room
             continue
-        chunk = data[pos + HEADER.size: pos + HEADER.size + length]
+        chunk = data[pos + HEADER.size : pos + HEADER.size + length]
         if len(chunk) < length:
             break  # a torn final chunk (the writer was killed): everything before it is intact
         if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != checksum:
@@ -77,7 +77,8 @@ def history(path: str | Path) -> list[dict[str, Any]]:
     """The logged rows (``run.log`` calls), each ``{key: value}`` including ``_step``."""
     return [
         {_item_key(item): json.loads(item.value_json) for item in record.history.item}
-        for record in records(path) if record.WhichOneof("record_type") == "history"
+        for record in records(path)
+        if record.WhichOneof("record_type") == "history"
     ]
 
 

@@ -254,9 +254,13 @@ class SimpleProfiler(Profiler):
                 row += [f"{1e3 * low:.3f}", f"{1e3 * high:.3f}"]
             rows.append(row)
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-        fmt = lambda row: "| " + " | ".join(  # noqa: E731
-            cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in enumerate(zip(row, widths))
-        ) + " |"
+        fmt = lambda row: (
+            "| "
+            + " | ".join(  # noqa: E731
+                cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in enumerate(zip(row, widths))
+            )
+            + " |"
+        )
         rule = "|" + "|".join("-" * (width + 2) for width in widths) + "|"
         return "\n".join([fmt(header), rule, *(fmt(row) for row in rows)])
 
@@ -309,8 +313,9 @@ class PyTorchProfiler(Profiler):
         super().__init__(dirpath, filename)
         self._schedule = schedule
         self._activities = activities
-        self._kwargs = dict(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack,
-                            **profiler_kwargs)
+        self._kwargs = dict(
+            record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack, **profiler_kwargs
+        )
         self.sort_by_key = sort_by_key
         self.row_limit = row_limit
         self._user_dirpath = self.dirpath
@@ -339,8 +344,9 @@ class PyTorchProfiler(Profiler):
         self._profiler = torch_profiler.profile(
             activities=activities,
             schedule=schedule,
-            on_trace_ready=self._on_trace_ready(torch_profiler.tensorboard_trace_handler(
-                self.dirpath, worker_name=f"rank{rank}.{stage}")),
+            on_trace_ready=self._on_trace_ready(
+                torch_profiler.tensorboard_trace_handler(self.dirpath, worker_name=f"rank{rank}.{stage}")
+            ),
             **self._kwargs,
         )
         self._profiler.__enter__()
@@ -350,6 +356,7 @@ class PyTorchProfiler(Profiler):
             handler(prof)
             self._summary = prof.key_averages().table(sort_by=self.sort_by_key, row_limit=self.row_limit)
             log.debug("PyTorchProfiler (rank %d) wrote a trace to %s", self.rank, self.dirpath)
+
         return ready
 
     def start(self, action_name: str) -> None:

@@ -180,8 +180,9 @@ class StepNormaliser:
         loss, outputs, num_items = split_step_output(output)
         return self.scale(loss, num_items, micro, detached=outputs["loss"]), outputs
 
-    def scale(self, loss: torch.Tensor, num_items: Any, micro: MicroBatch,
-              detached: torch.Tensor | None = None) -> torch.Tensor:
+    def scale(
+        self, loss: torch.Tensor, num_items: Any, micro: MicroBatch, detached: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The tensor to backward for one micro-batch's (scalar) loss; ``detached``: ``loss.detach()`` if
         the caller has it already."""
         mode = "mean" if num_items is None else "items"
@@ -228,7 +229,9 @@ class StepNormaliser:
             self.mode, self.ran, self.loss_sum, self.planned = None, 0, None, None  # reset(); items is None
             if ran == 1 and planned is None:
                 return None, loss_sum, False
-            factor = planned / ran if planned is not None and ran < planned else None  # an unknown-length window ended early
+            factor = (
+                planned / ran if planned is not None and ran < planned else None
+            )  # an unknown-length window ended early
             return factor, (loss_sum if ran == 1 else loss_sum / ran), False
         items = self.items
         self.reset()
@@ -271,7 +274,9 @@ def split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any], Any]:
                 f"training_step returned a dict without 'loss' (keys: {sorted(output)}); include the loss tensor."
             )
         loss, num_items = output["loss"], output.get("num_items")
-        extras = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in output.items() if k not in ("loss",)}
+        extras = {
+            k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in output.items() if k not in ("loss",)
+        }
     else:
         raise ValueError(
             f"training_step returned {type(output).__name__}; return a scalar loss tensor or a dict with 'loss'."
@@ -282,14 +287,20 @@ def split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any], Any]:
             f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}."
         )
     if not loss.requires_grad:
-        raise ValueError("training_step's loss does not require grad: it was computed without the task's parameters "
-                         "(or under torch.no_grad()).")
+        raise ValueError(
+            "training_step's loss does not require grad: it was computed without the task's parameters "
+            "(or under torch.no_grad())."
+        )
     extras["loss"] = loss.detach()
     return (loss.reshape(()) if loss.ndim else loss), extras, num_items
 
 
 def estimate_stepping_batches(
-    schedule: AccumulationSchedule, *, batches: int | None, epochs: int | None, max_steps: int,
+    schedule: AccumulationSchedule,
+    *,
+    batches: int | None,
+    epochs: int | None,
+    max_steps: int,
     drop_incomplete: bool,
 ) -> int | float:
     """Optimizer steps a fit will take: ``batches`` per epoch (None: unknown) for ``epochs`` epochs (None

@@ -45,7 +45,9 @@ def _is_optimizer(obj: Any) -> bool:
 
 
 def _is_scheduler(obj: Any) -> bool:
-    return callable(getattr(obj, "step", None)) and callable(getattr(obj, "state_dict", None)) and not _is_optimizer(obj)
+    return (
+        callable(getattr(obj, "step", None)) and callable(getattr(obj, "state_dict", None)) and not _is_optimizer(obj)
+    )
 
 
 def _scheduler_config(item: Any, *, monitor: str | None = None) -> SchedulerConfig:
@@ -72,7 +74,9 @@ def _scheduler_config(item: Any, *, monitor: str | None = None) -> SchedulerConf
     else:
         raise ValueError(f"configure_optimizers: {type(item).__name__} is not a learning-rate scheduler.")
     if config.interval not in ("step", "epoch"):
-        raise ValueError(f"configure_optimizers: lr_scheduler interval={config.interval!r}; expected 'step' or 'epoch'.")
+        raise ValueError(
+            f"configure_optimizers: lr_scheduler interval={config.interval!r}; expected 'step' or 'epoch'."
+        )
     if isinstance(config.frequency, bool) or not isinstance(config.frequency, int) or config.frequency < 1:
         raise ValueError(f"configure_optimizers: lr_scheduler frequency={config.frequency!r}; expected an int >= 1.")
     if not _is_scheduler(config.scheduler):
@@ -136,8 +140,9 @@ def parse_optimizers(result: Any) -> tuple[list[torch.optim.Optimizer], list[Sch
     raise ValueError(f"configure_optimizers returned {type(result).__name__}; return {forms}.")
 
 
-def step_schedulers(configs: Sequence[SchedulerConfig], interval: str, count: int,
-                    metrics: Mapping[str, torch.Tensor]) -> None:
+def step_schedulers(
+    configs: Sequence[SchedulerConfig], interval: str, count: int, metrics: Mapping[str, torch.Tensor]
+) -> None:
     """Step the schedulers of ``interval`` ("step" or "epoch") whose ``frequency`` divides ``count``;
     a scheduler with ``monitor`` gets that metric (a host read: monitored schedulers only).
 
@@ -170,16 +175,26 @@ class ManualOptimization:
     the last micro-batch of each ``accumulate_grad_batches`` window (like DDP's ``no_sync`` on the others).
     """
 
-    def __init__(self, *, trainer: Any, task: Any, callbacks: Sequence[Any], strategy: Strategy,
-                 precision: Precision, clip_val: float | None, clip_algorithm: str,
-                 beat: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        *,
+        trainer: Any,
+        task: Any,
+        callbacks: Sequence[Any],
+        strategy: Strategy,
+        precision: Precision,
+        clip_val: float | None,
+        clip_algorithm: str,
+        beat: Callable[[str], None],
+    ) -> None:
         self.trainer, self.task, self.callbacks = trainer, task, callbacks
         self.strategy, self.precision, self.beat = strategy, precision, beat
         self.clip_val, self.clip_algorithm = clip_val, clip_algorithm
         self.sync = True  # manual_backward of this micro-batch averages gradients over ranks
 
-    def training_step(self, model: torch.nn.Module, batch: Any, batch_idx: int, *,
-                      sync: bool) -> tuple[dict[str, Any], torch.Tensor | None]:
+    def training_step(
+        self, model: torch.nn.Module, batch: Any, batch_idx: int, *, sync: bool
+    ) -> tuple[dict[str, Any], torch.Tensor | None]:
         """Run one micro-batch (the task steps inside); ``(detached outputs, loss or None)``."""
         self.sync = sync
         # A wrapper that reduces inside backward (FSDP) is told whether this micro-batch syncs; DDP's
@@ -213,8 +228,9 @@ class ManualOptimization:
         task.on_before_optimizer_step(optimizer)
         for cb in self.callbacks:
             cb.on_before_optimizer_step(self.trainer, task, optimizer)
-        self.strategy.clip_gradients([p for group in optimizer.param_groups for p in group["params"]],
-                                     self.clip_val, self.clip_algorithm)
+        self.strategy.clip_gradients(
+            [p for group in optimizer.param_groups for p in group["params"]], self.clip_val, self.clip_algorithm
+        )
         self.precision.optimizer_step(optimizer)
 
 
