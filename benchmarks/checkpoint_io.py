@@ -27,13 +27,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from trainer import TaskModule, Trainer  # noqa: E402
-from trainer.checkpoint.files import CheckpointIO  # noqa: E402
-from trainer.checkpoint.model_checkpoint import ModelCheckpoint  # noqa: E402
+from trainer import TaskModule, Trainer
+from trainer.checkpoint.files import CheckpointIO
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 
 
 class Big(TaskModule):
@@ -174,11 +174,13 @@ def save_and_load(width: int, depth: int, folder: Path, repeats: int) -> None:
     size_gb = os.path.getsize(path) / 2**30
     print(f"checkpoint file: {size_gb:.2f} GiB")
     print(
-        f"save (training blocked): median {statistics.median(saves):.2f} s  ({size_gb / statistics.median(saves):.2f} GiB/s)"
+        f"save (training blocked): median {statistics.median(saves):.2f} s  "
+        f"({size_gb / statistics.median(saves):.2f} GiB/s)"
         f"  runs: {', '.join(f'{t:.2f}' for t in saves)}"
     )
     print(
-        f"load + restore:          median {statistics.median(loads):.2f} s  runs: {', '.join(f'{t:.2f}' for t in loads)}"
+        f"load + restore:          median {statistics.median(loads):.2f} s  runs: "
+        f"{', '.join(f'{t:.2f}' for t in loads)}"
     )
     path.unlink()
 

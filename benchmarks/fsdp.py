@@ -214,7 +214,8 @@ def main() -> None:
         blocked = row["save_blocked_s"][s]
         blocked["async_over_sync"] = blocked["async"] / blocked["sync"]
     print(
-        f"{'':8} {'params+grads+optim per rank':>28} {'step (s)':>10} {'save sync (s)':>14} {'save async blocked (s)':>24}"
+        f"{'':8} {'params+grads+optim per rank':>28} {'step (s)':>10} {'save sync (s)':>14} "
+        f"{'save async blocked (s)':>24}"
     )
     for s in results:
         b = row["save_blocked_s"][s]

@@ -28,12 +28,12 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
-from trainer import Callback, TaskModule, Trainer  # noqa: E402
+from trainer import Callback, TaskModule, Trainer
 
 MODELS = {"tiny": (32, 96, 64, 10), "mlp1m": (256, 1024, 704, 10)}
 SETTINGS = (None, "simple", "pytorch")

@@ -6,8 +6,8 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any, Literal
 
-from trainer.distributed import comm
 from trainer.callback import Callback
+from trainer.distributed import comm
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.module import TaskModule

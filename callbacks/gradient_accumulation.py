@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trainer.step.accumulation import AccumulationSchedule
 from trainer.callback import Callback
+from trainer.step.accumulation import AccumulationSchedule
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.module import TaskModule

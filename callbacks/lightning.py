@@ -26,17 +26,17 @@ from callbacks.model_summary import ModelSummary
 from callbacks.throughput import ThroughputMonitor
 from callbacks.timer import Timer
 from trainer.callback import Callback
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+from trainer.distributed.strategy import DDPStrategy, SingleDeviceStrategy, Strategy
 from trainer.lifecycle import seed_everything
 from trainer.loggers.local import CSVLogger, TensorBoardLogger
 from trainer.loggers.logger import Logger
 from trainer.loggers.mlflow import MLFlowLogger
-from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+from trainer.loggers.wandb import WandbLogger
 from trainer.module import DataModule, TaskModule
-from trainer.distributed.strategy import DDPStrategy, SingleDeviceStrategy, Strategy
 from trainer.observability.progress import ProgressBar
 from trainer.observability.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_only, rank_zero_warn
 from trainer.trainer import Trainer
-from trainer.loggers.wandb import WandbLogger
 
 LightningModule = TaskModule
 LightningDataModule = DataModule
@@ -57,7 +57,8 @@ class ParallelStrategy(metaclass=_ParallelStrategyType):
 LACKING: dict[str, str] = {
     "LightningCLI": "keel's command line is Hydra: run `keel-train task=... data=... trainer.max_epochs=3` "
     '(recipes/train.py, README "Configuration and recipes"), or build Trainer(...) and call fit() yourself.',
-    "Fabric": "keel has no Fabric; write the loop with torch and trainer.distributed.comm (collectives), or use Trainer.",
+    "Fabric": "keel has no Fabric; write the loop with torch and trainer.distributed.comm (collectives), "
+    "or use Trainer.",
     "LightningLite": "keel has no Lite/Fabric; write the loop with torch and trainer.distributed.comm, or use Trainer.",
     "Tuner": "keel has no tuner: run learning-rate or batch-size sweeps as separate runs (Hydra --multirun).",
     "StochasticWeightAveraging": "use torch.optim.swa_utils in your task.",
@@ -66,7 +67,8 @@ LACKING: dict[str, str] = {
     "DeepSpeedStrategy": "keel runs DDP and FSDP2 (strategy='ddp' / 'fsdp').",
     "XLAStrategy": "keel runs on CPU and CUDA only.",
     "ModelPruning": "use torch.nn.utils.prune in your task's hooks.",
-    "BasePredictionWriter": "use the list Trainer.predict returns (in dataset order), or write in on_predict_batch_end.",
+    "BasePredictionWriter": "use the list Trainer.predict returns (in dataset order), "
+    "or write in on_predict_batch_end.",
 }
 
 

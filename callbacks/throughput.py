@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.distributed import comm
 from trainer.callback import Callback
 from trainer.data.transfer import infer_batch_size
+from trainer.distributed import comm
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.module import TaskModule

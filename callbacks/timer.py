@@ -6,10 +6,11 @@ import datetime
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
-from trainer.distributed import comm
 from trainer.callback import Callback
+from trainer.distributed import comm
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.module import TaskModule

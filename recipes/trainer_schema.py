@@ -61,7 +61,7 @@ def _omegaconf_type(hint: Any) -> Any:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
         if len(members) == 1 and members[0] in _SCALARS and len(typing.get_args(hint)) == 2:
-            return Optional[members[0]]
+            return Optional[members[0]]  # noqa: UP045 - a run-time typing object for OmegaConf, not an annotation
     return Any
 
 

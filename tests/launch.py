@@ -90,7 +90,7 @@ class LaunchResult:
     def tail(self, n: int = TAIL_LINES) -> str:
         return _tail(self.stdout, n)
 
-    def check(self) -> "LaunchResult":
+    def check(self) -> LaunchResult:
         """Return self if returncode == 0, else raise AssertionError with the output tail."""
         if self.returncode != 0:
             raise AssertionError(
@@ -115,7 +115,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torchrun_options() -> frozenset[str]:
     """Option strings understood by this torch version's torchrun."""
     try:
@@ -136,7 +136,7 @@ def _has_local_addr() -> bool:
     return "--local-addr" in _torchrun_options() or "--local_addr" in _torchrun_options()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _c10d_supports_is_host() -> bool:
     """Whether the c10d rendezvous backend reads the ``is_host`` rdzv-conf key."""
     try:
@@ -521,8 +521,8 @@ def elastic_agents(
     """Two elastic torchrun agents (``--nnodes 1:2``, one worker each) joined by a c10d rendezvous on 127.0.0.1.
 
     Agent 0 hosts the rendezvous store and starts at once; with ``external_store`` a separate process
-    hosts it instead (``is_host=false`` for both agents), so that either agent may die. Agent 1 starts at once too, or, with
-    ``join_when``, as soon as ``join_when()`` returns True (polled every 50 ms): a node that joins a
+    hosts it instead (``is_host=false`` for both agents), so that either agent may die. Agent 1 starts at once
+    too, or, with ``join_when``, as soon as ``join_when()`` returns True (polled every 50 ms): a node that joins a
     running job. Each agent's environment holds ``KEEL_NODE=<index>`` so a worker knows its node. An
     agent that dies (a lost node) does not stop the other: the launch ends when every started agent has
     exited, or at ``timeout`` (everything is killed and AssertionError raised, with both output tails).

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import REPO_ROOT, python, torchrun
+from models import Regression, loader, make_net, quiet, regression_data
 from torch.nn import functional as F
 
 from callbacks import GradientAccumulationScheduler
-from launch import REPO_ROOT, python, torchrun
-from models import Regression, loader, make_net, quiet, regression_data
 from trainer import Callback, Trainer
 from trainer.step.accumulation import AccumulationSchedule
 

@@ -16,18 +16,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from launch import REPO_ROOT, python, torchrun
 from models import Regression, loader, quiet, regression_data
+from torch import nn
+
 from trainer import Callback, Trainer
-from trainer.checkpoint import state as ckpt_module
 from trainer.checkpoint import files as checkpoint_io
-from trainer.checkpoint.files import tensor_bytes
+from trainer.checkpoint import state as ckpt_module
 from trainer.checkpoint.async_save import AsyncCheckpointer, CpuStager, stage_to_cpu
-from trainer.checkpoint.files import POINTER_NAME, CheckpointIO, CheckpointSaveError, write_pointer
+from trainer.checkpoint.files import (
+    POINTER_NAME,
+    CheckpointIO,
+    CheckpointSaveError,
+    read_pointer,
+    tensor_bytes,
+    write_pointer,
+)
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
-from trainer.checkpoint.files import read_pointer
 from trainer.distributed.preemption import PREEMPTED_EXIT_CODE
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "async_fit.py"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import Regression, loader, quiet, regression_data
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
@@ -27,7 +28,6 @@ from callbacks import (
 from callbacks.lambda_function import HOOK_NAMES
 from callbacks.lr_monitor import lr_metric_names
 from callbacks.timer import parse_duration
-from models import Regression, loader, quiet, regression_data
 from trainer import Callback, Trainer
 from trainer.loggers.local import CSVLogger, TensorBoardLogger
 

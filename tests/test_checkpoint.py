@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import REPO_ROOT, python, torchrun
 from models import Regression, loader, quiet, regression_data
+
 from trainer import Trainer
-from trainer.checkpoint.files import CheckpointError, CheckpointIO
-from trainer.checkpoint.state import export_weights
+from trainer.checkpoint.files import CheckpointError, CheckpointIO, read_pointer
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
-from trainer.checkpoint.files import read_pointer
+from trainer.checkpoint.state import export_weights
 from trainer.distributed.preemption import PREEMPTED_EXIT_CODE
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "resume_fit.py"

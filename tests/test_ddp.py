@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import REPO_ROOT, python, torchrun, two_nodes
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "ddp_fit.py"

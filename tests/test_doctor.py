@@ -6,9 +6,9 @@ import argparse
 import re
 
 import pytest
+from launch import free_port, python, torchrun
 
 import trainer.distributed.comm
-from launch import free_port, python, torchrun
 from trainer import doctor
 
 _LAUNCH_VARS = (

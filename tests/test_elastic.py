@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import REPO_ROOT, elastic_agents, python, torchrun
 from models import Regression, loader, quiet, regression_data
+
 from trainer import Callback, Trainer
-from trainer.data.global_batch import accumulation_for
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+from trainer.data.global_batch import accumulation_for
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "elastic_fit.py"
 # Global batch 16 for steps 1-8 (epochs 0 and 1, 4 steps each), 32 from global step 8 on (epoch 2, 2 steps).

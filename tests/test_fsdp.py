@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import REPO_ROOT, python, torchrun
+
 from trainer.checkpoint.files import read_pointer
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "fsdp_fit.py"

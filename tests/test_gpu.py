@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
-
 from launch import REPO_ROOT, torchrun
 from models import Regression, quiet, regression_data
+from torch.utils.data import DataLoader
+
 from trainer import Callback, Trainer
 
 pytestmark = pytest.mark.gpu

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from launch import REPO_ROOT, torchrun
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "hook_order.py"

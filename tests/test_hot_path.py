@@ -9,14 +9,14 @@ import math
 
 import pytest
 import torch
+from models import Regression, quiet, regression_data
 from torch.utils.data import DataLoader
 
-from models import Regression, quiet, regression_data
 from trainer import Callback, TaskModule, Trainer
+from trainer.data.transfer import BatchCopier
 from trainer.hooks import TrainHooks, overrides
 from trainer.step.nonfinite import NonFiniteGuard
 from trainer.step.precision import Precision
-from trainer.data.transfer import BatchCopier
 
 
 class Recorder(Callback):

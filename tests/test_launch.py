@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from launch import LaunchResult, free_port, python, torchrun, two_nodes
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"

@@ -40,7 +40,10 @@ def test_torch_distributed_only_in_dist_parallel_and_checkpoint_modules() -> Non
 
 
 def test_import_trainer_is_cheap() -> None:
-    code = "import sys, trainer; print(sorted(m for m in ('tensorboard', 'hydra', 'tqdm', 'omegaconf') if m in sys.modules))"
+    code = (
+        "import sys, trainer; "
+        "print(sorted(m for m in ('tensorboard', 'hydra', 'tqdm', 'omegaconf') if m in sys.modules))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True
     )

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import REPO_ROOT, torchrun
+from models import Regression, quiet, regression_data
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 import callbacks.lightning as L
-from launch import REPO_ROOT, torchrun
-from models import Regression, quiet, regression_data
 from trainer import DataModule, TaskModule, Trainer
 from trainer.compat import warn_uncalled_hooks
 
@@ -433,8 +433,8 @@ def test_nan_then_finite_loss_is_still_caught_before_a_checkpoint(tmp_path: Path
 
 def test_logger_experiment_on_another_rank_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from trainer.distributed import comm
-    from trainer.loggers.logger import DummyExperiment
     from trainer.loggers.local import TensorBoardLogger
+    from trainer.loggers.logger import DummyExperiment
 
     logger = TensorBoardLogger(str(tmp_path), version=0)
     monkeypatch.setattr(comm, "get_rank", lambda: 1)

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import Regression, quiet, regression_data
 from torch import nn, optim
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainer.trainer as trainer_module
-from models import Regression, quiet, regression_data
 from trainer import TaskModule, Trainer
 from trainer.checkpoint.files import CheckpointIO
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.distributed.launcher import detect_env
 from trainer.loggers.local import CSVLogger
-from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.options import LIGHTNING_UNSUPPORTED, TrainerOptions, check_lightning_keywords
 
 

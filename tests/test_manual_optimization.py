@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
-
 from gan import GAN, gan_data, hand_written_gan
 from launch import REPO_ROOT, python, torchrun
 from models import quiet
+from torch.utils.data import DataLoader
+
 from trainer import Trainer
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "gan_fit.py"

@@ -10,17 +10,18 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
+from launch import REPO_ROOT, torchrun
+from models import Regression, quiet, regression_data
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from launch import REPO_ROOT, torchrun
-from models import Regression, quiet, regression_data
 from trainer import Callback, TaskModule, Trainer
 from trainer import metrics as metrics_mod
 from trainer.metrics import MetricCollector, is_metric_object

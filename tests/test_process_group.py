@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from launch import REPO_ROOT, torchrun
 
 pytestmark = pytest.mark.multiprocess

@@ -1,4 +1,5 @@
-"""Tests for trainer/observability/profiler.py: the Profiler contract, SimpleProfiler's table, PyTorchProfiler's traces."""
+"""Tests for trainer/observability/profiler.py: the Profiler contract, SimpleProfiler's table, PyTorchProfiler's
+traces."""
 
 from __future__ import annotations
 

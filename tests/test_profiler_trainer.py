@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import torchrun
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from launch import torchrun
 from trainer import TaskModule, Trainer
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.observability.profiler import PassThroughProfiler, Profiler, PyTorchProfiler, SimpleProfiler

@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from launch import REPO_ROOT, torchrun
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "rank_zero_output.py"

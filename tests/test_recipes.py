@@ -21,11 +21,11 @@ import pytest
 
 pytest.importorskip("sklearn", reason="the digits recipe needs scikit-learn (pip install -e '.[dev]')")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.utils import instantiate  # noqa: E402
-from omegaconf import DictConfig, ListConfig, OmegaConf  # noqa: E402
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from callbacks import (  # noqa: E402
+from callbacks import (
     GradientAccumulationScheduler,
     LearningRateMonitor,
     ModelCheckpoint,
@@ -33,14 +33,14 @@ from callbacks import (  # noqa: E402
     ThroughputMonitor,
     Timer,
 )
-from recipes import charlm  # noqa: E402
-from recipes import config_dir as config_dir_mod  # noqa: E402
-from recipes.config_callback import K_CONFIG, SaveConfig, config_diff  # noqa: E402
-from recipes.config_dir import config_dir  # noqa: E402
-from recipes.train import build  # noqa: E402  (also registers trainer/options_schema)
-from recipes.trainer_schema import check_overrides, config_keys  # noqa: E402
-from trainer import Callback, DataModule, TaskModule, Trainer  # noqa: E402
-from trainer.loggers.logger import Logger  # noqa: E402
+from recipes import charlm
+from recipes import config_dir as config_dir_mod
+from recipes.config_callback import K_CONFIG, SaveConfig, config_diff
+from recipes.config_dir import config_dir
+from recipes.train import build
+from recipes.trainer_schema import check_overrides, config_keys
+from trainer import Callback, DataModule, TaskModule, Trainer
+from trainer.loggers.logger import Logger
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TESTS_DIR = Path(__file__).resolve().parent

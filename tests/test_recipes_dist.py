@@ -15,9 +15,9 @@ import pytest
 
 pytest.importorskip("sklearn", reason="the digits recipe needs scikit-learn (pip install -e '.[dev]')")
 
-from launch import REPO_ROOT, torchrun  # noqa: E402
+from launch import REPO_ROOT, torchrun
 
-from trainer.loggers.logger import RUN_ID_MARKER  # noqa: E402
+from trainer.loggers.logger import RUN_ID_MARKER
 
 pytestmark = pytest.mark.multiprocess
 

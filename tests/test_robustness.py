@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import REPO_ROOT, free_port, python, torchrun
+
 from trainer.data.loaders import shard_iterable
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "robustness.py"

@@ -29,8 +29,8 @@ import torch
 
 pytest.importorskip("sklearn", reason="the digits recipe needs scikit-learn (pip install -e '.[dev]')")
 
-from launch import KNOWN_ABORT, REPO_ROOT, torchrun  # noqa: E402
-from slurm import cluster as slurm  # noqa: E402
+from launch import KNOWN_ABORT, REPO_ROOT, torchrun
+from slurm import cluster as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 

@@ -21,8 +21,8 @@ pytest.importorskip(
     reason="needs hydra-submitit-launcher: pip install -e '.[slurm]' (also in '.[dev]')",
 )
 
-from launch import python  # noqa: E402
-from slurm import cluster as slurm  # noqa: E402
+from launch import python
+from slurm import cluster as slurm
 
 pytestmark = pytest.mark.multiprocess
 

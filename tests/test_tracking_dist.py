@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from launch import torchrun
+
 from trainer.loggers import wandb_records
 
 pytestmark = pytest.mark.multiprocess

@@ -243,8 +243,9 @@ def test_wandb_log_model_adds_a_model_artifact(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- Hydra
 def _compose(overrides: list[str]):
     pytest.importorskip("sklearn", reason="the digits recipe needs scikit-learn")
-    import recipes.trainer_schema  # noqa: F401  (registers trainer/options_schema)
     from hydra import compose, initialize_config_dir
+
+    import recipes.trainer_schema  # noqa: F401  (registers trainer/options_schema)
 
     with initialize_config_dir(config_dir=str(TESTS.parent / "conf"), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)

@@ -7,10 +7,10 @@ import warnings
 
 import pytest
 import torch
+from models import Regression, loader, make_net, quiet, regression_data
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from models import Regression, loader, make_net, quiet, regression_data
 from trainer import Callback, DataModule, Trainer
 from trainer.step.optim import parse_optimizers
 
@@ -109,7 +109,7 @@ def test_task_dataloader_hooks_are_used() -> None:
 def test_run_state_properties() -> None:
     task = Regression()
     with pytest.raises(RuntimeError, match="not attached to a Trainer"):
-        task.trainer
+        _ = task.trainer
     seen = {}
 
     class Probe(Callback):

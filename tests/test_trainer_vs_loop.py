@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import Regression, loader, make_net, make_optimizer, quiet, regression_data
 from torch.nn import functional as F
 
-from models import Regression, loader, make_net, make_optimizer, quiet, regression_data
 from trainer import Trainer
 
 

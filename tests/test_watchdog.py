@@ -9,8 +9,8 @@ import timeit
 from pathlib import Path
 
 import pytest
-
 from launch import python, torchrun
+
 from trainer.distributed.watchdog import (
     PHASE_TRAINING_STEP,
     Watchdog,

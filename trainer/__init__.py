@@ -4,9 +4,9 @@
 """
 
 from trainer.callback import Callback
+from trainer.lifecycle import seed_everything
 from trainer.module import DataModule, TaskModule
 from trainer.trainer import Trainer
-from trainer.lifecycle import seed_everything
 
 __all__ = ["Callback", "DataModule", "TaskModule", "Trainer", "seed_everything"]
 __version__ = "0.1.0"

@@ -20,7 +20,8 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 

@@ -13,18 +13,19 @@ them once per loader (DESIGN.md sections 6 and 7).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Literal, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 
-from trainer.distributed import comm
-from trainer.distributed import watchdog as wd
 from trainer.compat import is_keel_default, takes_batch_idx
 from trainer.data.loaders import AdaptedLoader
-from trainer.metrics import MetricCollector
-from trainer.distributed.strategy import Strategy
-from trainer.step.precision import Precision
 from trainer.data.transfer import move_to_device
+from trainer.distributed import comm
+from trainer.distributed import watchdog as wd
+from trainer.distributed.strategy import Strategy
+from trainer.metrics import MetricCollector
+from trainer.step.precision import Precision
 
 log = logging.getLogger(__name__)
 

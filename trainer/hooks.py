@@ -16,8 +16,9 @@ callback added to ``trainer.callbacks`` or a hook assigned before then is seen i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from trainer.callback import Callback
 from trainer.module import TaskModule

@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from trainer.distributed import comm
 from trainer.compat import warn_uncalled_hooks
+from trainer.distributed import comm
 from trainer.observability.rank_zero import rank_zero_only
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ def setup_stage(
 ) -> None:
     """Seed (``seed + global_rank`` per rank), agree on the run directory's version (a collective), set up
     the profiler (it knows the run directory then), prepare and set up the data (``prepare_data`` on local
-    rank 0, the others wait at a barrier), then ``task.setup``, the callbacks' ``setup`` and ``task.configure_model``, in that order."""
+    rank 0, the others wait at a barrier), then ``task.setup``, the callbacks' ``setup`` and
+    ``task.configure_model``, in that order."""
     if seed is not None:
         _seed_generators(seed + trainer.global_rank)
     if deterministic:

@@ -41,13 +41,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 
-from trainer.distributed import comm
 from trainer.data.transfer import infer_batch_size, read_to_host
+from trainer.distributed import comm
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -98,7 +99,7 @@ class HyperparametersMixin:
         self._log_hyperparams = logger
 
     @property
-    def hparams(self) -> "AttributeDict":
+    def hparams(self) -> AttributeDict:
         """Saved hyperparameters; attribute and key access (``self.hparams.lr``, ``self.hparams["lr"]``)."""
         return self.__dict__.setdefault("_hparams", AttributeDict())
 
@@ -130,7 +131,7 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
 
     # ------------------------------------------------------------------ read-only run state
     @property
-    def trainer(self) -> "Trainer":
+    def trainer(self) -> Trainer:
         """The Trainer running this task. Raises ``RuntimeError`` when the task is not attached."""
         if self._trainer is None:
             raise RuntimeError(
@@ -230,7 +231,7 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
         self.train()
 
     # ------------------------------------------------------------------ manual optimization
-    def optimizers(self) -> "ManualOptimizer | list[ManualOptimizer]":
+    def optimizers(self) -> ManualOptimizer | list[ManualOptimizer]:
         """The optimizers from ``configure_optimizers``, wrapped so that ``step()`` is precision-aware
         (GradScaler under 16-mixed) and runs ``on_before_optimizer_step`` hooks. One optimizer is returned
         bare, several as a list (Lightning's convention)."""
@@ -271,7 +272,7 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
     @classmethod
     def load_from_checkpoint(
         cls, checkpoint_path: str, *, map_location: Any = "cpu", strict: bool = True, **overrides: Any
-    ) -> "TaskModule":
+    ) -> TaskModule:
         """Build the task from a keel checkpoint for inference.
 
         The constructor receives the checkpoint's saved hyperparameters (``save_hyperparameters``)
@@ -453,7 +454,7 @@ class DataModule(DataHooks, HyperparametersMixin):
         self._trainer: Trainer | None = None
 
     @property
-    def trainer(self) -> "Trainer | None":
+    def trainer(self) -> Trainer | None:
         return self._trainer
 
     def setup(self, stage: str) -> None:

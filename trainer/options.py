@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.distributed.launcher import DistEnv
@@ -103,7 +104,8 @@ class TrainerOptions:
     default_root_dir: str | None = None
     callbacks: list[Any] = field(default_factory=list)
     logger: Any = True
-    # None / "simple" / "pytorch" / "passthrough" / a trainer.observability.profiler.Profiler; a Profiler after __post_init__.
+    # None / "simple" / "pytorch" / "passthrough" / a trainer.observability.profiler.Profiler; a Profiler after
+    # __post_init__.
     profiler: Any = None
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True
@@ -256,7 +258,7 @@ class TrainerOptions:
             self.max_epochs = 1000
 
     @classmethod
-    def from_kwargs(cls, options: Mapping[str, Any]) -> "TrainerOptions":
+    def from_kwargs(cls, options: Mapping[str, Any]) -> TrainerOptions:
         """Build from keyword arguments, refusing unknown names with the list of valid ones."""
         known = {f.name for f in dataclasses.fields(cls)}
         lightning = sorted(set(options) & set(LIGHTNING_UNSUPPORTED))
@@ -462,13 +464,13 @@ def _check_strategy(value: Any) -> None:
     )
 
 
-def _launch_command(env: "DistEnv", nodes: int, per_node: int) -> str:
+def _launch_command(env: DistEnv, nodes: int, per_node: int) -> str:
     if env.launcher == "slurm":
         return f"srun --nodes {nodes} --ntasks-per-node {per_node} python your_script.py"
     return f"torchrun --nnodes {nodes} --nproc-per-node {per_node} your_script.py"
 
 
-def check_lightning_keywords(options: TrainerOptions, env: "DistEnv") -> None:
+def check_lightning_keywords(options: TrainerOptions, env: DistEnv) -> None:
     """Check Lightning's ``devices`` / ``num_nodes`` against what the launcher started.
 
     keel never starts processes (DESIGN.md section 1): ``devices`` must be the processes per node

@@ -13,24 +13,17 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
-from trainer.checkpoint import state as ckpt
-from trainer.distributed import comm, launcher
-from trainer.data import global_batch as elastic
-from trainer.distributed import watchdog as wd
-from trainer.step.accumulation import (
-    AccumulationSchedule,
-    MicroBatch,
-    StepNormaliser,
-    finite_on_all_ranks,
-    micro_batches,
-)
 from trainer.callback import Callback, check_callbacks
-from trainer.compat import TrainerAttributes, compile_step, fit_validation
+from trainer.checkpoint import state as ckpt
 from trainer.checkpoint.files import CheckpointIO
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+from trainer.compat import TrainerAttributes, compile_step, fit_validation
+from trainer.data import global_batch as elastic
 from trainer.data.loaders import (
     AdaptedLoader,
     adapt_eval_loader,
@@ -40,23 +33,31 @@ from trainer.data.loaders import (
     resolve_loaders,
     warn_if_unsharded,
 )
+from trainer.data.transfer import BatchCopier
+from trainer.distributed import comm, launcher
+from trainer.distributed import watchdog as wd
+from trainer.distributed.preemption import PreemptionWatcher, save_and_exit
+from trainer.distributed.strategy import StepAdapter, Strategy, select_strategy
 from trainer.evaluation import EvaluationLoop, log_results
 from trainer.hooks import TrainHooks
 from trainer.lifecycle import setup_stage, teardown_stage, with_default_callbacks
-from trainer.loggers.logger import Logger
 from trainer.loggers.local import default_loggers, log_fit_start
+from trainer.loggers.logger import Logger
 from trainer.metrics import MetricCollector
-from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.module import DataModule, TaskModule, check_stage_inputs
+from trainer.observability.progress import ProgressBar
+from trainer.observability.rank_zero import configure_logging
+from trainer.options import TrainerOptions, check_lightning_keywords
+from trainer.step.accumulation import (
+    AccumulationSchedule,
+    MicroBatch,
+    StepNormaliser,
+    finite_on_all_ranks,
+    micro_batches,
+)
 from trainer.step.nonfinite import NonFiniteGuard
 from trainer.step.optim import ManualOptimization, SchedulerConfig, parse_optimizers, step_schedulers
-from trainer.options import TrainerOptions, check_lightning_keywords
-from trainer.distributed.strategy import StepAdapter, Strategy, select_strategy
 from trainer.step.precision import Precision
-from trainer.observability.progress import ProgressBar
-from trainer.distributed.preemption import PreemptionWatcher, save_and_exit
-from trainer.observability.rank_zero import configure_logging
-from trainer.data.transfer import BatchCopier
 
 log = logging.getLogger(__name__)
 
@@ -214,13 +215,14 @@ class Trainer(TrainerAttributes):
     ) -> list[dict[str, float]]:
         """Run the validation loop once. Returns one dict of epoch metrics per dataloader (reduced over
         all ranks: means weighted by batch size), the same on every rank; ``verbose`` logs them (rank 0)."""
-        body = lambda given: log_results(
-            "validate",
-            self._evaluate(  # noqa: E731
-                "validate", self._stage_loaders("validate", given, ckpt_path)
-            ),
-            verbose=verbose and self.is_global_zero,
-        )
+
+        def body(given):
+            return log_results(
+                "validate",
+                self._evaluate("validate", self._stage_loaders("validate", given, ckpt_path)),
+                verbose=verbose and self.is_global_zero,
+            )
+
         return self._run("validate", model, datamodule, body, loaders=(dataloaders,))
 
     def test(
@@ -232,13 +234,14 @@ class Trainer(TrainerAttributes):
         verbose: bool = True,
     ) -> list[dict[str, float]]:
         """Run the test loop once; returns (and with ``verbose`` logs) metrics like :meth:`validate`."""
-        body = lambda given: log_results(
-            "test",
-            self._evaluate(  # noqa: E731
-                "test", self._stage_loaders("test", given, ckpt_path)
-            ),
-            verbose=verbose and self.is_global_zero,
-        )
+
+        def body(given):
+            return log_results(
+                "test",
+                self._evaluate("test", self._stage_loaders("test", given, ckpt_path)),
+                verbose=verbose and self.is_global_zero,
+            )
+
         return self._run("test", model, datamodule, body, loaders=(dataloaders,))
 
     def predict(

@@ -69,9 +69,7 @@ class MyDataModule(LightningDataModule):
         dataset = MNIST(DATASETS_PATH, train=True, download=True)
         self.mnist_test = MNIST(DATASETS_PATH, train=False, download=True)
         self.mnist_train, self.mnist_val = random_split(
-            dataset,
-            [80, 16],
-            generator=torch.Generator().manual_seed(42),  # was [55000, 5000] of real MNIST
+            dataset, [80, 16], generator=torch.Generator().manual_seed(42)  # was [55000, 5000] of real MNIST
         )
         self.batch_size = batch_size
 

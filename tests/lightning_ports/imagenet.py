@@ -108,14 +108,12 @@ class ImageNetLightningModel(LightningModule):
             train_dir = os.path.join(self.data_path, "train")
             self.train_dataset = datasets.ImageFolder(
                 train_dir,
-                transforms.Compose(
-                    [
-                        transforms.RandomResizedCrop(224),
-                        transforms.RandomHorizontalFlip(),
-                        transforms.ToTensor(),
-                        normalize,
-                    ]
-                ),
+                transforms.Compose([
+                    transforms.RandomResizedCrop(224),
+                    transforms.RandomHorizontalFlip(),
+                    transforms.ToTensor(),
+                    normalize,
+                ]),
             )
         # all stages will use the eval dataset
         normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
@@ -136,9 +134,7 @@ class ImageNetLightningModel(LightningModule):
 
     def val_dataloader(self):
         return torch.utils.data.DataLoader(
-            self.eval_dataset,
-            batch_size=self.batch_size,
-            num_workers=self.workers,
+            self.eval_dataset, batch_size=self.batch_size, num_workers=self.workers,
             pin_memory=torch.cuda.is_available(),
         )
 

@@ -17,14 +17,8 @@ from torch.utils.data import Dataset
 class MNIST(Dataset):
     """``torchvision.datasets.MNIST(root, train=True, download=False, transform=None)``: random images."""
 
-    def __init__(
-        self,
-        root: str = "",
-        train: bool = True,
-        download: bool = False,
-        transform: Callable | None = None,
-        size: int | None = None,
-    ) -> None:
+    def __init__(self, root: str = "", train: bool = True, download: bool = False, transform: Callable | None = None,
+                 size: int | None = None) -> None:
         n = size if size is not None else (96 if train else 32)
         g = torch.Generator().manual_seed(0 if train else 1)
         self.images = torch.rand(n, 1, 28, 28, generator=g)
@@ -53,7 +47,7 @@ class WikiText2(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = i * self.block_size
-        return self.data[start : start + self.block_size], self.data[start + 1 : start + 1 + self.block_size]
+        return self.data[start:start + self.block_size], self.data[start + 1:start + 1 + self.block_size]
 
 
 class _Identity:
@@ -97,14 +91,8 @@ class datasets:  # noqa: N801
 def get_torchvision_model(arch: str, weights: Any = None) -> nn.Module:
     """``torchvision.models.get_model``: a small CNN with 1000 outputs instead of ``arch``."""
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.BatchNorm2d(8),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(8, 1000),
-    )
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, 1000))
 
 
 def make_grid(images: torch.Tensor) -> torch.Tensor:

@@ -24,13 +24,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/scripts
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import torch
+from resume_fit import Classifier, CrashAfterSave, data
+from torch.utils.data import DataLoader
 
-from resume_fit import Classifier, CrashAfterSave, data  # noqa: E402
-from trainer import Callback, Trainer  # noqa: E402
-from trainer.checkpoint.files import CheckpointIO  # noqa: E402
-from trainer.checkpoint.model_checkpoint import ModelCheckpoint  # noqa: E402
+from trainer import Callback, Trainer
+from trainer.checkpoint.files import CheckpointIO
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 
 
 class Faults(Callback):

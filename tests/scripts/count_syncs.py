@@ -15,13 +15,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
-import torch.distributed as tdist  # noqa: E402
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
-from torch.overrides import TorchFunctionMode  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import torch.distributed as tdist
+from models import Regression, quiet, regression_data
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.overrides import TorchFunctionMode
+from torch.utils.data import DataLoader
 
-from models import Regression, quiet, regression_data  # noqa: E402
-from trainer import Callback, Trainer  # noqa: E402
+from trainer import Callback, Trainer
 
 SYNC_OPS = {"item", "cpu", "__bool__", "tolist", "__float__", "__int__", "numpy"}
 COLLECTIVES = [

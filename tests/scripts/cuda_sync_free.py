@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
-from trainer import Callback, TaskModule, Trainer  # noqa: E402
+from trainer import Callback, TaskModule, Trainer
 
 LOG_EVERY = 5
 WARMUP = 2

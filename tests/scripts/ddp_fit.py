@@ -14,12 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
-import torch  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import torch
+from models import Regression, quiet, regression_data
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
-from models import Regression, quiet, regression_data  # noqa: E402
-from trainer import Trainer  # noqa: E402
+from trainer import Trainer
 
 
 class Recording(Regression):

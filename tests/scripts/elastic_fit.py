@@ -32,9 +32,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainer import Callback, TaskModule, Trainer
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.distributed import comm
 from trainer.loggers.local import CSVLogger
-from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 
 ORDER_KEY = "elastic_fit_order"
 

@@ -20,13 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
-from trainer import Callback, TaskModule, Trainer  # noqa: E402
-from trainer.checkpoint.model_checkpoint import ModelCheckpoint  # noqa: E402
+from trainer import Callback, TaskModule, Trainer
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 
 
 class Block(nn.Module):

@@ -5,12 +5,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import torch
+from gan import GAN, gan_data
+from models import quiet
+from torch.utils.data import DataLoader
 
-from gan import GAN, gan_data  # noqa: E402
-from models import quiet  # noqa: E402
-from trainer import Trainer  # noqa: E402
+from trainer import Trainer
 
 out, batch = Path(sys.argv[1]), int(sys.argv[2])
 task = GAN()

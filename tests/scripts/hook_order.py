@@ -20,10 +20,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
-import torch  # noqa: E402
+import torch
+from models import Regression, loader, quiet, regression_data
 
-from models import Regression, loader, quiet, regression_data  # noqa: E402
-from trainer import Callback, Trainer  # noqa: E402
+from trainer import Callback, Trainer
 
 TRAIN_BATCHES = 4  # per rank and epoch; with accumulate_grad_batches=2: 2 optimizer steps
 VAL_BATCHES = 2  # per rank

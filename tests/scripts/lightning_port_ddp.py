@@ -16,14 +16,14 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
-import torch  # noqa: E402
-import torch.distributed as tdist  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import torch
+import torch.distributed as tdist
+from models import Regression, quiet, regression_data
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
 
-from models import Regression, quiet, regression_data  # noqa: E402
-from trainer import Callback, TaskModule, Trainer  # noqa: E402
-from trainer.options import TrainerOptions, check_lightning_keywords  # noqa: E402
+from trainer import Callback, TaskModule, Trainer
+from trainer.options import TrainerOptions, check_lightning_keywords
 
 try:
     from torchmetrics.classification import MulticlassAccuracy

@@ -17,8 +17,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import torch
+from torch.utils.data import DataLoader
 
 CASES = ("autoencoder", "gan", "transformer", "imagenet", "hydra_mnist")
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False)
@@ -44,9 +44,10 @@ def autoencoder(out: Path) -> dict[str, Any]:
 
 
 def gan(out: Path) -> dict[str, Any]:
-    import callbacks.lightning as L
     from lightning_ports import gan as port
     from lightning_ports.standins import MNIST
+
+    import callbacks.lightning as L
 
     seen: list[dict[str, Any]] = []
 
@@ -82,8 +83,9 @@ def gan(out: Path) -> dict[str, Any]:
 
 
 def transformer(out: Path) -> dict[str, Any]:
-    import callbacks.lightning as L
     from lightning_ports import transformer as port
+
+    import callbacks.lightning as L
 
     L.seed_everything(42)
     dataset = port.WikiText2()
@@ -122,10 +124,10 @@ def imagenet(out: Path) -> dict[str, Any]:
 
 def hydra_mnist(out: Path) -> dict[str, Any]:
     import hydra.utils
+    from lightning_ports import hydra_mnist as port
     from omegaconf import OmegaConf
 
     import callbacks.lightning as L
-    from lightning_ports import hydra_mnist as port
 
     config = OmegaConf.create(port.CALLBACKS_YAML)
     config.paths = {"output_dir": str(out)}

@@ -9,11 +9,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
-import torch.distributed as tdist  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import torch.distributed as tdist
+from models import Regression, quiet, regression_data
+from torch.utils.data import DataLoader
 
-from models import Regression, quiet, regression_data  # noqa: E402
-from trainer import Trainer  # noqa: E402
+from trainer import Trainer
 
 
 class Failing(Regression):

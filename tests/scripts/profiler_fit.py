@@ -7,11 +7,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/scripts
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import torch
+from resume_fit import Classifier, data
+from torch.utils.data import DataLoader
 
-from resume_fit import Classifier, data  # noqa: E402
-from trainer import Trainer  # noqa: E402
+from trainer import Trainer
 
 
 def main() -> None:

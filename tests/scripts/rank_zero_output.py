@@ -18,14 +18,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
-import torch  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
+import torch
+from models import Regression, loader, quiet, regression_data
+from torch.nn import functional as F
 
-from callbacks import EarlyStopping, LearningRateMonitor, ModelSummary, ThroughputMonitor, Timer  # noqa: E402
-from models import Regression, loader, quiet, regression_data  # noqa: E402
-from trainer import Trainer  # noqa: E402
-from trainer.loggers.local import CSVLogger  # noqa: E402
-from trainer.observability.rank_zero import rank_zero_info  # noqa: E402
+from callbacks import EarlyStopping, LearningRateMonitor, ModelSummary, ThroughputMonitor, Timer
+from trainer import Trainer
+from trainer.loggers.local import CSVLogger
+from trainer.observability.rank_zero import rank_zero_info
 
 user_log = logging.getLogger("user_script")
 VAL_SEQUENCE = [5.0, 4.0, 4.5, 4.4, 3.0, 2.0]  # patience 2: stops after epoch 3

@@ -9,12 +9,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, IterableDataset, Sampler  # noqa: E402
+import torch
+from models import Regression, quiet, regression_data
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from models import Regression, quiet, regression_data  # noqa: E402
-from trainer import Callback, Trainer  # noqa: E402
+from trainer import Callback, Trainer
 from trainer.distributed import comm, launcher
 
 
@@ -116,7 +116,7 @@ def main() -> None:
             Trainer(**quiet(max_steps=1, init_timeout=3)).fit(Regression(), data)
         except RuntimeError as exc:
             sys.stdout.write(f"init failed after {time.monotonic() - t0:.1f}s: {exc}\n")
-            raise SystemExit(3)
+            raise SystemExit(3) from None
     elif args.case == "record":
 
         @comm.record

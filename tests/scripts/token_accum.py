@@ -9,13 +9,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import torch
+from models import quiet
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
-from models import quiet  # noqa: E402
-from trainer import Callback, TaskModule, Trainer  # noqa: E402
+from trainer import Callback, TaskModule, Trainer
 
 VOCAB, LENGTH, PAD = 11, 12, -100
 

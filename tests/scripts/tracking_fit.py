@@ -25,15 +25,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/scripts
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import torch
+from resume_fit import Classifier, data
+from torch.utils.data import DataLoader
 
-from resume_fit import Classifier, data  # noqa: E402
-from trainer import Callback, Trainer  # noqa: E402
+from trainer import Callback, Trainer
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.loggers import wandb_records
-from trainer.loggers.mlflow import MLFlowLogger  # noqa: E402
+from trainer.loggers.mlflow import MLFlowLogger
 from trainer.loggers.wandb import WandbLogger
-from trainer.checkpoint.model_checkpoint import ModelCheckpoint  # noqa: E402
 
 
 class KillAt(Callback):

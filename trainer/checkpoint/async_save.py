@@ -36,8 +36,9 @@ import copy
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -260,7 +261,8 @@ def save_async(trainer: Any, path: str, checkpointer: AsyncCheckpointer, commit:
     """``Trainer.save_checkpoint`` in the background: assemble the state (collective: every rank calls
     this), then rank 0 stages a CPU copy and hands the write to ``checkpointer``; ``commit`` (rank 0: the
     pointer swap and pruning) runs on the worker thread once the file is durable. No barrier: other
-    ranks have nothing in flight and continue at once. Non-finite weights are refused as by ``Trainer.save_checkpoint``, but
+    ranks have nothing in flight and continue at once. Non-finite weights are refused as by
+    ``Trainer.save_checkpoint``, but
     checked on the staged copy in the background (a full pass over the weights is as slow as the copy):
     the FloatingPointError is raised at the next step boundary, and nothing is written.
 

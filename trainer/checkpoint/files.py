@@ -74,7 +74,10 @@ class CheckpointSaveError(OSError):
             free = "unknown"
         previous = read_pointer(target.parent) if target.parent.is_dir() else []
         if previous:
-            kept = f"the previous checkpoint {str(target.parent / previous[0])!r} is intact (ckpt_path='last' resumes from it)"
+            kept = (
+                f"the previous checkpoint {str(target.parent / previous[0])!r} is intact "
+                "(ckpt_path='last' resumes from it)"
+            )
         elif target.exists():
             kept = f"the existing {str(target)!r} is intact"
         else:
@@ -200,7 +203,8 @@ class CheckpointIO:
             ) from exc
         if not isinstance(state, dict) or any(k not in state for k in required):
             raise CheckpointError(
-                f"{str(path)!r} is not a keel checkpoint (missing {[k for k in required if not isinstance(state, dict) or k not in state]})."
+                f"{str(path)!r} is not a keel checkpoint (missing "
+                f"{[k for k in required if not isinstance(state, dict) or k not in state]})."
             )
         if state[K_FORMAT] > FORMAT_VERSION:
             raise CheckpointError(

@@ -17,8 +17,8 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
-from trainer.checkpoint.async_save import AsyncCheckpointer, save_async
 from trainer.callback import Callback
+from trainer.checkpoint.async_save import AsyncCheckpointer, save_async
 from trainer.checkpoint.files import write_pointer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -324,7 +324,8 @@ class ModelCheckpoint(Callback):
                 score = metrics[self.monitor]
             elif not force:
                 raise KeyError(
-                    f"ModelCheckpoint(monitor={self.monitor!r}): no such metric was logged; available: {sorted(metrics)}."
+                    f"ModelCheckpoint(monitor={self.monitor!r}): no such metric was logged; available: "
+                    f"{sorted(metrics)}."
                 )
         name = self.format_name(metrics, trainer.current_epoch, trainer.global_step, suffix, missing_ok=force)
         path = self._versioned(os.path.join(self.dirpath, name))

@@ -49,9 +49,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer.distributed import comm
 from trainer.checkpoint.files import K_FORMAT, CheckpointError, CheckpointIO, CheckpointSaveError, _fsync_dir, _os_error
 from trainer.data.transfer import tensors_in
+from trainer.distributed import comm
 
 log = logging.getLogger(__name__)
 

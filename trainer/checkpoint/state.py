@@ -17,13 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.distributed import comm
-from trainer.data import global_batch as elastic
 from trainer.checkpoint.files import (
-    CheckpointError,
-    CheckpointIO,
     FORMAT_VERSION,
-    KEEL_VERSION,
     K_CALLBACKS,
     K_DATAMODULE,
     K_FORMAT,
@@ -38,8 +33,13 @@ from trainer.checkpoint.files import (
     K_SCHEDULERS,
     K_STATE_DICT,
     K_WORLD_SIZE,
+    KEEL_VERSION,
+    CheckpointError,
+    CheckpointIO,
     read_pointer,
 )
+from trainer.data import global_batch as elastic
+from trainer.distributed import comm
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.trainer import Trainer

@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from trainer.step.accumulation import AccumulationSchedule
 from trainer.options import parse_global_batch
+from trainer.step.accumulation import AccumulationSchedule
 
 log = logging.getLogger(__name__)
 # The functions below take the Trainer as ``Any``: this module does not import it (no import circle).

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 

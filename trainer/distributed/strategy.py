@@ -23,14 +23,15 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+from contextlib import AbstractContextManager
 from functools import partial
-from typing import Any, ClassVar, ContextManager
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from trainer.distributed import comm
 from trainer.compat import takes_batch_idx
+from trainer.distributed import comm
 from trainer.distributed.launcher import DistEnv
 from trainer.options import TrainerOptions
 
@@ -171,7 +172,7 @@ class Strategy:
         """Drop references to wrappers built by :meth:`setup` (end of every stage)."""
 
     # ------------------------------------------------------------------ the step
-    def gradient_sync(self, sync: bool) -> ContextManager[Any]:
+    def gradient_sync(self, sync: bool) -> AbstractContextManager[Any]:
         """A context for one micro-batch's forward AND backward. ``sync=False`` (all but the last
         micro-batch of an accumulation window) keeps gradients local so that the wrapper reduces them
         once per optimizer step."""
@@ -195,7 +196,7 @@ class Strategy:
         """Clamp every gradient element of ``params`` to ``[-clip_value, clip_value]``."""
         nn.utils.clip_grad_value_(params, clip_value, foreach=True)
 
-    def eval_context(self, task: nn.Module) -> ContextManager[Any]:
+    def eval_context(self, task: nn.Module) -> AbstractContextManager[Any]:
         """Entered by every rank around a whole validation / test / predict loop. Ranks run different
         numbers of evaluation batches, so inside it nothing the task computes may communicate."""
         return _NO_CONTEXT
@@ -294,7 +295,7 @@ class DDPStrategy(Strategy):
     def teardown(self) -> None:
         self.ddp = None
 
-    def gradient_sync(self, sync: bool) -> ContextManager[Any]:
+    def gradient_sync(self, sync: bool) -> AbstractContextManager[Any]:
         # no_sync must cover forward AND backward: DDP decides at forward time whether the backward
         # all-reduces. Gradients then accumulate locally until the window's last micro-batch.
         if sync or self.ddp is None:
@@ -357,8 +358,13 @@ class FSDPStrategy(Strategy):
 
     def setup(self, task: nn.Module, *, manual: bool) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-        from torch.distributed.fsdp import register_fsdp_forward_method
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
 
         opts = self.options
         self._check_batchnorm(task)
@@ -451,7 +457,7 @@ class FSDPStrategy(Strategy):
     def teardown(self) -> None:
         self._sync = None
 
-    def gradient_sync(self, sync: bool) -> ContextManager[Any]:
+    def gradient_sync(self, sync: bool) -> AbstractContextManager[Any]:
         # 'last_micro_batch': reduce-scatter once per window (full-size unsharded gradients are held
         # until then, like DDP's no_sync). 'every_micro_batch': every backward reduce-scatters, so
         # gradients stay sharded (less memory, more traffic); the maths is the same.
@@ -466,7 +472,7 @@ class FSDPStrategy(Strategy):
         # Every gradient is a DTensor (all parameters are in a unit): the norm is the global one.
         nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
 
-    def eval_context(self, task: nn.Module) -> ContextManager[Any]:
+    def eval_context(self, task: nn.Module) -> AbstractContextManager[Any]:
         return _Unsharded(task, reshard_after_forward=self.options.fsdp_reshard_after_forward)
 
     def weights_finite(self, task: nn.Module) -> bool:

@@ -19,8 +19,8 @@ import os
 from typing import IO, TYPE_CHECKING, Any
 
 from trainer.distributed import comm
-from trainer.observability.rank_zero import rank_zero_warn
 from trainer.loggers.logger import DummyExperiment, Logger, _to_plain, _yaml_safe, flatten_params
+from trainer.observability.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.tensorboard import SummaryWriter

@@ -224,13 +224,13 @@ class DummyExperiment:
     attribute is a no-op callable, so ``self.logger.experiment.add_image(...)`` in a hook that runs on
     every rank writes nothing there (no second event file in the run directory)."""
 
-    def _nothing(self, *args: Any, **kwargs: Any) -> "DummyExperiment":
+    def _nothing(self, *args: Any, **kwargs: Any) -> DummyExperiment:
         return self
 
     def __getattr__(self, name: str) -> Any:
         return self._nothing
 
-    def __getitem__(self, key: Any) -> "DummyExperiment":
+    def __getitem__(self, key: Any) -> DummyExperiment:
         return self
 
     def __bool__(self) -> bool:

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.loggers import tracking
 from trainer.distributed import comm
+from trainer.loggers import tracking
 from trainer.loggers.logger import DummyExperiment, Logger
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -13,8 +13,8 @@ import secrets
 import string
 from typing import TYPE_CHECKING, Any
 
-from trainer.loggers import tracking, wandb_records
 from trainer.distributed import comm
+from trainer.loggers import tracking, wandb_records
 from trainer.loggers.logger import DummyExperiment, Logger, _to_plain, _yaml_safe
 
 if TYPE_CHECKING:  # pragma: no cover

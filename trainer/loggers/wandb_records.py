@@ -16,8 +16,9 @@ import json
 import struct
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 BLOCK = 32 * 1024
 HEADER = struct.Struct("<IHB")

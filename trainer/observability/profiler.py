@@ -254,13 +254,17 @@ class SimpleProfiler(Profiler):
                 row += [f"{1e3 * low:.3f}", f"{1e3 * high:.3f}"]
             rows.append(row)
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-        fmt = lambda row: (
-            "| "
-            + " | ".join(  # noqa: E731
-                cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in enumerate(zip(row, widths))
+
+        def fmt(row):
+            return (
+                "| "
+                + " | ".join(
+                    cell.ljust(width) if i == 0 else cell.rjust(width)
+                    for i, (cell, width) in enumerate(zip(row, widths))
+                )
+                + " |"
             )
-            + " |"
-        )
+
         rule = "|" + "|".join("-" * (width + 2) for width in widths) + "|"
         return "\n".join([fmt(header), rule, *(fmt(row) for row in rows)])
 

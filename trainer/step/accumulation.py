@@ -19,8 +19,9 @@ Loss normalisation is the only maths the loop owns (DESIGN.md section 5) and it 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -113,7 +114,8 @@ def parse_schedule(schedule: Any, *, name: str = "accumulate_grad_batches") -> t
         clock, schedule = "step", schedule["step"]
     if not isinstance(schedule, dict) or not schedule:
         raise ValueError(
-            f"{name}={schedule!r}: expected an int >= 1, a non-empty {{epoch: k}} dict, or {{'step': {{global_step: k}}}}."
+            f"{name}={schedule!r}: expected an int >= 1, a non-empty {{epoch: k}} dict, or "
+            f"{{'step': {{global_step: k}}}}."
         )
     items = list(schedule.items())
     for key, k in items:
@@ -282,10 +284,8 @@ def split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any], Any]:
             f"training_step returned {type(output).__name__}; return a scalar loss tensor or a dict with 'loss'."
         )
     if not isinstance(loss, torch.Tensor) or (loss.ndim and loss.numel() != 1):
-        raise ValueError(
-            f"training_step's loss must be a scalar tensor; got "
-            f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}."
-        )
+        shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
+        raise ValueError(f"training_step's loss must be a scalar tensor; got {type(loss).__name__}{shape}.")
     if not loss.requires_grad:
         raise ValueError(
             "training_step's loss does not require grad: it was computed without the task's parameters "

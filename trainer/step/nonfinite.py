@@ -13,12 +13,12 @@ points, so all of them raise together, naming the same step.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from trainer.distributed import comm
 from trainer.data.transfer import read_to_host
+from trainer.distributed import comm
 
 _FOLD_EVERY = 1024  # kept references before a device-side fold (bounds the list, never syncs)
 _NONE = float("inf")  # "no bad step" on the device

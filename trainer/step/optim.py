@@ -17,8 +17,9 @@ step itself is visible in ``Trainer._optimizer_step`` (DESIGN.md section 5).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -57,7 +58,8 @@ def _scheduler_config(item: Any, *, monitor: str | None = None) -> SchedulerConf
         unknown = set(item) - _SCHEDULER_KEYS
         if unknown:
             raise ValueError(
-                f"configure_optimizers: unknown lr_scheduler key(s) {sorted(unknown)}; valid keys: {sorted(_SCHEDULER_KEYS)}."
+                f"configure_optimizers: unknown lr_scheduler key(s) {sorted(unknown)}; valid keys: "
+                f"{sorted(_SCHEDULER_KEYS)}."
             )
         if "scheduler" not in item:
             raise ValueError("configure_optimizers: an lr_scheduler dict needs a 'scheduler' entry.")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ class Precision:
             module.to(dtype=self.param_dtype)
         return module
 
-    def autocast(self) -> ContextManager[Any]:
+    def autocast(self) -> AbstractContextManager[Any]:
         if self.precision == "bf16-mixed":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         if self.precision == "16-mixed":
