@@ -1,7 +1,7 @@
 """Build hook: ship the repository's ``conf/`` tree inside the installed ``recipes`` package.
 
 Metadata lives in setup.cfg. ``conf/`` sits at the top of the repository (the Hydra config tree, see
-DESIGN.md section 1); a plain ``pip install .`` copies it to ``recipes/conf`` so that installed entry
+docs/design.md section 1); a plain ``pip install .`` copies it to ``recipes/conf`` so that installed entry
 points find their configs. Editable installs read ``conf/`` from the checkout instead
 (``recipes.config_dir``).
 """

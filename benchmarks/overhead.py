@@ -1,4 +1,4 @@
-"""Per-step overhead of ``Trainer.fit`` over a hand-written PyTorch loop (DESIGN.md section 11).
+"""Per-step overhead of ``Trainer.fit`` over a hand-written PyTorch loop (docs/design.md section 11).
 
     python benchmarks/overhead.py                       # 1 process and 2-process DDP (gloo), ~2-4 min
     python benchmarks/overhead.py --quick --single-only # smoke run

@@ -6,7 +6,7 @@ last two by default and never imports this package) and re-exported here.
 The others live here, one per module: ``EarlyStopping``, ``GradientAccumulationScheduler``,
 ``LambdaCallback``, ``LearningRateMonitor``, ``ModelSummary``, ``ThroughputMonitor`` and ``Timer``. Every
 rank runs every hook; only side effects are gated to rank 0, and a decision that stops training is taken
-from reduced metrics or broadcast from rank 0 (DESIGN.md section 7).
+from reduced metrics or broadcast from rank 0 (docs/design.md section 7).
 """
 
 from callbacks.early_stopping import EarlyStopping

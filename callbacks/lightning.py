@@ -8,7 +8,7 @@
 (README "Porting from Lightning" lists what still differs).
 
 It lives in ``callbacks/`` because it re-exports the callbacks defined there (``trainer/`` never imports
-``callbacks/``, DESIGN.md section 1). APIs keel deliberately lacks (``LightningCLI``, ``Fabric``, the
+``callbacks/``, docs/design.md section 1). APIs keel deliberately lacks (``LightningCLI``, ``Fabric``, the
 tuner, ...) exist here as names that raise, saying what to use instead.
 """
 

@@ -109,7 +109,7 @@ class ThroughputMonitor(Callback):
     ) -> None:
         logging_step = trainer.is_logging_step
         if logging_step and trainer.device.type == "cuda":
-            torch.cuda.synchronize(trainer.device)  # the only sync: logging steps (DESIGN.md section 11)
+            torch.cuda.synchronize(trainer.device)  # the only sync: logging steps (docs/design.md section 11)
         now = time.perf_counter()
         if self._last_end is not None:
             self._seconds += now - self._last_end

@@ -75,7 +75,7 @@ class Timer(Callback):
     plus the time already spent before a resume: the elapsed time is saved in checkpoints
     (:meth:`state_dict`), so a resumed run continues the same budget.
 
-    When it checks (DESIGN.md sections 7 and 11): rank 0's clock decides, and its elapsed time is sent to
+    When it checks (docs/design.md sections 7 and 11): rank 0's clock decides, and its elapsed time is sent to
     every rank with ``broadcast_object`` (a collective), so all ranks stop at the same step. It therefore
     checks only at points every rank reaches together and never on every step:
 

@@ -8,7 +8,7 @@ independent of the data (``vocab_size`` is a constant, not something a config mu
 
 The loss is token-normalised: ``training_step`` returns the SUM of the per-character cross-entropies
 with ``num_items`` = the number of target characters, and the Trainer divides by the global count of
-the optimizer step (DESIGN.md section 5), so a change of batch size, accumulation or world size does not
+the optimizer step (docs/design.md section 5), so a change of batch size, accumulation or world size does not
 change the gradient's scale.
 
 Quick check of the defaults (``python -m recipes.charlm``): :func:`main_quick` trains with

@@ -21,7 +21,7 @@ def micro_batch(*, completes_step: bool) -> list[str]:
     """One micro-batch, from the Callback docstring: ``on_train_batch_start -> on_before_backward ->
     on_after_backward``, then for the step's k-th micro-batch ``on_before_optimizer_step -> (optimizer.step)
     -> on_train_batch_end``; earlier micro-batches call ``on_train_batch_end`` right after their backward.
-    ``training_step`` runs between batch start and backward (DESIGN.md section 5)."""
+    ``training_step`` runs between batch start and backward (docs/design.md section 5)."""
     events = [
         *both("on_train_batch_start"),
         "task.training_step",

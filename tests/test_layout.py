@@ -1,4 +1,4 @@
-"""Structural rules from DESIGN.md section 1: import direction, torch.distributed only in dist.py, parallel.py
+"""Structural rules from docs/design.md section 1: import direction, torch.distributed only in dist.py, parallel.py
 and the checkpoint modules, the loop blind to the wrapper, file sizes, no import circle through the modules
 split out of trainer.py, and a cheap `import trainer`."""
 

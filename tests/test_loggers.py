@@ -240,7 +240,7 @@ def test_default_loggers_rejects_other_values(bad: object) -> None:
 
 
 def test_import_is_lazy() -> None:
-    """Importing the modules does not pull in tensorboard (DESIGN.md section 11). (tqdm is not checked:
+    """Importing the modules does not pull in tensorboard (docs/design.md section 11). (tqdm is not checked:
     torch itself imports it.)"""
     import subprocess
 

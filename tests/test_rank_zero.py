@@ -1,4 +1,4 @@
-"""Rank-zero logging on 2 ranks (DESIGN.md section 7) and callbacks that must agree across ranks."""
+"""Rank-zero logging on 2 ranks (docs/design.md section 7) and callbacks that must agree across ranks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per DESIGN.md section 11: on a step that does not log there is no host-device sync and no collective
+"""Per docs/design.md section 11: on a step that does not log there is no host-device sync and no collective
 besides DDP's gradient all-reduce (one per bucket per optimizer step, none on no_sync micro-batches)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The Callback base class (re-exported as ``callbacks.Callback``).
 
 It lives in ``trainer/`` because the Trainer calls it and ``trainer`` never imports ``callbacks``
-(DESIGN.md section 1). Built-in callbacks use exactly this API: they have no powers a user callback
+(docs/design.md section 1). Built-in callbacks use exactly this API: they have no powers a user callback
 lacks.
 """
 

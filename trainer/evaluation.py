@@ -7,7 +7,7 @@ and their batch limits, and where reduced metrics go. It never reads the Trainer
 
 Ranks: evaluation shards hold different numbers of batches, so nothing inside the batch loop is
 collective; the epoch-end reduction (one per loader) and predict's gather are, and every rank reaches
-them once per loader (DESIGN.md sections 6 and 7).
+them once per loader (docs/design.md sections 6 and 7).
 """
 
 from __future__ import annotations

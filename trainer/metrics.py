@@ -17,7 +17,7 @@ Cross-rank reduction follows Lightning's ``self.log`` arguments:
 * ``rank_zero_only=True``: rank 0's value is used as is, on every rank (no cross-rank reduction; other
   ranks' values of that name are ignored).
 * ``sync_dist`` is accepted and has no effect: keel always reduces, at logging steps and epoch ends only,
-  so every rank sees the same ``callback_metrics`` (DESIGN.md section 7) at no per-step cost.
+  so every rank sees the same ``callback_metrics`` (docs/design.md section 7) at no per-step cost.
 
 Metric objects (a torchmetrics ``Metric`` or anything with callable ``compute`` and ``reset``; keel never
 imports torchmetrics): the collector keeps a reference, never calls ``update`` (the task does, as in

@@ -1,6 +1,6 @@
 """TaskModule and DataModule: what users subclass.
 
-Contract (DESIGN.md sections 2 and 3):
+Contract (docs/design.md sections 2 and 3):
 
 * Users own ``forward`` (inference). The Trainer never replaces it: DDP wraps an internal adapter whose
   ``forward`` calls :meth:`TaskModule.training_step`.
@@ -117,7 +117,7 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
     * a dict with ``"loss"``; other entries are detached and handed to callbacks as the step output;
     * a dict with ``"loss"`` and ``"num_items"``: then ``loss`` is a SUM over ``num_items`` contributing
       items (tokens, samples) and the Trainer divides by the global count over all micro-batches of the
-      step and all ranks (DESIGN.md section 5).
+      step and all ranks (docs/design.md section 5).
     """
 
     def __init__(self) -> None:

@@ -2,7 +2,7 @@
 
 ``Trainer(**options)`` builds a :class:`TrainerOptions`; every check here runs in ``__post_init__``, so a
 bad value raises ``ValueError`` naming the option, the value and the valid choices before any process
-group exists (DESIGN.md section 10). The Hydra schema of ``conf/trainer`` mirrors this dataclass.
+group exists (docs/design.md section 10). The Hydra schema of ``conf/trainer`` mirrors this dataclass.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _check_limit(name: str, value: Any) -> None:
 class TrainerOptions:
     """Every option of :class:`trainer.Trainer`, with Lightning's names and defaults where they exist.
 
-    Units (DESIGN.md section 4): ``max_steps``, ``val_check_interval``, ``log_every_n_steps`` count
+    Units (docs/design.md section 4): ``max_steps``, ``val_check_interval``, ``log_every_n_steps`` count
     optimizer steps; ``accumulate_grad_batches`` counts micro-batches per optimizer step;
     ``global_batch_size`` counts samples per optimizer step, all ranks together (trainer/data/global_batch.py).
     """
@@ -346,9 +346,9 @@ LIGHTNING_UNSUPPORTED: dict[str, str] = {
     "overfit_batches": "pass limit_train_batches=N with an unshuffled loader, and the same loader as validation.",
     "inference_mode": "keel evaluates under torch.no_grad(); wrap your own code in torch.inference_mode() if needed.",
     "use_distributed_sampler": "keel always adds its resumable distributed sampler to a plain DataLoader "
-    "(DESIGN.md section 6); a loader it cannot adapt is used as is, with a warning saying why.",
+    "(docs/design.md section 6); a loader it cannot adapt is used as is, with a warning saying why.",
     "replace_sampler_ddp": "keel always adds its resumable distributed sampler to a plain DataLoader "
-    "(DESIGN.md section 6); a loader it cannot adapt is used as is, with a warning saying why.",
+    "(docs/design.md section 6); a loader it cannot adapt is used as is, with a warning saying why.",
     "reload_dataloaders_every_n_epochs": "loaders are built once per fit; let the dataset read fresh data itself "
     "(set_epoch on your sampler or dataset is called by keel's sampler each epoch).",
     "detect_anomaly": "wrap trainer.fit(...) in `with torch.autograd.detect_anomaly():`.",
@@ -473,7 +473,7 @@ def _launch_command(env: DistEnv, nodes: int, per_node: int) -> str:
 def check_lightning_keywords(options: TrainerOptions, env: DistEnv) -> None:
     """Check Lightning's ``devices`` / ``num_nodes`` against what the launcher started.
 
-    keel never starts processes (DESIGN.md section 1): ``devices`` must be the processes per node
+    keel never starts processes (docs/design.md section 1): ``devices`` must be the processes per node
     (``LOCAL_WORLD_SIZE``) or ``"auto"`` / -1, and ``num_nodes`` must be ``world_size // local_world_size``.
     Called by the Trainer right after :func:`trainer.distributed.launcher.detect_env`, before any process group exists.
     It also applies ``benchmark`` as Lightning does when its Trainer is built: True / False set

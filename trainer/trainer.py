@@ -2,7 +2,7 @@
 
 Read :meth:`Trainer._train_epoch` (the fit loop) and :meth:`Trainer._training_micro_batch` /
 :meth:`Trainer._optimizer_step` (one step): ``backward`` and ``optimizer.step`` are visible there,
-through the precision plugin (DESIGN.md section 5). How the task is replicated or sharded is the
+through the precision plugin (docs/design.md section 5). How the task is replicated or sharded is the
 :class:`~trainer.distributed.strategy.Strategy`'s business; the loop never asks which one runs. Evaluation and
 predict loops are in :mod:`trainer.evaluation`, manual optimization in :mod:`trainer.step.optim`, checkpoint
 content in :mod:`trainer.checkpoint.state`.
@@ -683,7 +683,7 @@ class Trainer(TrainerAttributes):
 
     def _log_step_metrics(self) -> None:
         """Logging step: ONE host read for the step metrics and the non-finite verdict and, with several
-        ranks, two small collectives that also carry the verdict (DESIGN.md section 11). Preemption is
+        ranks, two small collectives that also carry the verdict (docs/design.md section 11). Preemption is
         agreed later, after ``on_train_batch_end``, so a signal that arrives during those hooks is acted
         on at this step."""
         pending = self._nonfinite.pending()  # the losses kept since the last check (device)

@@ -1,4 +1,4 @@
-"""Sharded checkpoints: one folder per save, every rank writes its own shards (DESIGN.md section 8).
+"""Sharded checkpoints: one folder per save, every rank writes its own shards (docs/design.md section 8).
 
 Layout of ``epoch=0-step=4.ckpt/`` (a folder; the name keeps ModelCheckpoint's suffix)::
 

@@ -1,4 +1,4 @@
-"""Checkpoint content, crash-safe writes and safe loading (DESIGN.md section 8).
+"""Checkpoint content, crash-safe writes and safe loading (docs/design.md section 8).
 
 A checkpoint is one file (rank 0 writes it; all ranks pass a barrier), or, under a sharded strategy
 (FSDP), one folder in which every rank writes its shards (trainer/checkpoint/sharded.py). Its top-level keys are the

@@ -1,4 +1,4 @@
-"""Elastic runs: the global batch is a property of the run, not of the world size (DESIGN.md section 12).
+"""Elastic runs: the global batch is a property of the run, not of the world size (docs/design.md section 12).
 
 ``Trainer(global_batch_size=G)`` fixes the samples per optimizer step. At every (re)start, for the world
 size ``W`` the launcher gave and the training loader's micro-batch size ``b``, keel derives::

@@ -239,8 +239,8 @@ _CHECKPOINT_GROUP: object | None = None
 def checkpoint_group() -> object | None:
     """A gloo group of all ranks for background checkpoint traffic (created on first use: a collective,
     so every rank must call it at the same point). Asynchronous sharded saves run their collectives on it
-    while training uses the default group (FSDP.md: on the training group they abort or hang). None
-    without a process group."""
+    while training uses the default group: a background thread's collectives on the training group interleave
+    with the loop's and abort or hang. None without a process group."""
     global _CHECKPOINT_GROUP
     if not is_initialized():
         return None

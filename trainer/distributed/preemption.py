@@ -1,6 +1,6 @@
 """Preemption: SIGTERM / SIGUSR1 set a flag; the Trainer acts on it at a step boundary.
 
-Handlers only set a flag (DESIGN.md section 10). At the next check the ranks agree with one tiny
+Handlers only set a flag (docs/design.md section 10). At the next check the ranks agree with one tiny
 all-reduce (max of the flags), save a checkpoint and exit with :data:`PREEMPTED_EXIT_CODE` so that
 torchrun (``--max-restarts``) or SLURM (``--requeue``) starts the job again, which resumes from
 ``ckpt_path="last"``. In a single process the flag is read on every step (no collective); in a

@@ -1,6 +1,6 @@
 """How the task is replicated or sharded for training: one small interface, one implementation per case.
 
-The Trainer talks to a :class:`Strategy` and never asks which one it holds (DESIGN.md sections 1, 3).
+The Trainer talks to a :class:`Strategy` and never asks which one it holds (docs/design.md sections 1, 3).
 Each method has a fixed signature and a contract:
 
 * **Who calls it**: the fit loop and the optimizer step (``setup``, ``gradient_sync``, ``clip_grad_*``,
@@ -45,7 +45,7 @@ def _without_batch_idx(training_step: Any, batch: Any, batch_idx: int) -> Any:
 class StepAdapter(nn.Module):
     """What a wrapper such as DDP wraps: its ``forward`` is the task's ``training_step``, so the
     wrapper's gradient hooks see the parameters the step used while the user's ``forward`` stays
-    untouched (DESIGN.md section 3). ``state_dict`` keys of the task are never prefixed: checkpoints
+    untouched (docs/design.md section 3). ``state_dict`` keys of the task are never prefixed: checkpoints
     read the task itself."""
 
     def __init__(self, task: nn.Module) -> None:
@@ -252,7 +252,7 @@ _UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for 
 class DDPStrategy(Strategy):
     """``DistributedDataParallel`` over the :class:`StepAdapter`: every rank holds the whole task, and
     gradients are averaged over ranks by DDP's bucketed all-reduce during the backward of the
-    micro-batch that syncs (DESIGN.md section 5)."""
+    micro-batch that syncs (docs/design.md section 5)."""
 
     name = "ddp"
     has_sync_context = True

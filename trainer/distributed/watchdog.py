@@ -1,6 +1,6 @@
 """Hang watchdog: a rank that stops making progress dumps its stacks and exits.
 
-DESIGN.md section 10: no failure becomes a silent hang. Collectives time out on their
+docs/design.md section 10: no failure becomes a silent hang. Collectives time out on their
 own (the process-group timeout), but a rank stuck in Python -- a deadlocked data
 loader, a ``training_step`` waiting on a lock, a rank that skipped a collective the
 others are blocked in -- needs a clock of its own. The Trainer calls

@@ -2,11 +2,11 @@
 
 A logger owns one folder, ``save_dir/name/version_N`` (Lightning's layout). The only distributed thing
 a logger does is :meth:`Logger.resolve_version`, a collective that every rank calls at the same point
-so that all ranks agree on ``N`` (DESIGN.md section 9). Everything else writes files and is called by
-the Trainer on global rank 0 only (DESIGN.md section 7).
+so that all ranks agree on ``N`` (docs/design.md section 9). Everything else writes files and is called by
+the Trainer on global rank 0 only (docs/design.md section 7).
 
 tensorboard (and omegaconf, for YAML) are imported where they are used, so ``import trainer`` stays
-cheap (DESIGN.md section 11). The :class:`Logger` base and the run identity are in trainer/loggers/logger.py;
+cheap (docs/design.md section 11). The :class:`Logger` base and the run identity are in trainer/loggers/logger.py;
 :class:`WandbLogger` and :class:`MLFlowLogger` live in their own modules.
 """
 

@@ -2,8 +2,8 @@
 
 A logger owns one folder, ``save_dir/name/version_N`` (Lightning's layout). The only distributed thing
 a logger does is :meth:`Logger.resolve_version`, a collective that every rank calls at the same point
-so that all ranks agree on ``N`` (DESIGN.md section 9). Everything else writes files and is called by
-the Trainer on global rank 0 only (DESIGN.md section 7).
+so that all ranks agree on ``N`` (docs/design.md section 9). Everything else writes files and is called by
+the Trainer on global rank 0 only (docs/design.md section 7).
 
 The concrete loggers subclass :class:`Logger`: CSV and TensorBoard in trainer/loggers/local.py, W&B and MLflow
 in their own modules; trainer.loggers re-exports all of them. This module imports none of them.

@@ -1,7 +1,7 @@
 """``MLFlowLogger``: MLflow tracking with Lightning's constructor, one MLflow run per keel run directory.
 
 ``mlflow`` is an optional extra (``pip install -e ".[mlflow]"``), imported on the first write, on rank 0
-only (the Trainer calls loggers on global rank 0 only, DESIGN.md section 7). The default tracking store
+only (the Trainer calls loggers on global rank 0 only, docs/design.md section 7). The default tracking store
 is a local SQLite file, ``<save_dir>/mlflow.db`` (MLflow 3 refuses the plain file store by default), so
 ``mlflow ui --backend-store-uri sqlite:///<save_dir>/mlflow.db`` shows every run under ``save_dir``.
 """

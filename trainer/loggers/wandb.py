@@ -1,7 +1,7 @@
 """``WandbLogger``: Weights & Biases, with Lightning's constructor, one W&B run per keel run directory.
 
 ``wandb`` is an optional extra (``pip install -e ".[wandb]"``), imported on the first write, on rank 0
-only (the Trainer calls loggers on global rank 0 only, DESIGN.md section 7).
+only (the Trainer calls loggers on global rank 0 only, docs/design.md section 7).
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 The Trainer adds a :class:`ProgressBar` unless ``enable_progress_bar=False`` or a callback with
 ``is_progress_bar = True`` is already in the list. Like every callback it runs on every rank; only
-global rank 0 draws or logs anything (DESIGN.md section 7).
+global rank 0 draws or logs anything (docs/design.md section 7).
 
 It never reads a tensor's value: the numbers it shows come from ``trainer.progress_bar_metrics``
 (host floats the Trainer refreshes on logging steps) and from batch shapes, so it adds no host-device
-sync to any step (DESIGN.md section 11). tqdm is imported when the first bar is drawn.
+sync to any step (docs/design.md section 11). tqdm is imported when the first bar is drawn.
 """
 
 from __future__ import annotations

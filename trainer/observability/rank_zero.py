@@ -1,4 +1,4 @@
-"""Rank-zero helpers and per-rank logging (DESIGN.md section 7).
+"""Rank-zero helpers and per-rank logging (docs/design.md section 7).
 
 Every rank runs every hook; only side effects are gated to rank 0. Python logging is configured per
 rank when the Trainer is built: rank 0 at INFO, other ranks at WARNING, every line tagged with its rank.

@@ -1,6 +1,6 @@
 """Gradient accumulation: how micro-batches group into optimizer steps, and the loss normalisation.
 
-Loss normalisation is the only maths the loop owns (DESIGN.md section 5) and it lives in
+Loss normalisation is the only maths the loop owns (docs/design.md section 5) and it lives in
 :class:`StepNormaliser`:
 
 * A plain loss tensor is a mean over its micro-batch. The step's gradient is the mean over the

@@ -1,6 +1,6 @@
 """``on_nonfinite="error"``: a NaN or inf loss at ANY step stops training, naming the first bad step.
 
-Checking every step's loss on the host would sync every step (DESIGN.md section 11). Instead the loop
+Checking every step's loss on the host would sync every step (docs/design.md section 11). Instead the loop
 hands each optimizer step's loss (a detached device scalar) to :meth:`NonFiniteGuard.record`, which only
 keeps the reference; every so many steps the kept losses are stacked into one device tensor (one kernel,
 no host read; the step numbers stay on the host). The loop reads them where it syncs anyway, in the same

@@ -12,7 +12,7 @@ where a scheduler config is ``{"scheduler": s, "interval": "step" | "epoch", "fr
 
 Also here: stepping the schedulers on the step clock (:func:`step_schedulers`), and what manual
 optimization needs (:class:`ManualOptimization`, :class:`ManualOptimizer`). The automatic optimizer
-step itself is visible in ``Trainer._optimizer_step`` (DESIGN.md section 5).
+step itself is visible in ``Trainer._optimizer_step`` (docs/design.md section 5).
 """
 
 from __future__ import annotations
