@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from trainer.data.loaders import limit_batches
 from trainer.step.accumulation import estimate_stepping_batches
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,9 @@ class TrainerAttributes:
         opts = self.options
         return estimate_stepping_batches(
             self.accumulation_schedule,
-            batches=self._limit(self._train.loader, "limit_train_batches"),
+            batches=limit_batches(
+                self._train.loader, opts.limit_train_batches, "limit_train_batches", fast_dev_run=opts.fast_dev_run
+            ),
             epochs=1 if opts.fast_dev_run else opts.max_epochs,
             max_steps=opts.max_steps,
             drop_incomplete=opts.drop_incomplete_accumulation,

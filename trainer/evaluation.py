@@ -93,6 +93,25 @@ class EvaluationLoop:
                 cb.on_sanity_check_start(trainer, task)
         was_training = task.training
         modes = [(m, m.training) for m in task.modules()]
+        self._start(trainer, task, callbacks, validating=validating)
+        self.metrics.stage = stage
+        results = self._run_loaders(trainer, task, callbacks, loaders, limits, validating=validating, publish=publish)
+        results.append(self._end(trainer, task, callbacks, len(loaders), validating=validating, publish=publish))
+        if is_keel_default(task.on_validation_model_train if validating else task.on_test_model_train):
+            for module, mode in modes:  # each submodule as it was (a frozen, eval-mode backbone stays so)
+                module.train(mode)
+        elif validating:
+            task.on_validation_model_train()
+        else:
+            task.on_test_model_train()
+        if was_training:
+            self.metrics.stage = "train"
+        if sanity:
+            for cb in callbacks:
+                cb.on_sanity_check_end(trainer, task)
+        return results
+
+    def _start(self, trainer: Any, task: Any, callbacks: Sequence[Any], *, validating: bool) -> None:
         if validating:
             task.on_validation_model_eval()
             task.on_validation_start()
@@ -109,7 +128,19 @@ class EvaluationLoop:
             task.on_test_epoch_start()
             for cb in callbacks:
                 cb.on_test_epoch_start(trainer, task)
-        self.metrics.stage = stage
+
+    def _run_loaders(
+        self,
+        trainer: Any,
+        task: Any,
+        callbacks: Sequence[Any],
+        loaders: list[AdaptedLoader],
+        limits: list[int | None],
+        *,
+        validating: bool,
+        publish: Publish | None,
+    ) -> list[dict[str, float]]:
+        """The batches of every loader; the epoch metrics of each loader but the last, reduced (a collective)."""
         results: list[dict[str, float]] = []
         step = task.validation_step if validating else task.test_step
         with_idx = takes_batch_idx(step)  # Lightning calls validation_step(batch) when it takes no batch_idx
@@ -146,36 +177,37 @@ class EvaluationLoop:
                             cb.on_test_batch_end(trainer, task, outputs, batch, batch_idx, loader_idx)
                 if loader_idx < len(loaders) - 1:
                     results.append(self._reduce(loader_idx, len(loaders), publish))
-        # The task's epoch-end hook may still log; callbacks then see the reduced epoch metrics.
+        return results
+
+    def _end(
+        self,
+        trainer: Any,
+        task: Any,
+        callbacks: Sequence[Any],
+        num_loaders: int,
+        *,
+        validating: bool,
+        publish: Publish | None,
+    ) -> dict[str, float]:
+        """The epoch-end and end hooks; returns the last loader's reduced epoch metrics. The task's epoch-end
+        hook may still log; callbacks then see the reduced epoch metrics."""
         if validating:
             task.on_validation_epoch_end()
-            results.append(self._reduce(len(loaders) - 1, len(loaders), publish))
+            last = self._reduce(num_loaders - 1, num_loaders, publish)
             for cb in callbacks:
                 cb.on_validation_epoch_end(trainer, task)
             task.on_validation_end()
             for cb in callbacks:
                 cb.on_validation_end(trainer, task)
-            restore = task.on_validation_model_train
         else:
             task.on_test_epoch_end()
-            results.append(self._reduce(len(loaders) - 1, len(loaders), publish))
+            last = self._reduce(num_loaders - 1, num_loaders, publish)
             for cb in callbacks:
                 cb.on_test_epoch_end(trainer, task)
             task.on_test_end()
             for cb in callbacks:
                 cb.on_test_end(trainer, task)
-            restore = task.on_test_model_train
-        if is_keel_default(restore):
-            for module, mode in modes:  # each submodule as it was (a frozen, eval-mode backbone stays so)
-                module.train(mode)
-        else:
-            restore()
-        if was_training:
-            self.metrics.stage = "train"
-        if sanity:
-            for cb in callbacks:
-                cb.on_sanity_check_end(trainer, task)
-        return results
+        return last
 
     def _reduce(self, loader_idx: int, num_loaders: int, publish: Publish | None) -> dict[str, float]:
         """Epoch metrics of one loader, reduced over ranks (a collective)."""

@@ -1,24 +1,28 @@
 """What happens around every stage (fit / validate / test / predict): seeding, setup hooks, teardown.
 
-The Trainer calls :func:`setup_stage` after the process group exists and before the stage's loop, and
-:func:`teardown_stage` after it, also when the loop raised. Both run on every rank. They receive what
-they act on as arguments (the task, the datamodule, the callbacks, the loggers) and the Trainer only as
-the object that hooks are handed; they never read its private state.
+The Trainer calls :func:`init_process_group` and :func:`setup_stage` before the stage's loop, and
+:func:`teardown_stage` after it, also when the loop raised. All run on every rank. They read the Trainer's
+public attributes (the task, the datamodule, the callbacks, the loggers, the options) and hand the Trainer to
+the hooks; they never touch its private state. The Trainer is named here for types only.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import random
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.compat import warn_uncalled_hooks
 from trainer.distributed import comm
+from trainer.distributed.watchdog import Watchdog, nccl_flight_recorder_env_defaults, start_for_run
 from trainer.observability.rank_zero import rank_zero_only
+
+if TYPE_CHECKING:
+    from trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -61,37 +65,28 @@ def _seed_generators(seed: int) -> None:
         pass
 
 
-def setup_stage(
-    trainer: Any,
-    stage: str,
-    *,
-    task: Any,
-    datamodule: Any | None,
-    callbacks: Sequence[Any],
-    loggers: Sequence[Any],
-    seed: int | None,
-    deterministic: bool,
-    local_rank: int,
-    profiler: Any = None,
-) -> None:
+def setup_stage(trainer: Trainer, stage: str) -> None:
     """Seed (``seed + global_rank`` per rank), agree on the run directory's version (a collective), set up
     the profiler (it knows the run directory then), prepare and set up the data (``prepare_data`` on local
     rank 0, the others wait at a barrier), then ``task.setup``, the callbacks' ``setup`` and
-    ``task.configure_model``, in that order."""
+    ``task.configure_model``, in that order. Reads the Trainer's public attributes only."""
+    task, datamodule, callbacks, profiler = trainer.task, trainer.datamodule, trainer.callbacks, trainer.profiler
+    assert task is not None
+    seed, deterministic = trainer.options.seed, trainer.options.deterministic
     if seed is not None:
         _seed_generators(seed + trainer.global_rank)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
-    for logger in loggers:
+    for logger in trainer.loggers:
         logger.resolve_version()  # rank 0 picks, all ranks agree (broadcast)
     if profiler is not None:
         profiler.setup(stage, run_dir=trainer.log_dir, rank=trainer.global_rank)
         if profiler.enabled:
             profiler.transition("setup")  # the phase clock starts: data and task setup count as "setup"
     warn_uncalled_hooks(task, callbacks)  # a Lightning hook keel never calls is named, never ignored
-    if local_rank == 0:
+    if trainer.local_rank == 0:
         if datamodule is not None:
             datamodule.prepare_data()
         task.prepare_data()
@@ -104,22 +99,14 @@ def setup_stage(
     task.configure_model()  # build large layers late; the strategy wraps or shards what exists after it
 
 
-def teardown_stage(
-    trainer: Any,
-    stage: str,
-    *,
-    task: Any,
-    datamodule: Any | None,
-    callbacks: Sequence[Any],
-    loggers: Sequence[Any],
-    failed: bool,
-    profiler: Any = None,
-) -> None:
+def teardown_stage(trainer: Trainer, stage: str, *, failed: bool) -> None:
     """``teardown`` of the profiler (its summary), the task, the callbacks and the datamodule (all of them,
     even when one raises), then the loggers' ``finalize`` on rank 0. After a successful stage every rank
     leaves together (a barrier) and the first teardown error is raised; after a failed one the stage's own
     error wins.
     """
+    task, datamodule, callbacks, profiler = trainer.task, trainer.datamodule, trainer.callbacks, trainer.profiler
+    assert task is not None
     errors: list[BaseException] = []
     steps = [lambda: task.teardown(stage)] + [(lambda cb=cb: cb.teardown(trainer, task, stage)) for cb in callbacks]
     if profiler is not None:
@@ -132,7 +119,7 @@ def teardown_stage(
         except Exception as exc:  # keep tearing down; report the first error below
             errors.append(exc)
     if trainer.is_global_zero:
-        for logger in loggers:
+        for logger in trainer.loggers:
             logger.finalize("failed" if failed else "success")
     if not failed:
         # Leave every stage together: no rank exits (and tears gloo down at interpreter exit) while a
@@ -140,6 +127,34 @@ def teardown_stage(
         comm.barrier(trainer.device)
     if errors and not failed:
         raise errors[0]
+
+
+def init_process_group(trainer: Trainer) -> bool:
+    """Create the default process group if the launch needs one and none exists (a collective on first
+    use); True when this call created it, so the Trainer owns it and destroys it at interpreter exit."""
+    opts = trainer.options
+    return comm.ensure_process_group(
+        trainer.env,
+        device=trainer.device,
+        timeout=datetime.timedelta(seconds=opts.process_group_timeout),
+        init_timeout=datetime.timedelta(seconds=opts.init_timeout),
+        # NCCL's flight recorder on by default, so a collective timeout leaves a trace to read.
+        backend_env=nccl_flight_recorder_env_defaults(trainer.default_root_dir),
+        single_process=trainer.strategy.needs_process_group,
+    )
+
+
+def start_watchdog(trainer: Trainer) -> Watchdog | None:
+    """A daemon thread that dumps this rank's stacks and exits if no beat arrives within
+    ``watchdog_timeout`` seconds; None when the option is off."""
+    opts = trainer.options
+    return start_for_run(
+        opts.watchdog_timeout,
+        world_size=trainer.world_size,
+        rank=trainer.global_rank,
+        process_group_timeout=opts.process_group_timeout,
+        run_dir=trainer.log_dir,
+    )
 
 
 def with_default_callbacks(callbacks: list[Any], *, progress_bar: type | None, checkpoint: type | None) -> list[Any]:

@@ -239,6 +239,12 @@ class MetricCollector:
         return self._epochs["train" if self.stage == "train" else "eval"]
 
     # ------------------------------------------------------------------ recording
+    def log_loss(self, loss: torch.Tensor) -> None:
+        """The step's optimised loss as ``loss`` in the progress bar (not sent to the loggers), as Lightning does."""
+        self.log(
+            "loss", loss, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=None, reduce_fx="mean"
+        )
+
     def log(
         self,
         name: str,

@@ -132,6 +132,14 @@ class TrainerOptions:
     preemption_check_interval: int | None = None
 
     def __post_init__(self) -> None:
+        # Always in this order, so that with several bad values the same one is reported first.
+        self._check_limits_and_accumulation()
+        self._check_step_and_loop_options()
+        self._check_launch_options()
+        self._check_run_options()
+
+    def _check_limits_and_accumulation(self) -> None:
+        """The step and epoch limits, accumulation and the global batch."""
         if self.max_epochs is not None:
             _check_int("max_epochs", self.max_epochs, minimum=-1)
             if self.max_epochs == 0:
@@ -154,6 +162,9 @@ class TrainerOptions:
                     "(re)start. Pass only one of them (a schedule goes in global_batch_size as {epoch: G} or "
                     "{'step': {global_step: G}})."
                 )
+
+    def _check_step_and_loop_options(self) -> None:
+        """Precision, clipping, validation and batch limits, logging, seeding and the boolean flags."""
         self.precision = _normalise_precision(self.precision)
         if self.gradient_clip_val is not None:
             if isinstance(self.gradient_clip_val, bool) or not isinstance(self.gradient_clip_val, (int, float)):
@@ -201,6 +212,9 @@ class TrainerOptions:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "True or False")
+
+    def _check_launch_options(self) -> None:
+        """Devices, strategy and FSDP, the run directory, callbacks, DDP buckets and the timeouts."""
         if self.accelerator not in ACCELERATORS:
             raise _fail("accelerator", self.accelerator, f"one of {ACCELERATORS}")
         self.devices = _normalise_devices(self.devices)
@@ -243,6 +257,9 @@ class TrainerOptions:
                     "a number of seconds > 0 or a timedelta" + (" or None" if name == "watchdog_timeout" else ""),
                 )
             setattr(self, name, float(value))
+
+    def _check_run_options(self) -> None:
+        """The profiler, the fault policies, predict's return, and Lightning's default of 1000 epochs."""
         from trainer.observability.profiler import resolve_profiler
 
         self.profiler = resolve_profiler(self.profiler)  # raises ValueError naming the option for a bad value

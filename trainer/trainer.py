@@ -10,7 +10,6 @@ content in :mod:`trainer.checkpoint.state`.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -24,13 +23,11 @@ from trainer.checkpoint.files import CheckpointIO
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.compat import TrainerAttributes, compile_step, fit_validation
 from trainer.data import global_batch as elastic
+from trainer.data import stages
 from trainer.data.loaders import (
     AdaptedLoader,
-    adapt_eval_loader,
-    adapt_train_loader,
-    limit_batches,
+    EpochPlan,
     plan_epoch,
-    resolve_loaders,
     warn_if_unsharded,
 )
 from trainer.data.transfer import BatchCopier
@@ -40,7 +37,7 @@ from trainer.distributed.preemption import PreemptionWatcher, save_and_exit
 from trainer.distributed.strategy import StepAdapter, Strategy, select_strategy
 from trainer.evaluation import EvaluationLoop, log_results
 from trainer.hooks import TrainHooks
-from trainer.lifecycle import setup_stage, teardown_stage, with_default_callbacks
+from trainer.lifecycle import init_process_group, setup_stage, start_watchdog, teardown_stage, with_default_callbacks
 from trainer.loggers.local import default_loggers, log_fit_start
 from trainer.loggers.logger import Logger
 from trainer.metrics import MetricCollector
@@ -101,9 +98,8 @@ class Trainer(TrainerAttributes):
             )
         )
         self.loggers: list[Logger] = default_loggers(opts.logger, opts.default_root_dir)
-        self.profiler = (
-            opts.profiler
-        )  # a trainer.observability.profiler.Profiler; PassThroughProfiler (disabled) when off
+        # A trainer.observability.profiler.Profiler; PassThroughProfiler (disabled) when off.
+        self.profiler = opts.profiler
         # Run state: the step clock, the epoch, the data cursor.
         self.global_step = 0
         self.current_epoch = 0
@@ -216,14 +212,7 @@ class Trainer(TrainerAttributes):
         """Run the validation loop once. Returns one dict of epoch metrics per dataloader (reduced over
         all ranks: means weighted by batch size), the same on every rank; ``verbose`` logs them (rank 0)."""
 
-        def body(given):
-            return log_results(
-                "validate",
-                self._evaluate("validate", self._stage_loaders("validate", given, ckpt_path)),
-                verbose=verbose and self.is_global_zero,
-            )
-
-        return self._run("validate", model, datamodule, body, loaders=(dataloaders,))
+        return self._evaluate_stage("validate", model, dataloaders, datamodule, ckpt_path, verbose)
 
     def test(
         self,
@@ -235,14 +224,7 @@ class Trainer(TrainerAttributes):
     ) -> list[dict[str, float]]:
         """Run the test loop once; returns (and with ``verbose`` logs) metrics like :meth:`validate`."""
 
-        def body(given):
-            return log_results(
-                "test",
-                self._evaluate("test", self._stage_loaders("test", given, ckpt_path)),
-                verbose=verbose and self.is_global_zero,
-            )
-
-        return self._run("test", model, datamodule, body, loaders=(dataloaders,))
+        return self._evaluate_stage("test", model, dataloaders, datamodule, ckpt_path, verbose)
 
     def predict(
         self,
@@ -289,7 +271,7 @@ class Trainer(TrainerAttributes):
         task, datamodule, loaders, self._dynamo_ctx = check_stage_inputs(
             stage, task if task is not None else self.task, datamodule, loaders
         )
-        self._init_distributed()
+        self._owns_group = init_process_group(self) or self._owns_group
         self.task, self.datamodule, self.state_stage = task, datamodule, stage
         task._trainer = self
         if datamodule is not None:
@@ -297,14 +279,7 @@ class Trainer(TrainerAttributes):
         self._metrics.reset()
         try:
             self._setup_stage(stage)
-            # A daemon thread that dumps this rank's stacks and exits if no beat arrives in time.
-            self._watchdog = wd.start_for_run(
-                self.options.watchdog_timeout,
-                world_size=self.world_size,
-                rank=self.global_rank,
-                process_group_timeout=self.options.process_group_timeout,
-                run_dir=self.log_dir,
-            )
+            self._watchdog = start_watchdog(self)
             # Beats on the hot path are skipped outright when nothing listens (no watchdog, no profiler).
             self._beating = self._watchdog is not None or self.profiler.enabled
             self._beat(wd.PHASE_SETUP)
@@ -328,94 +303,36 @@ class Trainer(TrainerAttributes):
         if self.profiler.enabled:  # profiling off (the default): this check is its whole cost
             self.profiler.transition(phase)
 
-    def _init_distributed(self) -> None:
-        opts = self.options
-        self._owns_group = (
-            comm.ensure_process_group(
-                self.env,
-                device=self.device,
-                timeout=datetime.timedelta(seconds=opts.process_group_timeout),
-                init_timeout=datetime.timedelta(seconds=opts.init_timeout),
-                # NCCL's flight recorder on by default, so a collective timeout leaves a trace to read.
-                backend_env=wd.nccl_flight_recorder_env_defaults(self.default_root_dir),
-                single_process=self.strategy.needs_process_group,
-            )
-            or self._owns_group
-        )
-
     def _setup_stage(self, stage: str) -> None:
-        opts, task = self.options, self.task
-        assert task is not None
         if not self._logged_options and self.is_global_zero:
             log.info("Trainer options: %s", self.options.resolved())
             self._logged_options = True
-        setup_stage(
-            self,
-            stage,
-            task=task,
-            datamodule=self.datamodule,
-            callbacks=self.callbacks,
-            loggers=self.loggers,
-            seed=opts.seed,
-            deterministic=opts.deterministic,
-            local_rank=self.local_rank,
-            profiler=self.profiler,
-        )
-        task.to(self.device)
-        self._precision.convert_module(task)
+        setup_stage(self, stage)
+        assert self.task is not None
+        self.task.to(self.device)
+        self._precision.convert_module(self.task)
 
     def _teardown_stage(self, stage: str, *, failed: bool) -> None:
         try:
-            teardown_stage(
-                self,
-                stage,
-                task=self.task,
-                datamodule=self.datamodule,
-                callbacks=self.callbacks,
-                loggers=self.loggers,
-                failed=failed,
-                profiler=self.profiler,
-            )
+            teardown_stage(self, stage, failed=failed)
         finally:
             self._model = self._run_step = self._hooks = self._metrics.batch = None
             self.strategy.teardown()
             self.state_stage = None
-
-    def _loaders(self, stage: str, given: Any) -> list[Any]:
-        return resolve_loaders(self.datamodule if self.datamodule is not None else self.task, stage, given)
-
-    def _eval_loaders(self, stage: str, given: Any) -> list[AdaptedLoader]:
-        return [
-            adapt_eval_loader(loader, num_replicas=self.world_size, rank=self.global_rank, seed=self.options.seed or 0)
-            for loader in self._loaders(stage, given)
-        ]
-
-    def _limit(self, loader: Any, name: str) -> int | None:
-        """Batches to run from ``loader`` under the ``limit_*_batches`` option ``name`` and fast_dev_run."""
-        return limit_batches(loader, getattr(self.options, name), name, fast_dev_run=self.options.fast_dev_run)
 
     # ------------------------------------------------------------------ fit
     def _fit(self, train_dataloaders: Any, val_dataloaders: Any, ckpt_path: str | None) -> None:
         task = self.task
         assert task is not None
         opts = self.options
-        train_loaders = self._loaders("train", train_dataloaders)
-        if len(train_loaders) != 1:
-            raise ValueError(
-                "Trainer.fit needs exactly one training dataloader (train_dataloaders=..., a datamodule, or "
-                f"task.train_dataloader()); got {len(train_loaders)}."
-            )
-        self._train = adapt_train_loader(
-            train_loaders[0], num_replicas=self.world_size, rank=self.global_rank, seed=opts.seed or 0
-        )
+        self._train = stages.train_loader(self, train_dataloaders)
         elastic.configure(self, self._train.loader)  # global_batch_size -> accumulation at this world size
-        self._copy_batch = BatchCopier(
-            self.device,
-            float_dtype=self._precision.param_dtype,
-            overlap=bool(getattr(self._train.loader, "pin_memory", False)),
-        )
+        pinned = bool(getattr(self._train.loader, "pin_memory", False))
+        self._copy_batch = BatchCopier(self.device, float_dtype=self._precision.param_dtype, overlap=pinned)
         val_loaders, self.num_val_batches = fit_validation(  # none without validation_step or with limit 0
-            task, self._eval_loaders("validate", val_dataloaders), lambda v: self._limit(v.loader, "limit_val_batches")
+            task,
+            stages.eval_loaders(self, "validate", val_dataloaders),
+            lambda v: stages.batch_limit(self, v.loader, "limit_val_batches"),
         )
         self._check_sharding = self.world_size > 1 and self._train.sampler is None
         self._configure_model_and_optimizers()
@@ -425,10 +342,8 @@ class Trainer(TrainerAttributes):
         if ckpt_path is not None:
             ckpt.restore(self, ckpt_path, full=True)
         if self.is_global_zero:
-            summary = opts.enable_model_summary and not any(
-                getattr(cb, "is_model_summary", False) for cb in self.callbacks
-            )
-            log_fit_start(self.loggers, task, self.options.resolved(), summary=summary)
+            own_summary = any(getattr(cb, "is_model_summary", False) for cb in self.callbacks)
+            log_fit_start(self.loggers, task, opts.resolved(), summary=opts.enable_model_summary and not own_summary)
         task.on_fit_start()
         for cb in self.callbacks:
             cb.on_fit_start(self, task)
@@ -488,41 +403,49 @@ class Trainer(TrainerAttributes):
             beat=self._beat,
         )
 
-    def _train_epoch(self, val_loaders: list[AdaptedLoader]) -> None:
-        """One epoch: micro-batches grouped into optimizer steps, validation and logging on the step clock."""
-        task, opts, train = self.task, self.options, self._train
-        assert task is not None and train is not None and self._model is not None
-        # Sampler epoch, resume cursor, and (for loaders keel does not shard) agreement between ranks.
+    def _start_train_epoch(self, train: AdaptedLoader) -> tuple[EpochPlan, TrainHooks]:
+        """Sampler epoch, resume cursor, and (for loaders keel does not shard) agreement between ranks; then
+        the epoch-start hooks and the per-batch hooks resolved for this epoch."""
+        task, opts = self.task, self.options
+        assert task is not None
         plan = plan_epoch(
             train,
             epoch=self.current_epoch,
             batches_done=self._epoch_batches_done,
             samples_done=self._epoch_samples,
-            limit=lambda loader: self._limit(loader, "limit_train_batches"),
+            limit=lambda loader: stages.batch_limit(self, loader, "limit_train_batches"),
             world_size=self.world_size,
             device=self.device,
             uneven=opts.uneven_batches,
         )
         self._epoch_batches_done, self._epoch_samples = plan.start, plan.samples_done
-        self.num_training_batches = num_batches = plan.num_batches
+        self.num_training_batches = plan.num_batches
         task.train()
         self._metrics.stage = "train"
         task.on_train_epoch_start()
         for cb in self.callbacks:
             cb.on_train_epoch_start(self, task)
-        hooks = self._hooks = TrainHooks(self, task, self.callbacks)  # the overridden per-batch hooks, in order
+        self._hooks = hooks = TrainHooks(self, task, self.callbacks)  # the overridden per-batch hooks, in order
+        return plan, hooks
+
+    def _train_epoch(self, val_loaders: list[AdaptedLoader]) -> None:
+        """One epoch: micro-batches grouped into optimizer steps, validation and logging on the step clock."""
+        opts, train = self.options, self._train
+        assert train is not None and self._model is not None
+        plan, hooks = self._start_train_epoch(train)
         normaliser = StepNormaliser(world_size=self.world_size, device=self.device)
         completed = True  # False when training stops before the epoch's data is exhausted
         # Read once: the per-step checks below are plain comparisons (a 0.2 ms step notices every call).
         preemption, multi_rank = self._preemption, self.world_size > 1
         preempt_every = opts.preemption_check_interval or opts.log_every_n_steps
         log_every, max_steps = (1 if opts.fast_dev_run else opts.log_every_n_steps), opts.max_steps
-        drop_incomplete, manual, beating = opts.drop_incomplete_accumulation, self._manual_mode, self._beating
+        drop_incomplete, beating = opts.drop_incomplete_accumulation, self._beating
+        unusual = drop_incomplete or self._manual_mode  # a window may end without an automatic optimizer step
         samples_per_batch, batch_end_hooks = plan.samples_per_batch, hooks.on_train_batch_end
         for micro in micro_batches(
             train.loader,
             start_idx=plan.start,
-            num_batches=num_batches,
+            num_batches=plan.num_batches,
             accumulate=self._window_k,
             drop_incomplete=drop_incomplete,
             agree=plan.agree,
@@ -535,18 +458,7 @@ class Trainer(TrainerAttributes):
             self._epoch_samples += samples_per_batch
             stepped = False
             if micro.is_step_end:
-                if drop_incomplete and micro.window_len is None and normaliser.ran < micro.accumulate:
-                    for optimizer in self.optimizers:  # unknown-length epoch ended inside a window: discard it
-                        optimizer.zero_grad(set_to_none=True)
-                    normaliser.reset()
-                elif manual:
-                    # One training iteration (whatever number of optimizer calls) is one step.
-                    self._precision.update()
-                    self.global_step += 1
-                    self._nonfinite.record(self.global_step, self._step_loss)
-                    stepped = True
-                else:
-                    stepped = self._optimizer_step(normaliser)
+                stepped = self._end_unusual_window(micro, normaliser) if unusual else self._optimizer_step(normaliser)
             if stepped and self.global_step % log_every == 0:
                 self._log_step_metrics()  # a logging step: the only place step metrics are read
             self.optimizer_stepped = stepped
@@ -575,6 +487,21 @@ class Trainer(TrainerAttributes):
                 completed = micro.is_epoch_end
                 break
         self._epoch_end(val_loaders, completed=completed)
+
+    def _end_unusual_window(self, micro: MicroBatch, normaliser: StepNormaliser) -> bool:
+        """The end of a window under manual optimization or ``drop_incomplete_accumulation``; True: a step."""
+        if self.options.drop_incomplete_accumulation and micro.window_len is None and normaliser.ran < micro.accumulate:
+            for optimizer in self.optimizers:  # unknown-length epoch ended inside a window: discard it
+                optimizer.zero_grad(set_to_none=True)
+            normaliser.reset()
+            return False
+        if self._manual_mode:
+            # One training iteration (whatever number of optimizer calls) is one step.
+            self._precision.update()
+            self.global_step += 1
+            self._nonfinite.record(self.global_step, self._step_loss)
+            return True
+        return self._optimizer_step(normaliser)
 
     @property
     def val_check_due(self) -> bool:
@@ -688,16 +615,7 @@ class Trainer(TrainerAttributes):
         on at this step."""
         pending = self._nonfinite.pending()  # the losses kept since the last check (device)
         if self._step_loss is not None:
-            self._metrics.log(
-                "loss",
-                self._step_loss,
-                on_step=True,
-                on_epoch=False,
-                prog_bar=True,
-                logger=False,
-                batch_size=None,
-                reduce_fx="mean",
-            )
+            self._metrics.log_loss(self._step_loss)
         self._beat(wd.PHASE_METRICS_REDUCTION)
         local, kept = self._metrics.read_step(also=pending)
         bad = self._nonfinite.judge(kept)  # this rank's first non-finite loss, if any
@@ -722,12 +640,8 @@ class Trainer(TrainerAttributes):
         opts = self.options
         self._nonfinite.check(f"at the end of epoch {self.current_epoch}")
         every = opts.check_val_every_n_epoch
-        if (
-            val_loaders
-            and opts.val_check_interval is None
-            and every is not None
-            and (not completed or (self.current_epoch + 1) % every == 0)
-        ):
+        due = every is not None and (not completed or (self.current_epoch + 1) % every == 0)
+        if val_loaders and opts.val_check_interval is None and due:
             self._evaluate("validate", val_loaders)
         task = self.task
         self._epoch_finished = completed
@@ -745,14 +659,18 @@ class Trainer(TrainerAttributes):
             self._epoch_batches_done = self._epoch_samples = 0
 
     # ------------------------------------------------------------------ evaluation (trainer/evaluation.py)
+    def _evaluate_stage(
+        self, stage: str, model: Any, dataloaders: Any, datamodule: Any, ckpt_path: str | None, verbose: bool
+    ) -> list[dict[str, float]]:
+        def body(given: Any) -> list[dict[str, float]]:
+            loaders = self._stage_loaders(stage, given, ckpt_path)
+            return log_results(stage, self._evaluate(stage, loaders), verbose=verbose and self.is_global_zero)
+
+        return self._run(stage, model, datamodule, body, loaders=(dataloaders,))
+
     def _stage_loaders(self, stage: str, dataloaders: Any, ckpt_path: str | None) -> list[AdaptedLoader]:
         """validate / test / predict: the sharded loaders, and the weights of ``ckpt_path`` when given."""
-        loaders = self._eval_loaders(stage, dataloaders)
-        if not loaders:
-            raise ValueError(
-                f"Trainer.{stage}() found no dataloader: pass dataloaders=..., a datamodule, or implement "
-                f"task.{'val' if stage == 'validate' else stage}_dataloader()."
-            )
+        loaders = stages.eval_loaders(self, stage, dataloaders, required=True)
         if ckpt_path is not None:
             ckpt.restore(self, ckpt_path, full=False)
         return loaders
@@ -761,26 +679,16 @@ class Trainer(TrainerAttributes):
         self, stage: str, loaders: list[AdaptedLoader], *, limit_override: int | None = None
     ) -> list[dict[str, float]]:
         name = "limit_val_batches" if stage == "validate" else "limit_test_batches"
-        limits = [limit_override if limit_override is not None else self._limit(a.loader, name) for a in loaders]
+        limits = [
+            stages.batch_limit(self, a.loader, name) if limit_override is None else limit_override for a in loaders
+        ]
+        publish, sanity = (None if self.sanity_checking else self._publish), self.sanity_checking
         return self._eval_loop.run(
-            self,
-            self.task,
-            self.callbacks,
-            stage,
-            loaders,
-            limits,  # type: ignore[arg-type]
-            publish=None if self.sanity_checking else self._publish,
-            sanity=self.sanity_checking,
+            self, self.task, self.callbacks, stage, loaders, limits, publish=publish, sanity=sanity
         )
 
     def _predict(self, dataloaders: Any, ckpt_path: str | None) -> list[Any] | None:
         loaders = self._stage_loaders("predict", dataloaders, ckpt_path)
-        limits = [self._limit(a.loader, "limit_predict_batches") for a in loaders]
-        return self._eval_loop.predict(
-            self,
-            self.task,
-            self.callbacks,
-            loaders,
-            limits,
-            return_here=self.is_global_zero or self.options.predict_return == "all_ranks",
-        )
+        limits = [stages.batch_limit(self, a.loader, "limit_predict_batches") for a in loaders]
+        here = self.is_global_zero or self.options.predict_return == "all_ranks"
+        return self._eval_loop.predict(self, self.task, self.callbacks, loaders, limits, return_here=here)
