@@ -1,6 +1,15 @@
-"""keel: a Lightning-style trainer for PyTorch DistributedDataParallel.
+"""keel: a Lightning-style trainer for PyTorch (DDP and FSDP2), from one GPU to many nodes.
 
-``from trainer import Trainer, TaskModule`` is the whole user-facing core; see README.md.
+``from trainer import Trainer, TaskModule, DataModule, Callback, seed_everything`` is the user-facing core.
+
+The core sits at the top of this package: ``trainer.py`` (the fit loop and the optimizer step), ``module.py``
+(TaskModule, DataModule), ``callback.py`` (the Callback base and its hook order), ``options.py`` (every option,
+validated), ``evaluation.py`` (validate / test / predict loops), ``metrics.py`` (``self.log``), ``hooks.py``,
+``lifecycle.py`` (around every stage), ``compat.py`` (what Lightning code expects) and ``doctor.py``
+(``python -m trainer.doctor``). The subsystems are packages, each saying in its docstring what it may import:
+:mod:`trainer.step`, :mod:`trainer.data`, :mod:`trainer.distributed`, :mod:`trainer.checkpoint`,
+:mod:`trainer.loggers` and :mod:`trainer.observability`. None of them imports ``trainer.py`` at run time. See
+docs/design.md.
 """
 
 from trainer.callback import Callback
