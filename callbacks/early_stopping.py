@@ -29,9 +29,8 @@ class EarlyStopping(Callback):
     training metric. (A fit whose first validation comes after the first epoch and that has no sanity
     check cannot be told apart from one without validation: pass ``check_on_train_epoch_end=False``.)
 
-    Rank rule (docs/design.md section 7): the value is read from ``trainer.callback_metrics``, which is already
-    reduced over ranks and identical on all of them, so every rank reaches the same decision and stops at
-    the same step without exchanging a message.
+    Rank rule (docs/design.md section 7): the value is read from ``trainer.callback_metrics``; in a multi-rank
+    run it is rank 0's (see below), so every rank reaches the same decision and stops at the same step.
 
     A check counts as an improvement when the value beats the best so far by more than ``min_delta``
     (``value < best - min_delta`` for ``"min"``, ``value > best + min_delta`` for ``"max"``); otherwise the

@@ -1,6 +1,8 @@
-"""Everything keel does with ``torch.distributed``, in one small module.
+"""The process group and the collectives keel uses, in one small module.
 
-This is the only module in keel that imports ``torch.distributed``. It holds:
+Every other keel module reaches other processes through these functions; only the strategies
+(:mod:`trainer.distributed.strategy`, which wrap the task in DDP or FSDP2) and the sharded checkpoints
+(:mod:`trainer.checkpoint.sharded`, DCP) use ``torch.distributed`` directly. It holds:
 
 * launcher detection (:func:`~trainer.distributed.launcher.detect_env`, in its own module): torchrun /
   TorchElastic, SLURM ``srun``, or a plain single process, read from environment variables only;
