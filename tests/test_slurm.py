@@ -35,7 +35,7 @@ from slurm import cluster as slurm
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
 TESTS_DIR = Path(__file__).resolve().parent
-README = REPO_ROOT / "README.md"
+README = REPO_ROOT / "docs" / "slurm.md"
 STEPS, STEPS_PER_EPOCH, EVERY = 15, 10, 3  # the last periodic checkpoint holds the final weights
 RECIPE = [
     "logger=csv",

@@ -70,6 +70,96 @@ class TrainerOptions:
     Units (docs/design.md section 4): ``max_steps``, ``val_check_interval``, ``log_every_n_steps`` count
     optimizer steps; ``accumulate_grad_batches`` counts micro-batches per optimizer step;
     ``global_batch_size`` counts samples per optimizer step, all ranks together (trainer/data/global_batch.py).
+
+    The ``Attributes`` below are the option reference: the documentation's options page is generated from them
+    (docs/hooks/options_page.py; tests/test_docs.py checks that every field has exactly one entry). One entry per
+    field, ``name: description``, continuation lines indented further.
+
+    Attributes:
+        max_epochs: Epochs to train; -1 for no limit. None: 1000 epochs when ``max_steps`` is also unset
+            (Lightning's default), otherwise no epoch limit.
+        max_steps: Optimizer steps to train; -1 for no limit.
+        min_epochs: Lightning's lower bound: a stop request (``trainer.should_stop``, e.g. from ``EarlyStopping``)
+            before this many epochs have run waits until they have (and until ``min_steps`` is met).
+        min_steps: Lightning's lower bound in optimizer steps: a stop request before this many steps waits until
+            they have run (and until ``min_epochs`` is met).
+        accumulate_grad_batches: Micro-batches per optimizer step: an int, ``{epoch: k}`` or
+            ``{"step": {global_step: k}}``. Not together with ``global_batch_size``.
+        global_batch_size: Samples per optimizer step, all ranks together: an int, ``{epoch: G}`` or
+            ``{"step": {global_step: G}}``. At every (re)start keel derives ``accumulate_grad_batches = G /
+            (world size x micro-batch)`` and refuses sizes that do not divide (elastic runs). Not together with
+            ``accumulate_grad_batches``.
+        drop_incomplete_accumulation: Drop the short last accumulation window of an epoch instead of normalising
+            the loss by its real length.
+        precision: ``"32"``, ``"64"``, ``"bf16-mixed"`` or ``"16-mixed"`` (CUDA only); Lightning's spellings
+            (``"bf16"``, ``"16"``, ``"32-true"``, ``"64-true"``) are accepted.
+        gradient_clip_val: Gradient clipping threshold (> 0); None: no clipping.
+        gradient_clip_algorithm: ``"norm"`` (the global norm over all parameters) or ``"value"``.
+        val_check_interval: Validate every N optimizer steps (an int) instead of at epoch ends.
+        check_val_every_n_epoch: Validate at the end of every N-th epoch (when ``val_check_interval`` is None).
+        limit_train_batches: An int: training batches per epoch; a float: the fraction of the loader.
+        limit_val_batches: An int: batches per validation run; a float: the fraction of the loader.
+        limit_test_batches: An int: batches of ``test``; a float: the fraction of the loader.
+        limit_predict_batches: An int: batches of ``predict``; a float: the fraction of the loader.
+        num_sanity_val_steps: Validation batches run before training (-1: all); their metrics are discarded.
+        fast_dev_run: True or n: run n (True: 1) batches of training and validation, one epoch.
+        log_every_n_steps: Logging steps: the only steps that read metrics to the host and reduce them across
+            ranks.
+        seed: Seeds Python, NumPy and torch at the start of each stage with ``seed + global_rank``; the training
+            sampler's shuffle uses ``seed``. None: the global generators are not seeded.
+        deterministic: ``torch.use_deterministic_algorithms(True)`` (and ``cudnn.benchmark`` off).
+        benchmark: True / False: set ``torch.backends.cudnn.benchmark`` when the Trainer is built (Lightning's
+            option); None leaves it as it is.
+        accelerator: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+        devices: Lightning's keyword, checked against the launcher: processes per node (``LOCAL_WORLD_SIZE``), or
+            ``"auto"`` / -1 for whatever torchrun or SLURM started. A mismatch raises with the ``torchrun``
+            command to use (keel never starts processes).
+        num_nodes: Lightning's keyword, checked against the launcher: world size / processes per node. None: from
+            the launcher.
+        strategy: ``"auto"``, ``"ddp"`` or None: DDP when the launch has more than one process; ``"fsdp"``: FSDP2
+            at any world size. Any other value raises, naming the alternative.
+        default_root_dir: Where loggers create the run directory; None: the current directory.
+        callbacks: A list of ``callbacks.Callback``; ``ModelCheckpoint`` and ``ProgressBar`` are added unless
+            given or switched off.
+        logger: True (TensorBoard), False, a ``trainer.loggers.Logger`` or a list of them.
+        profiler: None (off, free), ``"simple"`` (time per loop phase, a table at the end of each stage on rank
+            0), ``"pytorch"`` (torch.profiler traces per rank in ``<run dir>/profiler/``), ``"passthrough"``
+            (off) or a ``trainer.observability.profiler.Profiler``.
+        enable_progress_bar: Add a ``ProgressBar``.
+        enable_checkpointing: Add a ``ModelCheckpoint`` (saves at each epoch end).
+        enable_model_summary: Log the task's parameter count and size at the start of ``fit`` (rank 0).
+        find_unused_parameters: Passed to ``DistributedDataParallel``.
+        static_graph: Passed to ``DistributedDataParallel``.
+        gradient_as_bucket_view: Passed to ``DistributedDataParallel``.
+        bucket_cap_mb: Passed to ``DistributedDataParallel`` (None: DDP's default).
+        broadcast_buffers: Passed to ``DistributedDataParallel``.
+        sync_batchnorm: Convert BatchNorm layers to ``SyncBatchNorm`` when the world size is > 1.
+        fsdp_units: ``strategy="fsdp"`` only: which submodules become FSDP units, as class names (YAML) or
+            classes. None: every module held in an ``nn.ModuleList``. The task itself is always the root unit.
+        fsdp_reshard_after_forward: ``strategy="fsdp"`` only: free a unit's gathered parameters after its forward
+            (and all-gather them again in backward): less memory, more traffic.
+        fsdp_cpu_offload: ``strategy="fsdp"`` only: keep the sharded parameters, gradients and optimizer state in
+            CPU memory (the optimizer step runs on the CPU).
+        fsdp_reduce_grads: ``strategy="fsdp"`` only, under accumulation: reduce-scatter gradients after
+            ``"every_micro_batch"`` (less memory) or after the ``"last_micro_batch"`` of each window (less
+            traffic). Same maths either way.
+        fsdp_bf16_params: ``strategy="fsdp"`` with ``precision="bf16-mixed"`` only: all-gather and compute with
+            bf16 parameters (half the traffic and unsharded memory, but bf16 numerics).
+        process_group_timeout: Seconds (or a ``timedelta``) for process-group init and collectives.
+        init_timeout: Seconds to join the process group (reach the rendezvous, wait for every rank); separate
+            from ``process_group_timeout``.
+        watchdog_timeout: Seconds without progress before a rank dumps its stacks to the run directory and exits.
+            None: 600 s (capped at ``process_group_timeout``) in a distributed run, off in one process.
+        on_nonfinite: A NaN/inf training loss: ``"error"`` (losses stay on the device; checked on logging steps,
+            at epoch ends, before every checkpoint and at the end of ``fit``; every rank stops with the first bad
+            step named) or ``"skip"`` (the step is skipped on every rank; one host read and, in DDP, one
+            all-reduce per step).
+        uneven_batches: Loaders keel does not shard, with different batch counts per rank: run the common number
+            (``"truncate"``) or raise (``"error"``).
+        predict_return: ``"all_ranks"`` (every rank gets the predictions) or ``"rank_zero"`` (other ranks get
+            None).
+        preemption_check_interval: In a distributed run, check for SIGTERM/SIGUSR1 every N optimizer steps (one
+            tiny all-reduce each); None: on logging steps.
     """
 
     max_epochs: int | None = None
