@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
+import subprocess
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -123,8 +124,16 @@ def test_every_docs_page_is_in_the_nav() -> None:
 
 
 def test_no_reference_outside_the_repository() -> None:
-    files = [README, *DOCS.rglob("*.md"), *(ROOT / "benchmarks").rglob("*.md")]
-    for path in files:
+    """No tracked file cites a design note or a path outside the checkout (the project stands on its own)."""
+    needles = ("DESIGN" + ".md", "../" + "shared", "/" + "work/")  # spelled in parts so this file passes itself
+    tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT, check=True, timeout=60)
+    for name in tracked.stdout.splitlines():
+        path = ROOT / name
+        if (
+            path.suffix not in {".py", ".md", ".yaml", ".yml", ".toml", ".cfg", ".sh", ".txt", ".in"}
+            or not path.is_file()
+        ):
+            continue
         text = path.read_text()
-        for needle in ("DESIGN.md", "../shared", "/work/"):
-            assert needle not in text, f"{path.relative_to(ROOT)} cites {needle!r}, outside the repository"
+        for needle in needles:
+            assert needle not in text, f"{name} cites {needle!r}, outside the repository"
