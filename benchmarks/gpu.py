@@ -251,7 +251,7 @@ def main() -> None:
         raise SystemExit(
             f"benchmarks/gpu.py needs a CUDA GPU, and torch.cuda.is_available() is False here (torch "
             f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none, a CPU-only build'}). Run it on a GPU "
-            "machine with torch's CUDA build installed first (README 'Install'); for the CPU overhead figures "
+            "machine with torch's CUDA build installed first (README 'Quickstart'); for the CPU overhead figures "
             "use benchmarks/overhead.py."
         )
     device_name = "cpu (smoke)" if args.smoke_on_cpu else torch.cuda.get_device_name(0)

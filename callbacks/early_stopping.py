@@ -168,7 +168,7 @@ class EarlyStopping(Callback):
         # of this rank (float() syncs then, at a check only). Rank 0's value decides on every rank.
         value = float(trainer.callback_metrics[self.monitor])
         if trainer.world_size > 1:
-            value = float(comm.broadcast_object(value))  # type: ignore[arg-type]
+            value = float(comm.broadcast_object(value))
         reason: str | None = None
         better = (lambda a, b: a < b) if self.mode == "min" else (lambda a, b: a > b)
         if self.check_finite and not math.isfinite(value):

@@ -5,7 +5,7 @@
 ``from callbacks.lightning import X``. Then ``L.LightningModule``, ``L.LightningDataModule``, ``L.Trainer``,
 ``L.Callback``, ``L.seed_everything``, ``L.pytorch.callbacks.ModelCheckpoint``, ``pl.callbacks.EarlyStopping``,
 ``L.pytorch.loggers.TensorBoardLogger``, ``L.pytorch.utilities.rank_zero_only`` ... are keel's own classes
-(README "Porting from Lightning" lists what still differs).
+(docs/porting.md lists what still differs).
 
 It lives in ``callbacks/`` because it re-exports the callbacks defined there (``trainer/`` never imports
 ``callbacks/``, docs/design.md section 1). APIs keel deliberately lacks (``LightningCLI``, ``Fabric``, the
@@ -56,7 +56,7 @@ class ParallelStrategy(metaclass=_ParallelStrategyType):
 # Lightning APIs keel deliberately does not have, with what to use instead.
 LACKING: dict[str, str] = {
     "LightningCLI": "keel's command line is Hydra: run `keel-train task=... data=... trainer.max_epochs=3` "
-    '(recipes/train.py, README "Configuration and recipes"), or build Trainer(...) and call fit() yourself.',
+    "(recipes/train.py, docs/configuration.md), or build Trainer(...) and call fit() yourself.",
     "Fabric": "keel has no Fabric; write the loop with torch and trainer.distributed.comm (collectives), "
     "or use Trainer.",
     "LightningLite": "keel has no Lite/Fabric; write the loop with torch and trainer.distributed.comm, or use Trainer.",

@@ -142,7 +142,7 @@ class ThroughputMonitor(Callback):
         if trainer.world_size > 1:
             # Collective on every rank (even those without num_items), on logging steps only.
             gathered = [v for v in comm.all_gather_object(local_items) if v is not None]
-            global_items = sum(gathered) if gathered else None  # type: ignore[arg-type]
+            global_items = sum(gathered) if gathered else None
         else:
             global_items = local_items
         if not records or seconds <= 0:

@@ -7,7 +7,7 @@ import logging
 import re
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from trainer.callback import Callback
 from trainer.distributed import comm
@@ -143,7 +143,7 @@ class Timer(Callback):
 
     def _check(self, trainer: Trainer) -> None:
         """Collective: rank 0's elapsed time, broadcast; every rank then takes the same decision."""
-        elapsed = float(comm.broadcast_object(self.time_elapsed() if trainer.is_global_zero else None))
+        elapsed = float(cast(float, comm.broadcast_object(self.time_elapsed() if trainer.is_global_zero else None)))
         assert self.duration is not None
         if elapsed >= self.duration:
             trainer.should_stop = True

@@ -166,14 +166,14 @@ def check_overrides(argv: list[str]) -> str | None:
                 reason = str(exc).splitlines()[0]
                 return (
                     f"Invalid value for {path} in override {text!r}: {reason}. {path} takes "
-                    f"{type_name(key)} (README 'Trainer options')."
+                    f"{type_name(key)} (docs/options.md)."
                 )
     return None
 
 
 def options_table() -> str:
-    """The Markdown table of ``trainer.<key>`` config types, grouped by type, that README's "Configuration
-    and recipes" section holds (``tests/test_readme_options.py`` checks that they are equal)."""
+    """The Markdown table of ``trainer.<key>`` config types, grouped by type, that docs/configuration.md
+    shows (generated there at build time by docs/hooks/options_page.py; ``tests/test_docs.py`` checks it)."""
     by_type: dict[str, list[str]] = {}
     for key in config_keys():
         by_type.setdefault(type_name(key), []).append(f"`{key}`")

@@ -154,7 +154,7 @@ def _checked_keywords(init: Callable[..., None]) -> Callable[..., None]:
     valid = [n for n, p in params.items() if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
     @functools.wraps(init)
-    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+    def checked(self: Callback, *args: Any, **kwargs: Any) -> None:
         unknown = [k for k in kwargs if k not in valid]
         if unknown:
             close = {k: difflib.get_close_matches(k, valid, n=1) for k in unknown}

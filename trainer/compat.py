@@ -1,4 +1,4 @@
-"""What Lightning code expects of keel's objects, kept out of the loop (README "Porting from Lightning").
+"""What Lightning code expects of keel's objects, kept out of the loop (docs/porting.md).
 
 * :class:`TrainerAttributes`: the Trainer's read-only, Lightning-named attributes (``trainer.model``,
   ``num_devices``, ``ckpt_path``, ``min_epochs`` / ``min_steps`` through ``should_stop``, ...), a base
@@ -21,12 +21,23 @@ import inspect
 import logging
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from trainer.data.loaders import limit_batches
 from trainer.step.accumulation import estimate_stepping_batches
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.callback import Callback
+    from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+    from trainer.data.loaders import AdaptedLoader
+    from trainer.distributed.launcher import DistEnv
+    from trainer.loggers.logger import Logger
+    from trainer.module import TaskModule
+    from trainer.observability.profiler import Profiler
+    from trainer.options import TrainerOptions
+    from trainer.step.accumulation import AccumulationSchedule
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +67,7 @@ def keel_default(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def is_keel_default(bound: Any) -> bool:
+def is_keel_default(bound: Callable[..., Any]) -> bool:
     """True when ``bound`` (a bound hook) is keel's own default, not a user's override."""
     return bool(getattr(bound, "_keel_default", False))
 
@@ -108,7 +119,7 @@ UNCALLED_HOOKS: dict[str, str] = {
 _WARNED: set[tuple[type, str]] = set()
 
 
-def warn_uncalled_hooks(task: Any, callbacks: Iterable[Any]) -> list[str]:
+def warn_uncalled_hooks(task: TaskModule, callbacks: Iterable[Callback]) -> list[str]:
     """Warn once per class for each Lightning hook in :data:`UNCALLED_HOOKS` that ``task`` or a callback
     defines: keel will never call it. Returns the warnings issued (for tests)."""
     issued = []
@@ -135,8 +146,8 @@ def _keel_owned(cls: type, name: str) -> bool:
 
 # ---------------------------------------------------------------------- validation in fit
 def fit_validation(
-    task: Any, loaders: list[Any], limit: Callable[[Any], int | None]
-) -> tuple[list[Any], list[int | None]]:
+    task: TaskModule, loaders: list[AdaptedLoader], limit: Callable[[AdaptedLoader], int | None]
+) -> tuple[list[AdaptedLoader], list[int | None]]:
     """The validation loaders ``fit`` runs and their batch limits, decided as Lightning does:
 
     * loaders but no ``validation_step``: validation is skipped, with a warning (Lightning: "You passed in
@@ -163,18 +174,18 @@ class TrainerAttributes:
     public state, so trainer.py holds only the loop). ``should_stop`` honours ``min_epochs`` / ``min_steps``
     as Lightning does: a stop request before both are met waits until they are (logged once)."""
 
-    options: Any
-    env: Any
-    task: Any
-    loggers: list[Any]
-    callbacks: list[Any]
+    options: TrainerOptions
+    env: DistEnv
+    task: TaskModule | None
+    loggers: list[Logger]
+    callbacks: list[Callback]
+    profiler: Profiler  # the profiler option resolved (TrainerOptions.__post_init__)
     state_stage: str | None
     sanity_checking: bool
     global_step: int
     current_epoch: int
-    accumulation_schedule: Any
-    _train: Any
-    _limit: Callable[[Any, str], int | None]
+    accumulation_schedule: AccumulationSchedule
+    _train: AdaptedLoader | None
     _stop_requested: bool = False
     _ckpt_path: str | None = None
     _min_logged: bool = False
@@ -227,13 +238,13 @@ class TrainerAttributes:
 
     # ------------------------------------------------------------------ what runs
     @property
-    def model(self) -> Any:
+    def model(self) -> TaskModule | None:
         """The task being run (Lightning's ``trainer.model``; keel's wrappers stay internal, so this is the
         unwrapped task, also under DDP)."""
         return self.task
 
     @property
-    def lightning_module(self) -> Any:
+    def lightning_module(self) -> TaskModule | None:
         return self.task
 
     @property
@@ -257,7 +268,7 @@ class TrainerAttributes:
 
     # ------------------------------------------------------------------ files
     @property
-    def logger(self) -> Any:
+    def logger(self) -> Logger | None:
         return self.loggers[0] if self.loggers else None
 
     @property
@@ -344,18 +355,22 @@ class TrainerAttributes:
         return self.state_stage == "predict"
 
     # ------------------------------------------------------------------ callbacks by kind
+    # The callbacks that say is_model_checkpoint are keel's ModelCheckpoint or subclasses of it (typed so).
     @property
-    def checkpoint_callback(self) -> Any:
-        return next((cb for cb in self.callbacks if getattr(cb, "is_model_checkpoint", False)), None)
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
+        return cast(
+            "ModelCheckpoint | None",
+            next((cb for cb in self.callbacks if getattr(cb, "is_model_checkpoint", False)), None),
+        )
 
     @property
-    def checkpoint_callbacks(self) -> list[Any]:
-        return [cb for cb in self.callbacks if getattr(cb, "is_model_checkpoint", False)]
+    def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
+        return cast("list[ModelCheckpoint]", [cb for cb in self.callbacks if getattr(cb, "is_model_checkpoint", False)])
 
     @property
-    def early_stopping_callback(self) -> Any:
+    def early_stopping_callback(self) -> Callback | None:
         return next((cb for cb in self.callbacks if getattr(cb, "is_early_stopping", False)), None)
 
     @property
-    def progress_bar_callback(self) -> Any:
+    def progress_bar_callback(self) -> Callback | None:
         return next((cb for cb in self.callbacks if getattr(cb, "is_progress_bar", False)), None)

@@ -37,9 +37,9 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -47,6 +47,7 @@ from trainer.distributed import comm, launcher
 from trainer.distributed.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 DEFAULT_SIZES = "4,64K,1M,16M"
@@ -217,7 +218,7 @@ def _format_environment(env: launcher.DistEnv, backend: str, reports: Sequence[R
     if env.master_addr is not None:
         lines.append(f"rendezvous    {env.master_addr}:{env.master_port} (store hosted by {store})")
     for key in first.versions:
-        values = {r.versions.get(key) for r in reports}
+        values: set[str | None] | list[str | None] = {r.versions.get(key) for r in reports}
         note = "" if len(values) == 1 else "   (differs across ranks, see FAIL versions)"
         lines.append(f"{key:<13} {first.versions[key]}{note}")
     seen_hosts: set[str] = set()
@@ -306,14 +307,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _collective(check: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+def _collective(check: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     try:
         return fn(*args, **kwargs)
     except Exception as exc:  # DistBackendError / timeouts are RuntimeErrors
         raise CollectiveError(check, exc) from exc
 
 
-def run_checks(report: RankReport, device: torch.device, world: int, timeout: float, beat: Any) -> None:
+def run_checks(
+    report: RankReport, device: torch.device, world: int, timeout: float, beat: Callable[[str], None]
+) -> None:
     """Barrier, all_reduce, broadcast and all_gather on every rank, results checked locally.
 
     Each rank records its own failures in ``report``; rank 0 reports them all after the gather.
@@ -360,7 +363,12 @@ def run_checks(report: RankReport, device: torch.device, world: int, timeout: fl
 
 
 def measure_bandwidth(
-    report: RankReport, device: torch.device, sizes: Sequence[int], iters: int, warmup: int, beat: Any
+    report: RankReport,
+    device: torch.device,
+    sizes: Sequence[int],
+    iters: int,
+    warmup: int,
+    beat: Callable[[str], None],
 ) -> None:
     """Seconds per all_reduce (float32, sum) per message size, this rank's view, into ``report``."""
     for nbytes in sizes:
@@ -491,7 +499,7 @@ def _run(
     args: argparse.Namespace,
     env: launcher.DistEnv,
     device: torch.device,
-    backend: str,
+    backend: comm.Backend,
     report: RankReport,
     watchdog: Watchdog,
 ) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -27,11 +27,15 @@ from trainer.distributed.strategy import Strategy
 from trainer.metrics import MetricCollector
 from trainer.step.precision import Precision
 
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.callback import Callback
+    from trainer.module import TaskModule
+    from trainer.trainer import Trainer
+
 log = logging.getLogger(__name__)
 
 # publish(values, to_logger, to_bar): where the reduced epoch metrics of one loader go.
-# ``trainer``, ``task`` and ``callbacks`` are typed Any on purpose: this module must not import the
-# Trainer (or the Callback base, which type-hints it), so the split opens no import circle.
+# The Trainer, the TaskModule and the Callback base are imported for types only (no import circle at run time).
 Publish = Callable[[dict[str, float], dict[str, float], dict[str, float]], None]
 
 
@@ -66,9 +70,9 @@ class EvaluationLoop:
 
     def run(
         self,
-        trainer: Any,
-        task: Any,
-        callbacks: Sequence[Any],
+        trainer: Trainer,
+        task: TaskModule,
+        callbacks: Sequence[Callback],
         stage: Literal["validate", "test"],
         loaders: list[AdaptedLoader],
         limits: list[int | None],
@@ -111,7 +115,7 @@ class EvaluationLoop:
                 cb.on_sanity_check_end(trainer, task)
         return results
 
-    def _start(self, trainer: Any, task: Any, callbacks: Sequence[Any], *, validating: bool) -> None:
+    def _start(self, trainer: Trainer, task: TaskModule, callbacks: Sequence[Callback], *, validating: bool) -> None:
         if validating:
             task.on_validation_model_eval()
             task.on_validation_start()
@@ -131,9 +135,9 @@ class EvaluationLoop:
 
     def _run_loaders(
         self,
-        trainer: Any,
-        task: Any,
-        callbacks: Sequence[Any],
+        trainer: Trainer,
+        task: TaskModule,
+        callbacks: Sequence[Callback],
         loaders: list[AdaptedLoader],
         limits: list[int | None],
         *,
@@ -142,7 +146,8 @@ class EvaluationLoop:
     ) -> list[dict[str, float]]:
         """The batches of every loader; the epoch metrics of each loader but the last, reduced (a collective)."""
         results: list[dict[str, float]] = []
-        step = task.validation_step if validating else task.test_step
+        # The user's step: it takes dataloader_idx with several loaders, and may take no batch_idx (Lightning's).
+        step: Callable[..., Any] = task.validation_step if validating else task.test_step
         with_idx = takes_batch_idx(step)  # Lightning calls validation_step(batch) when it takes no batch_idx
         phase = wd.PHASE_VALIDATION_STEP if validating else wd.PHASE_TEST_STEP
         many = len(loaders) > 1
@@ -181,9 +186,9 @@ class EvaluationLoop:
 
     def _end(
         self,
-        trainer: Any,
-        task: Any,
-        callbacks: Sequence[Any],
+        trainer: Trainer,
+        task: TaskModule,
+        callbacks: Sequence[Callback],
         num_loaders: int,
         *,
         validating: bool,
@@ -221,9 +226,9 @@ class EvaluationLoop:
 
     def predict(
         self,
-        trainer: Any,
-        task: Any,
-        callbacks: Sequence[Any],
+        trainer: Trainer,
+        task: TaskModule,
+        callbacks: Sequence[Callback],
         loaders: list[AdaptedLoader],
         limits: list[int | None],
         *,
@@ -258,10 +263,12 @@ class EvaluationLoop:
                     for cb in callbacks:
                         cb.on_predict_batch_start(trainer, task, batch, batch_idx, loader_idx)
                     with self.precision.autocast():
+                        # The user's predict_step takes dataloader_idx with several loaders, and may take no
+                        # batch_idx (Lightning's calls); the base class declares (batch, batch_idx).
                         if len(loaders) > 1:
-                            out = task.predict_step(batch, batch_idx, loader_idx)
+                            out = task.predict_step(batch, batch_idx, loader_idx)  # type: ignore[call-arg]
                         else:
-                            out = task.predict_step(batch, batch_idx) if with_idx else task.predict_step(batch)
+                            out = task.predict_step(batch, batch_idx) if with_idx else task.predict_step(batch)  # type: ignore[call-arg]
                     task.on_predict_batch_end(out, batch, batch_idx, loader_idx)
                     for cb in callbacks:
                         cb.on_predict_batch_end(trainer, task, out, batch, batch_idx, loader_idx)

@@ -12,7 +12,7 @@ import datetime
 import logging
 import os
 import random
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +22,7 @@ from trainer.distributed.watchdog import Watchdog, nccl_flight_recorder_env_defa
 from trainer.observability.rank_zero import rank_zero_only
 
 if TYPE_CHECKING:
+    from trainer.callback import Callback
     from trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,9 @@ def start_watchdog(trainer: Trainer) -> Watchdog | None:
     )
 
 
-def with_default_callbacks(callbacks: list[Any], *, progress_bar: type | None, checkpoint: type | None) -> list[Any]:
+def with_default_callbacks(
+    callbacks: list[Callback], *, progress_bar: type[Callback] | None, checkpoint: type[Callback] | None
+) -> list[Callback]:
     """``callbacks`` plus the built-ins the Trainer adds by default, each unless the user passed one of its
     kind: ``progress_bar`` (the ProgressBar class, when ``enable_progress_bar``) and ``checkpoint`` (the
     ModelCheckpoint class, when ``enable_checkpointing``). The classes are arguments so that this module

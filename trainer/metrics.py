@@ -195,7 +195,7 @@ def _exchange(
     digest = float(int.from_bytes(hashlib.blake2b(layout, digest_size=6).digest(), "big"))
     head = comm.all_reduce(torch.tensor([digest, -digest, *flags], dtype=torch.float64, device=device), "max").tolist()
     if head[0] != -head[1]:  # ranks logged different names or options
-        return comm.all_gather_object(local), head[2:]  # type: ignore[return-value]
+        return comm.all_gather_object(local), head[2:]
     names = list(local)
     if not names:
         return [{} for _ in range(world)], head[2:]

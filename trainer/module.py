@@ -16,7 +16,7 @@ import inspect
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from trainer.compat import keel_default, unwrap_compiled
 from trainer.step.optim import ManualOptimizer
 
 if TYPE_CHECKING:  # pragma: no cover
+    from trainer.step.optim import ManualOptimization
     from trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -235,7 +236,10 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
         """The optimizers from ``configure_optimizers``, wrapped so that ``step()`` is precision-aware
         (GradScaler under 16-mixed) and runs ``on_before_optimizer_step`` hooks. One optimizer is returned
         bare, several as a list (Lightning's convention)."""
-        wrapped = [ManualOptimizer(o, self.trainer._manual) for o in self.trainer.optimizers]
+        # _manual is built with the optimizers (Trainer._configure_model_and_optimizers).
+        wrapped = [
+            ManualOptimizer(o, cast("ManualOptimization", self.trainer._manual)) for o in self.trainer.optimizers
+        ]
         return wrapped[0] if len(wrapped) == 1 else wrapped
 
     def lr_schedulers(self) -> Any:
@@ -250,9 +254,10 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
         """``loss.backward()`` for manual optimization: scaled under 16-mixed, and in DDP the gradients are
         averaged over ranks on the last micro-batch of each ``accumulate_grad_batches`` window (no sync on
         the others, like DDP's ``no_sync``)."""
+        assert self.trainer._manual is not None  # built by fit with the optimizers
         self.trainer._manual.backward(loss)
 
-    def toggle_optimizer(self, optimizer: Any) -> None:
+    def toggle_optimizer(self, optimizer: torch.optim.Optimizer | ManualOptimizer) -> None:
         """Freeze every parameter that ``optimizer`` does not own (``requires_grad=False``) until
         :meth:`untoggle_optimizer`, so a backward computes only that optimizer's gradients."""
         inner = optimizer.optimizer if isinstance(optimizer, ManualOptimizer) else optimizer
@@ -262,7 +267,7 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
             if id(p) not in owned:
                 p.requires_grad_(False)
 
-    def untoggle_optimizer(self, optimizer: Any) -> None:
+    def untoggle_optimizer(self, optimizer: torch.optim.Optimizer | ManualOptimizer) -> None:
         """Restore the ``requires_grad`` flags changed by :meth:`toggle_optimizer`."""
         for p, flag in (self._toggled or {}).items():
             p.requires_grad_(flag)
@@ -469,7 +474,7 @@ class DataModule(DataHooks, HyperparametersMixin):
 
 
 def check_stage_inputs(
-    stage: str, task: Any, datamodule: Any, loaders: tuple[Any, ...]
+    stage: str, task: TaskModule | None, datamodule: DataModule | None, loaders: tuple[Any, ...]
 ) -> tuple[TaskModule, DataModule | None, tuple[Any, ...], Any | None]:
     """The arguments of ``Trainer.fit/validate/test/predict``, checked before anything runs, in Lightning's
     forms: a DataModule passed where the dataloaders go (``trainer.fit(model, dm)``) is the datamodule, and
@@ -491,7 +496,7 @@ def check_stage_inputs(
         hint = (
             (
                 " A LightningModule ports by subclassing trainer.TaskModule (or `import callbacks.lightning as L`; "
-                'README "Porting from Lightning").'
+                'docs/porting.md, "Porting from Lightning").'
             )
             if "lightning" in type(task).__module__
             else ""

@@ -12,7 +12,7 @@ import datetime
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.distributed.launcher import DistEnv
@@ -41,7 +41,7 @@ def _fail(name: str, value: Any, expected: str) -> ValueError:
     return ValueError(f"Trainer option {name}={value!r} is invalid: expected {expected}.")
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

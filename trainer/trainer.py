@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 
@@ -24,12 +24,7 @@ from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.compat import TrainerAttributes, compile_step, fit_validation
 from trainer.data import global_batch as elastic
 from trainer.data import stages
-from trainer.data.loaders import (
-    AdaptedLoader,
-    EpochPlan,
-    plan_epoch,
-    warn_if_unsharded,
-)
+from trainer.data.loaders import AdaptedLoader, EpochPlan, plan_epoch, warn_if_unsharded
 from trainer.data.transfer import BatchCopier
 from trainer.distributed import comm, launcher
 from trainer.distributed import watchdog as wd
@@ -71,7 +66,7 @@ class Trainer(TrainerAttributes):
     caught exception leaves the group usable for the next ``fit``/``test`` call.
 
     Args:
-        **options: see :class:`~trainer.options.TrainerOptions` and README "Trainer options". Invalid
+        **options: see :class:`~trainer.options.TrainerOptions` and docs/options.md. Invalid
             values raise ``ValueError`` naming the option, the value and the valid choices, before any
             process group exists.
     """
@@ -85,7 +80,7 @@ class Trainer(TrainerAttributes):
         self.world_size, self.is_global_zero = self.env.world_size, self.env.rank == 0
         check_lightning_keywords(opts, self.env)  # devices / num_nodes / strategy against the launcher
         configure_logging(self.env.rank)
-        self.device = comm.select_device(opts.accelerator, self.env)  # type: ignore[arg-type]
+        self.device = comm.select_device(cast("comm.Accelerator", opts.accelerator), self.env)  # checked in options
         self._precision = Precision(opts.precision, self.device)
         self._moves_batches = self.device.type != "cpu" or self._precision.param_dtype is not None
         # How the task is replicated or sharded (trainer/distributed/strategy.py); chosen before any process group.
@@ -117,6 +112,7 @@ class Trainer(TrainerAttributes):
         self._params: list[torch.Tensor] = []
         self.lr_scheduler_configs: list[SchedulerConfig] = []
         self._model: torch.nn.Module | None = None  # what strategy.setup returned: runs training_step
+        self._run_step: Callable[[Any, int], Any] | None  # declared only: set with _model, the callable the loop runs
         self._train: AdaptedLoader | None = None
         self._hooks: TrainHooks | None = None  # the epoch's overridden per-batch hooks (trainer/hooks.py)
         self._beating = False  # a watchdog or profiler listens to the step's phase beats
@@ -211,7 +207,6 @@ class Trainer(TrainerAttributes):
     ) -> list[dict[str, float]]:
         """Run the validation loop once. Returns one dict of epoch metrics per dataloader (reduced over
         all ranks: means weighted by batch size), the same on every rank; ``verbose`` logs them (rank 0)."""
-
         return self._evaluate_stage("validate", model, dataloaders, datamodule, ckpt_path, verbose)
 
     def test(
@@ -223,7 +218,6 @@ class Trainer(TrainerAttributes):
         verbose: bool = True,
     ) -> list[dict[str, float]]:
         """Run the test loop once; returns (and with ``verbose`` logs) metrics like :meth:`validate`."""
-
         return self._evaluate_stage("test", model, dataloaders, datamodule, ckpt_path, verbose)
 
     def predict(
@@ -416,7 +410,7 @@ class Trainer(TrainerAttributes):
             limit=lambda loader: stages.batch_limit(self, loader, "limit_train_batches"),
             world_size=self.world_size,
             device=self.device,
-            uneven=opts.uneven_batches,
+            uneven=cast('Literal["error", "truncate"]', opts.uneven_batches),  # checked in options
         )
         self._epoch_batches_done, self._epoch_samples = plan.start, plan.samples_done
         self.num_training_batches = plan.num_batches
@@ -518,9 +512,11 @@ class Trainer(TrainerAttributes):
             batch = micro.batch = self._copy_batch(batch)
         self._metrics.batch = batch  # self.log reads its size only when it needs one
         hooks = self._hooks
+        assert hooks is not None
         for hook in hooks.on_train_batch_start:
             hook(batch, micro.batch_idx)
         if self._manual_mode:
+            assert self._manual is not None and self._model is not None
             outputs, loss = self._manual.training_step(self._model, batch, micro.batch_idx, sync=micro.is_step_end)
             if loss is not None:
                 self._step_loss = loss
@@ -534,6 +530,7 @@ class Trainer(TrainerAttributes):
 
     def _forward_backward(self, batch: Any, micro: MicroBatch, normaliser: StepNormaliser) -> dict[str, Any]:
         precision, hooks, run_step = self._precision, self._hooks, self._run_step
+        assert hooks is not None and run_step is not None
         try:
             if precision.autocasts:  # the forward only: backward runs outside autocast
                 with precision.autocast():
@@ -562,6 +559,7 @@ class Trainer(TrainerAttributes):
         if skip or (self._skip_nonfinite and not finite_on_all_ranks(step_loss, self.world_size)):
             return self._skip_step(step_loss, skip)
         precision, hooks, optimizers = self._precision, self._hooks, self.optimizers
+        assert hooks is not None
         scaling = precision.scaler is not None  # 16-mixed: unscale before the hooks and clipping see gradients
         if scaling:
             for optimizer in optimizers:
@@ -644,6 +642,7 @@ class Trainer(TrainerAttributes):
         if val_loaders and opts.val_check_interval is None and due:
             self._evaluate("validate", val_loaders)
         task = self.task
+        assert task is not None
         self._epoch_finished = completed
         task.on_train_epoch_end()
         # Training metrics logged with on_epoch=True (and in the hook above), reduced over ranks.
@@ -660,7 +659,13 @@ class Trainer(TrainerAttributes):
 
     # ------------------------------------------------------------------ evaluation (trainer/evaluation.py)
     def _evaluate_stage(
-        self, stage: str, model: Any, dataloaders: Any, datamodule: Any, ckpt_path: str | None, verbose: bool
+        self,
+        stage: Literal["validate", "test"],
+        model: TaskModule | None,
+        dataloaders: Any,
+        datamodule: DataModule | None,
+        ckpt_path: str | None,
+        verbose: bool,
     ) -> list[dict[str, float]]:
         def body(given: Any) -> list[dict[str, float]]:
             loaders = self._stage_loaders(stage, given, ckpt_path)
@@ -676,7 +681,7 @@ class Trainer(TrainerAttributes):
         return loaders
 
     def _evaluate(
-        self, stage: str, loaders: list[AdaptedLoader], *, limit_override: int | None = None
+        self, stage: Literal["validate", "test"], loaders: list[AdaptedLoader], *, limit_override: int | None = None
     ) -> list[dict[str, float]]:
         name = "limit_val_batches" if stage == "validate" else "limit_test_batches"
         limits = [
@@ -684,11 +689,12 @@ class Trainer(TrainerAttributes):
         ]
         publish, sanity = (None if self.sanity_checking else self._publish), self.sanity_checking
         return self._eval_loop.run(
-            self, self.task, self.callbacks, stage, loaders, limits, publish=publish, sanity=sanity
+            self, cast(TaskModule, self.task), self.callbacks, stage, loaders, limits, publish=publish, sanity=sanity
         )
 
     def _predict(self, dataloaders: Any, ckpt_path: str | None) -> list[Any] | None:
         loaders = self._stage_loaders("predict", dataloaders, ckpt_path)
         limits = [stages.batch_limit(self, a.loader, "limit_predict_batches") for a in loaders]
         here = self.is_global_zero or self.options.predict_return == "all_ranks"
+        assert self.task is not None
         return self._eval_loop.predict(self, self.task, self.callbacks, loaders, limits, return_here=here)

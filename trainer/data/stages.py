@@ -19,6 +19,7 @@ _DATALOADER_HOOK = {"validate": "val_dataloader", "test": "test_dataloader", "pr
 
 
 def _resolve(trainer: Trainer, stage: str, given: Any) -> list[Any]:
+    assert trainer.task is not None  # set for the whole stage (Trainer._run)
     return resolve_loaders(trainer.datamodule if trainer.datamodule is not None else trainer.task, stage, given)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,8 +27,9 @@ def move_to_device(batch: Any, device: torch.device, *, float_dtype: torch.dtype
                 return obj.to(device=device, dtype=float_dtype, non_blocking=non_blocking)
             return obj.to(device, non_blocking=non_blocking)
         if isinstance(obj, Mapping):
+            # The batch's own Mapping class, built from a dict (mypy's Mapping takes no arguments).
             return (
-                type(obj)({k: move(v) for k, v in obj.items()})
+                type(obj)({k: move(v) for k, v in obj.items()})  # type: ignore[call-arg]
                 if type(obj) is not dict
                 else {k: move(v) for k, v in obj.items()}
             )
@@ -67,7 +68,7 @@ def infer_batch_size(batch: Any) -> int | None:
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() > 0 else 1
     if isinstance(batch, Mapping):
-        items = batch.values()
+        items: Iterable[Any] = batch.values()
     elif isinstance(batch, (list, tuple)):
         items = batch
     elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):

@@ -26,8 +26,8 @@ import gc
 import inspect
 import logging
 import os
-from collections.abc import Mapping
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 Backend = Literal["nccl", "gloo"]
 ReduceOpName = Literal["sum", "mean", "max", "min"]
 Accelerator = Literal["auto", "cpu", "cuda"]
+T = TypeVar("T")  # an object collective's payload: every rank passes (and gets back) the same kind
 
 
 def _export_env(env: DistEnv) -> None:
@@ -108,7 +109,7 @@ def init_process_group(
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this PyTorch build.")
     _export_env(env)
-    kwargs: dict[str, object] = {}
+    kwargs: dict[str, Any] = {}
     if backend == "nccl" and device is not None and device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         # device_id binds the communicator to this GPU eagerly (torch >= 2.3).
@@ -172,7 +173,7 @@ def ensure_process_group(
         return False
     backend = backend_for(device)
     if not env.is_distributed:  # one rank, no launcher: an in-memory store, nothing to rendezvous with
-        kwargs = {"device_id": device} if backend == "nccl" else {}
+        kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
         _destroy_at_exit()
         logger.info("Process group: backend=%s world_size=1 (a single process; the strategy needs a group).", backend)
@@ -235,10 +236,10 @@ def _rendezvous_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
     )
 
 
-_CHECKPOINT_GROUP: object | None = None
+_CHECKPOINT_GROUP: dist.ProcessGroup | None = None
 
 
-def checkpoint_group() -> object | None:
+def checkpoint_group() -> dist.ProcessGroup | None:
     """A gloo group of all ranks for background checkpoint traffic (created on first use: a collective,
     so every rank must call it at the same point). Asynchronous sharded saves run their collectives on it
     while training uses the default group: a background thread's collectives on the training group interleave
@@ -335,7 +336,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
     return tensor
 
 
-def all_gather_object(obj: object) -> list[object]:
+def all_gather_object(obj: T) -> list[T]:
     """Gathers a picklable object from every rank (a collective).
 
     With nccl the objects travel through the current CUDA device, so
@@ -349,12 +350,12 @@ def all_gather_object(obj: object) -> list[object]:
     """
     if not is_initialized():
         return [obj]
-    gathered: list[object] = [None] * dist.get_world_size()
+    gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
 
 
-def broadcast_object(obj: object, src: int = 0) -> object:
+def broadcast_object(obj: T, src: int = 0) -> T:
     """Sends ``src``'s picklable object to every rank (a collective).
 
     Args:
@@ -372,7 +373,7 @@ def broadcast_object(obj: object, src: int = 0) -> object:
         raise ValueError(f"broadcast_object src={src} is not a rank of a group of {world_size}.")
     if not is_initialized():
         return obj
-    payload: list[object] = [obj]
+    payload: list[Any] = [obj]
     dist.broadcast_object_list(payload, src=src)
     return payload[0]
 
@@ -520,7 +521,7 @@ def flight_recorder_dump() -> bytes | None:
         return None
 
 
-def record(fn):  # type: ignore[no-untyped-def]
+def record(fn: Callable[..., T]) -> Callable[..., T | None]:
     """TorchElastic's error recorder: decorate your ``main`` so that torchrun's failure summary shows the
     root-cause traceback of the rank that failed first (``torch.distributed.elastic...errors.record``)."""
     from torch.distributed.elastic.multiprocessing.errors import record as elastic_record

@@ -14,12 +14,16 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.distributed import comm
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +37,7 @@ class PreemptionWatcher:
     def __init__(self) -> None:
         self.requested = False
         self.signal_name: str | None = None
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}  # signal.signal's
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.requested = True  # nothing else: the loop acts on it at a step boundary
@@ -69,7 +73,7 @@ class PreemptionWatcher:
         return bool(flag.item() > 0)
 
 
-def save_and_exit(trainer: Any, watcher: PreemptionWatcher) -> None:
+def save_and_exit(trainer: Trainer, watcher: PreemptionWatcher) -> None:
     """At the step boundary where the ranks agreed on preemption: save (the ModelCheckpoint's forced
     save, or a plain checkpoint in the run directory) and exit with :data:`PREEMPTED_EXIT_CODE` so
     that the launcher restarts the job. Every rank calls it (saving is collective).

@@ -23,9 +23,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -35,10 +36,15 @@ from trainer.distributed import comm
 from trainer.distributed.launcher import DistEnv
 from trainer.options import TrainerOptions
 
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.fsdp import FSDPModule
+
+    from trainer.module import TaskModule
+
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it costs nothing on the hot path
 
 
-def _without_batch_idx(training_step: Any, batch: Any, batch_idx: int) -> Any:
+def _without_batch_idx(training_step: Callable[..., Any], batch: Any, batch_idx: int) -> Any:
     return training_step(batch)
 
 
@@ -48,7 +54,9 @@ class StepAdapter(nn.Module):
     untouched (docs/design.md section 3). ``state_dict`` keys of the task are never prefixed: checkpoints
     read the task itself."""
 
-    def __init__(self, task: nn.Module) -> None:
+    run_step: Callable[[Any, int], Any]  # set by bind(), in the instance __dict__
+
+    def __init__(self, task: TaskModule) -> None:
         super().__init__()
         self.task = task  # a registered submodule: the wrapper sees its parameters
         # Lightning calls training_step(batch) when it takes no batch_idx: decided here, once per fit.
@@ -70,7 +78,7 @@ class StepAdapter(nn.Module):
     # Nothing registers module hooks on this internal adapter (the task's own modules keep theirs), so
     # calling it skips nn.Module's hook dispatch, about a microsecond of every step. A wrapper around it
     # calls it the same way (DDP calls ``self.module(...)``, torch.compile its ``__call__``).
-    __call__ = forward  # type: ignore[assignment]
+    __call__ = forward
 
 
 class Strategy:
@@ -146,7 +154,7 @@ class Strategy:
         if op is None:
             raise ValueError(f"Strategy.reduce(reduce_op={reduce_op!r}): expected 'mean', 'sum', 'max' or 'min'.")
         out = tensor.detach().clone() if tensor.is_floating_point() or op != "mean" else tensor.double()
-        return comm.all_reduce(out, op)  # type: ignore[arg-type]
+        return comm.all_reduce(out, cast("comm.ReduceOpName", op))  # one of the dict's values above
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
         """Every rank's ``tensor`` stacked on a new first dimension of size world size (a collective); in a
@@ -162,7 +170,7 @@ class Strategy:
         return torch.stack(comm.all_gather_tensor(tensor))
 
     # ------------------------------------------------------------------ lifecycle
-    def setup(self, task: nn.Module, *, manual: bool) -> nn.Module:
+    def setup(self, task: TaskModule, *, manual: bool) -> nn.Module:
         """Prepare ``task`` for training; return the module the loop calls as ``model(batch, batch_idx)``
         (it runs ``task.training_step``). ``manual``: the task steps its own optimizers
         (``automatic_optimization = False``). May communicate (every rank calls it)."""
@@ -261,7 +269,7 @@ class DDPStrategy(Strategy):
         super().__init__(env, device, options)
         self.ddp: nn.parallel.DistributedDataParallel | None = None
 
-    def setup(self, task: nn.Module, *, manual: bool) -> nn.Module:
+    def setup(self, task: TaskModule, *, manual: bool) -> nn.Module:
         opts = self.options
         if opts.sync_batchnorm:
             converted = nn.SyncBatchNorm.convert_sync_batchnorm(task)
@@ -342,7 +350,7 @@ class FSDPStrategy(Strategy):
     (registering the evaluation steps too would reshard after each nested ``self(x)`` and all-gather per
     batch, which hangs when ranks run different numbers of batches).
     Initial weights are rank 0's, broadcast before sharding, so they are the same at every world size.
-    Checkpoints are sharded folders (DCP). See README "Models that do not fit on one GPU".
+    Checkpoints are sharded folders (DCP). See docs/fsdp.md.
     """
 
     name = "fsdp"
@@ -356,7 +364,7 @@ class FSDPStrategy(Strategy):
         self.task: nn.Module | None = None
         self._sync: bool | None = None  # the requires_gradient_sync flag last set on the units
 
-    def setup(self, task: nn.Module, *, manual: bool) -> nn.Module:
+    def setup(self, task: TaskModule, *, manual: bool) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
@@ -382,7 +390,7 @@ class FSDPStrategy(Strategy):
         # bf16-mixed: fp32 sharded master weights and fp32 gradient reduction; compute in bf16 through the
         # precision plugin's autocast (the numerics of DDP's bf16-mixed, and Lightning's FSDP mapping).
         # fsdp_bf16_params also gathers and computes with bf16 parameters: half the all-gather traffic and
-        # unsharded-parameter memory, at a measured cost in accuracy (README).
+        # unsharded-parameter memory, at a measured cost in accuracy (benchmarks/results/charlm.md).
         mp = (
             MixedPrecisionPolicy(reduce_dtype=torch.float32)
             if opts.precision == "bf16-mixed"
@@ -393,7 +401,7 @@ class FSDPStrategy(Strategy):
         offload = (
             CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if opts.fsdp_cpu_offload else OffloadPolicy()
         )
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             mesh=mesh, reshard_after_forward=opts.fsdp_reshard_after_forward, mp_policy=mp, offload_policy=offload
         )
         for unit in self.units(task):
@@ -464,7 +472,7 @@ class FSDPStrategy(Strategy):
         if self.options.fsdp_reduce_grads == "every_micro_batch" or self.task is None:
             return _NO_CONTEXT
         if sync != self._sync:
-            self.task.set_requires_gradient_sync(sync)  # type: ignore[operator]
+            cast("FSDPModule", self.task).set_requires_gradient_sync(sync)  # fully_shard made the task one
             self._sync = sync
         return _NO_CONTEXT
 
@@ -476,7 +484,8 @@ class FSDPStrategy(Strategy):
         return _Unsharded(task, reshard_after_forward=self.options.fsdp_reshard_after_forward)
 
     def weights_finite(self, task: nn.Module) -> bool:
-        local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in task.parameters()]
+        # A DTensor's detach() is a DTensor; torch's stubs type it Tensor (without to_local).
+        local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in task.parameters()]  # type: ignore[attr-defined]
         flag = torch.tensor(
             [1.0 if all(bool(torch.isfinite(t).all()) for t in local) else 0.0], device=self.root_device
         )
@@ -497,15 +506,17 @@ class FSDPStrategy(Strategy):
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        assert self.task is not None  # set by setup(), before any optimizer exists
         return get_optimizer_state_dict(self.task, optimizer)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        assert self.task is not None  # set by setup(), before any optimizer exists
         groups = state.get("param_groups", [])
         if groups and all(isinstance(i, int) for g in groups for i in g["params"]):
             # A plain optimizer.state_dict() (a DDP checkpoint file): parameters by position; name them.
-            names = {id(p): n for n, p in self.task.named_parameters()}  # type: ignore[union-attr]
+            names = {id(p): n for n, p in self.task.named_parameters()}
             order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
             state = {
                 "state": {order[i]: v for i, v in state["state"].items()},
@@ -522,7 +533,8 @@ class _Unsharded:
     run different numbers of batches. Costs the full parameters' memory for the loop's duration."""
 
     def __init__(self, task: nn.Module, *, reshard_after_forward: bool) -> None:
-        self.modules = [m for m in task.modules() if hasattr(m, "unshard") and hasattr(m, "set_reshard_after_forward")]
+        units = [m for m in task.modules() if hasattr(m, "unshard") and hasattr(m, "set_reshard_after_forward")]
+        self.modules = cast("list[FSDPModule]", units)  # the FSDP units (fully_shard made them FSDPModules)
         self.reshard_after_forward = reshard_after_forward
 
     def __enter__(self) -> None:
@@ -530,7 +542,7 @@ class _Unsharded:
             m.set_reshard_after_forward(False, recurse=False)
             m.unshard()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for m in self.modules:
             m.reshard()
             m.set_reshard_after_forward(self.reshard_after_forward, recurse=False)

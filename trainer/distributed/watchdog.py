@@ -44,6 +44,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from typing import TextIO, cast
 
 logger = logging.getLogger(__name__)
 
@@ -288,7 +289,8 @@ class Watchdog:
 def _arm_backstop(seconds: float) -> bool:
     """(Re)arms faulthandler's GIL-free timer on the real stderr; False if it cannot be used."""
     try:
-        faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
+        # sys.__stderr__ is None without a console: faulthandler then falls back to sys.stderr or raises (below).
+        faulthandler.dump_traceback_later(seconds, exit=True, file=cast(TextIO, sys.__stderr__))
         return True
     except (AttributeError, ValueError, RuntimeError, OSError) as exc:  # no usable stderr fd
         logger.debug("No faulthandler backstop for the watchdog: %s", exc)

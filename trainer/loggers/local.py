@@ -25,6 +25,8 @@ from trainer.observability.rank_zero import rank_zero_warn
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.tensorboard import SummaryWriter
 
+    from trainer.module import TaskModule
+
 log = logging.getLogger(__name__)
 
 _VALID_LOGGER_CHOICES = "True, False, a trainer.loggers.Logger or a list of them"
@@ -57,7 +59,7 @@ class CSVLogger(Logger):
         super().__init__(save_dir, name, version)
         self._keys: list[str] | None = None  # metric columns (without "step"); None until the file is read
         self._file: IO[str] | None = None
-        self._writer: Any = None  # csv.DictWriter bound to self._file
+        self._writer: csv.DictWriter[str] | None = None  # bound to self._file
         self._hparams: dict[str, Any] = {}
 
     @property
@@ -74,9 +76,10 @@ class CSVLogger(Logger):
             self._rewrite(path)
         if self._file is None:
             self._open(path)
+        assert self._file is not None and self._writer is not None  # opened together by _open
         row = {"step": step, **metrics}
         self._writer.writerow(row)
-        self._file.flush()  # type: ignore[union-attr]  # a crash loses no logged row
+        self._file.flush()  # a crash loses no logged row
 
     def _read_header(self, path: str) -> list[str]:
         if not os.path.exists(path):
@@ -206,7 +209,7 @@ def _tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
-def log_fit_start(loggers: list[Logger], task: Any, options: dict[str, Any], *, summary: bool) -> None:
+def log_fit_start(loggers: list[Logger], task: TaskModule, options: dict[str, Any], *, summary: bool) -> None:
     """Rank 0, at the start of ``fit``: the model summary line (when ``summary``) and the hyperparameters
     (the resolved Trainer options, and the task's ``hparams`` unless ``save_hyperparameters(logger=False)``)."""
     if summary:

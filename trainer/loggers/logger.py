@@ -122,7 +122,7 @@ class Logger:
         if self.version is not None:
             return
         picked = self._pick_version() if comm.get_rank() == 0 else None
-        self.version = comm.broadcast_object(picked, src=0)  # type: ignore[assignment]
+        self.version = comm.broadcast_object(picked, src=0)
         log.debug("%s resolved version %s under %s", type(self).__name__, self.version, self.root_dir)
 
     def _pick_version(self) -> int:

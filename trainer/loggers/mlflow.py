@@ -257,7 +257,7 @@ class MLFlowLogger(Logger):
             return
         if self.log_model and status == "success":
             for path in tracking.checkpoint_files(self.log_dir):
-                self._client.log_artifact(self._run_id, path, artifact_path="checkpoints")  # type: ignore[arg-type]
+                self._client.log_artifact(self._run_id, path, artifact_path="checkpoints")
         status_name = "FINISHED" if status == "success" else "FAILED"
         self._client.set_terminated(self._run_id, status_name)  # type: ignore[arg-type]
         self._running = False

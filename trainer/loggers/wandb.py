@@ -11,7 +11,7 @@ import logging
 import os
 import secrets
 import string
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from trainer.distributed import comm
 from trainer.loggers import tracking, wandb_records
@@ -228,8 +228,8 @@ class WandbLogger(Logger):
             self._run = None
             # finish() returns before wandb's service has written the run file to the end; wait for it, so
             # that a later stage or process that reads it (the steps already recorded) sees all of it.
-            written = bool(run_file) and os.path.isfile(run_file)  # none when disabled or without a run file
-            if written and not wandb_records.wait_for_exit(run_file, timeout=FINISH_TIMEOUT):
+            written = bool(run_file) and os.path.isfile(cast(str, run_file))  # none when disabled or without a run file
+            if written and not wandb_records.wait_for_exit(cast(str, run_file), timeout=FINISH_TIMEOUT):
                 log.warning("W&B had not finished writing %s after %.0f s.", run_file, FINISH_TIMEOUT)
 
     def __repr__(self) -> str:

@@ -64,7 +64,7 @@ def records(path: str | Path) -> list[Any]:
 
     out = []
     for payload in _payloads(Path(path).read_bytes()):
-        record = wandb_internal_pb2.Record()
+        record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # generated per protobuf version
         record.ParseFromString(payload)
         out.append(record)
     return out

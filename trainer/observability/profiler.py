@@ -29,9 +29,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch.profiler
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +134,7 @@ class Profiler:
             self.stop(self._phase)
             self._phase = None
 
-    def profile_iterable(self, iterable: Any, action_name: str) -> Iterator[Any]:
+    def profile_iterable(self, iterable: Iterable[Any], action_name: str) -> Iterator[Any]:
         """Yields from ``iterable``, timing each ``next()`` as ``action_name`` (e.g. ``data_wait``)."""
         iterator = iter(iterable)
         while True:
@@ -255,7 +258,7 @@ class SimpleProfiler(Profiler):
             rows.append(row)
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
-        def fmt(row):
+        def fmt(row: list[str]) -> str:
             return (
                 "| "
                 + " | ".join(
@@ -323,7 +326,7 @@ class PyTorchProfiler(Profiler):
         self.sort_by_key = sort_by_key
         self.row_limit = row_limit
         self._user_dirpath = self.dirpath
-        self._profiler: Any = None
+        self._profiler: torch.profiler.profile | None = None
         self._ranges: dict[str, Any] = {}
         self._summary = ""
 
@@ -355,8 +358,10 @@ class PyTorchProfiler(Profiler):
         )
         self._profiler.__enter__()
 
-    def _on_trace_ready(self, handler: Callable[[Any], None]) -> Callable[[Any], None]:
-        def ready(prof: Any) -> None:
+    def _on_trace_ready(
+        self, handler: Callable[[torch.profiler.profile], None]
+    ) -> Callable[[torch.profiler.profile], None]:
+        def ready(prof: torch.profiler.profile) -> None:
             handler(prof)
             self._summary = prof.key_averages().table(sort_by=self.sort_by_key, row_limit=self.row_limit)
             log.debug("PyTorchProfiler (rank %d) wrote a trace to %s", self.rank, self.dirpath)

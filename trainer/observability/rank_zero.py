@@ -11,9 +11,10 @@ import logging
 import os
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+T = TypeVar("T")
 
 _log = logging.getLogger("trainer")
 
@@ -29,16 +30,16 @@ def _env_rank() -> int:
     return 0
 
 
-def rank_zero_only(fn: F) -> F:
+def rank_zero_only(fn: Callable[P, T]) -> Callable[P, T | None]:
     """Run ``fn`` on global rank 0 only; other ranks get None. Never wrap a function that calls a collective."""
 
     @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def wrapped(*args: P.args, **kwargs: P.kwargs) -> T | None:
         if _env_rank() == 0:
             return fn(*args, **kwargs)
         return None
 
-    return wrapped  # type: ignore[return-value]
+    return wrapped
 
 
 def _ensure_logging() -> None:
@@ -94,7 +95,7 @@ def configure_logging(rank: int) -> None:
     """
     root = logging.getLogger()
     if not root.handlers:
-        handler = logging.StreamHandler()
+        handler: logging.Handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
         root.addHandler(handler)
     for handler in root.handlers:

@@ -118,10 +118,10 @@ class NonFiniteGuard:
         """Raise on every rank for the first bad step over all ranks (collective with several ranks: every
         rank calls it once they agreed that some rank saw one); returns if none did."""
         found = [local] if self.world_size <= 1 else comm.all_gather_object(local)
-        step, loss = min(found, key=lambda item: item[0])  # type: ignore[index]
+        step, loss = min(found, key=lambda item: item[0])
         if math.isinf(step):
             return
-        rank = [item[0] for item in found].index(step)  # type: ignore[index]
+        rank = [item[0] for item in found].index(step)
         raise FloatingPointError(
             f"Non-finite training loss ({loss}) at step {int(step)} on rank {rank} (caught {where}; keel checks on "
             "logging steps, at epoch ends, before every checkpoint and at the end of fit): training stops on all "

@@ -19,13 +19,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 import torch
 
 from trainer.distributed import watchdog as wd
 from trainer.distributed.strategy import Strategy
 from trainer.step.precision import Precision
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.callback import Callback
+    from trainer.module import TaskModule
+    from trainer.trainer import Trainer
 
 _SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
 _OPTIMIZER_DICT_KEYS = {"optimizer", "lr_scheduler", "monitor"}
@@ -41,7 +46,7 @@ class SchedulerConfig:
     name: str | None = None
 
 
-def _is_optimizer(obj: Any) -> bool:
+def _is_optimizer(obj: Any) -> TypeGuard[torch.optim.Optimizer]:
     return isinstance(obj, torch.optim.Optimizer)
 
 
@@ -180,9 +185,9 @@ class ManualOptimization:
     def __init__(
         self,
         *,
-        trainer: Any,
-        task: Any,
-        callbacks: Sequence[Any],
+        trainer: Trainer,
+        task: TaskModule,
+        callbacks: Sequence[Callback],
         strategy: Strategy,
         precision: Precision,
         clip_val: float | None,
@@ -259,7 +264,7 @@ class ManualOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
         if closure is not None:
             closure()
         self._manual.optimizer_step(self.optimizer)

@@ -37,9 +37,9 @@ class Precision:
         self.autocasts = precision in ("bf16-mixed", "16-mixed")  # autocast() is a real context
         if self.scaler is None:
             # Without a scaler the plugin adds nothing to backward and step: bind torch's own calls, so the
-            # step runs no extra Python frame for them (each distinct frame costs a small step, README
-            # "Performance"). ``backward(loss)`` is ``loss.backward()``, ``optimizer_step(o)`` is ``o.step()``.
-            self.backward = torch.Tensor.backward  # type: ignore[method-assign, assignment]
+            # step runs no extra Python frame for them (each distinct frame costs a small step,
+            # docs/performance.md). ``backward(loss)`` is ``loss.backward()``, ``optimizer_step(o)`` is ``o.step()``.
+            self.backward = torch.Tensor.backward  # type: ignore[method-assign]
             self.optimizer_step = operator.methodcaller("step")  # type: ignore[method-assign, assignment]
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
