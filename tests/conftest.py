@@ -1,9 +1,38 @@
-"""Shared pytest configuration for keel's tests (independent of the ``trainer`` package)."""
+"""Shared pytest configuration for keel's tests (independent of the ``trainer`` package).
+
+The ``multiprocess`` marker
+---------------------------
+Every test that launches processes carries ``@pytest.mark.multiprocess`` (or its module sets
+``pytestmark``), so that ``pytest -m "not multiprocess"`` is the quick, in-process suite. "Launches" means:
+torchrun, srun or sbatch, a ``python`` subprocess that runs the repository's code (a training script, a
+recipe, ``python -m trainer.doctor``, a benchmark, ``python -c`` code), and ``multiprocessing`` /
+``torch.multiprocessing`` with the spawn or forkserver start method. This is enforced, not a convention:
+
+* :func:`pytest_runtest_protocol` records the running test (for its setup, call and teardown, so module- and
+  session-scoped fixtures count as part of the test that sets them up) in ``launch.running_test``;
+* every launch helper of tests/launch.py (``python``, ``torchrun``, ``two_nodes``, ``elastic_agents``) and
+  of tests/slurm/cluster.py (``srun``, ``command``, ``job``) refuses to start in a test without the marker;
+* an audit hook refuses ``subprocess.Popen`` of such a command started any other way (``subprocess.run``
+  directly), and the spawn and forkserver process starters of ``multiprocessing`` refuse too.
+
+The refusal is :class:`launch.MissingMarker`, a BaseException naming the test and the marker, so an
+``except Exception`` or ``pytest.raises(AssertionError)`` in the test does not swallow it.
+
+Exempt, with no marker needed:
+
+* import-cost checks through ``launch.import_check(code)``: one ``python -c`` that imports modules and prints
+  ``sys.modules``, a few hundred ms (tests/test_layout.py's ``test_import_trainer_is_cheap``);
+* other programs' command-line tools (``scontrol show hostnames``, ``mount``), and the processes libraries
+  start for themselves: a DataLoader's forked workers, W&B's service process.
+"""
 
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -15,10 +44,93 @@ REPO_ROOT = TESTS_DIR.parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
+import launch  # noqa: E402  (needs the path above)
+
+# ---------------------------------------------------------------------------------- the multiprocess marker
+_LAUNCHERS = {"torchrun", "srun", "sbatch", "salloc", "mpirun"}
+_REPO_PACKAGES = {"trainer", "recipes", "callbacks", "benchmarks", "tests"}
+_TORCH_LAUNCHERS = {"torch.distributed.run", "torch.distributed.launch"}
+_PYTHON = re.compile(r"python[\d.]*")
+
+
+def launched(
+    argv: str | bytes | Sequence[str | os.PathLike[str]], cwd: str | os.PathLike[str] | None = None
+) -> str | None:
+    """What ``argv`` launches when it is a launch that needs the ``multiprocess`` marker, else None."""
+    if isinstance(argv, bytes):
+        argv = argv.decode(errors="replace")
+    args = shlex.split(argv) if isinstance(argv, str) else [os.fspath(a) for a in argv]
+    while args and os.path.basename(args[0]) == "env":  # env [-u NAME] [--unset=NAME] [NAME=VALUE]... cmd
+        args = args[1:]
+        while args and (args[0].startswith("-") or "=" in args[0]):
+            args = args[2:] if args[0] in ("-u", "--unset") else args[1:]
+    if not args:
+        return None
+    name = os.path.basename(args[0])
+    if name in _LAUNCHERS:
+        return name
+    if name in ("sh", "bash") and len(args) > 2 and args[1] == "-c":  # shell=True, or a shell's -c
+        return launched(args[2], cwd)
+    if not _PYTHON.fullmatch(name) and os.path.realpath(args[0]) != os.path.realpath(sys.executable):
+        return None
+    rest = args[1:]
+    while rest and rest[0].startswith("-") and rest[0] not in ("-c", "-m"):
+        rest = rest[2:] if rest[0] in ("-W", "-X") else rest[1:]  # interpreter options
+    if not rest:
+        return None
+    if rest[0] == "-c":
+        return None if launch.import_check_running else "python -c"
+    if rest[0] == "-m":
+        module = rest[1] if len(rest) > 1 else ""
+        return f"python -m {module}" if module.split(".")[0] in _REPO_PACKAGES or module in _TORCH_LAUNCHERS else None
+    script = Path(rest[0])
+    if not script.is_absolute():
+        script = Path(cwd if cwd is not None else os.getcwd()) / script
+    return f"python {rest[0]}" if REPO_ROOT in script.resolve().parents else None
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event != "subprocess.Popen" or launch.running_test is None or launch.running_test[1]:
+        return
+    what = launched(args[1], args[2])
+    if what is not None:
+        launch.require_multiprocess_marker(what)
+
+
+def _guard_spawn_starters() -> None:
+    """``multiprocessing``'s spawn and forkserver starters (torch.multiprocessing.spawn uses spawn) check the
+    marker too; they start the child without ``subprocess``, so the audit hook does not see them."""
+    from multiprocessing import popen_forkserver, popen_spawn_posix
+
+    for cls in (popen_spawn_posix.Popen, popen_forkserver.Popen):
+        original = cls._launch
+
+        def _launch(self, process_obj, _original=original):  # type: ignore[no-untyped-def]
+            launch.require_multiprocess_marker("multiprocessing with the spawn or forkserver start method")
+            return _original(self, process_obj)
+
+        cls._launch = _launch  # type: ignore[method-assign]
+
+
+if not getattr(sys, "_keel_launch_guard", False):  # once per process, whatever imports this file again
+    sys._keel_launch_guard = True  # type: ignore[attr-defined]
+    sys.addaudithook(_audit)
+    if sys.platform != "win32":
+        _guard_spawn_starters()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+    launch.running_test = (item.nodeid, item.get_closest_marker("multiprocess") is not None)
+    try:
+        yield
+    finally:
+        launch.running_test = None
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
-    config.addinivalue_line("markers", "multiprocess: launches real processes (torchrun / gloo)")
+    config.addinivalue_line("markers", "multiprocess: launches processes (enforced: see tests/conftest.py)")
     config.addinivalue_line("markers", "slurm: runs jobs on the one-node SLURM cluster of tests/slurm/start.sh")
     config.addinivalue_line("markers", "slow: over a minute each; skipped unless --run-slow (or KEEL_RUN_SLOW=1)")
 

@@ -45,7 +45,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LaunchResult", "free_port", "torchrun", "two_nodes", "elastic_agents", "python", "REPO_ROOT"]
+__all__ = [
+    "LaunchResult",
+    "MissingMarker",
+    "free_port",
+    "torchrun",
+    "two_nodes",
+    "elastic_agents",
+    "python",
+    "import_check",
+    "REPO_ROOT",
+]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -75,6 +85,49 @@ _DIST_VARS = (
     "TORCHELASTIC_USE_AGENT_STORE",
     "TORCHELASTIC_ERROR_FILE",
 )
+
+
+# --------------------------------------------------------------------------- the multiprocess marker
+
+# The test running now, recorded by tests/conftest.py around each test (setup, call and teardown, so the
+# module- and session-scoped fixtures it sets up count too): ``(node id, carries the multiprocess marker)``.
+# None outside pytest: a launch from a script or a REPL is not checked.
+running_test: tuple[str, bool] | None = None
+
+# Set while import_check() runs its one exempt subprocess (tests/conftest.py's audit hook reads it).
+import_check_running = False
+
+
+class MissingMarker(BaseException):
+    """A test without ``@pytest.mark.multiprocess`` launched processes.
+
+    A BaseException, like pytest's own ``Failed``: ``except Exception`` or ``pytest.raises(AssertionError)``
+    in the test cannot swallow it by accident."""
+
+
+def require_multiprocess_marker(what: str) -> None:
+    """Raise :class:`MissingMarker` when the running test lacks the ``multiprocess`` marker."""
+    if running_test is not None and not running_test[1]:
+        raise MissingMarker(
+            f"{running_test[0]} launches processes ({what}) but is not marked multiprocess: add "
+            "@pytest.mark.multiprocess to the test (or pytestmark = pytest.mark.multiprocess to its module). "
+            "See tests/conftest.py."
+        )
+
+
+def import_check(code: str, *, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` in the repository root, output captured, ``check=True``: the one subprocess a test
+    without the ``multiprocess`` marker may start, for import-cost checks (a fresh interpreter that imports
+    and prints ``sys.modules``, a few hundred ms). Anything that trains, or starts more processes, is a
+    launch: use :func:`python` or :func:`torchrun` in a marked test."""
+    global import_check_running
+    import_check_running = True
+    try:
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=timeout, check=True
+        )
+    finally:
+        import_check_running = False
 
 
 # --------------------------------------------------------------------------- result
@@ -245,6 +298,7 @@ class _Launch:
     """One or more launcher processes that share an environment marker."""
 
     def __init__(self, cmds: list[list[str]], env: dict[str, str], cwd, marker: str):
+        require_multiprocess_marker(" ".join(cmds[0][:4]) if cmds else "torchrun agents")
         _become_subreaper()
         self.marker = marker
         self.env = env

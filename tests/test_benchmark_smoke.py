@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from launch import REPO_ROOT, python
+
+pytestmark = pytest.mark.multiprocess  # every test runs a benchmark script in a subprocess
 
 
 def test_overhead_benchmark_quick_single_process(tmp_path) -> None:

@@ -25,10 +25,12 @@ from callbacks import (
     ThroughputMonitor,
     Timer,
 )
+from callbacks import throughput as throughput_module
 from callbacks.lambda_function import HOOK_NAMES
 from callbacks.lr_monitor import lr_metric_names
 from callbacks.timer import parse_duration
 from trainer import Callback, Trainer
+from trainer.hooks import TRAIN_BATCH_HOOKS, TrainHooks
 from trainer.loggers.local import CSVLogger, TensorBoardLogger
 
 
@@ -79,27 +81,41 @@ def test_lr_metric_names_for_groups_and_repeated_classes() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- ThroughputMonitor
-class SlowData(Dataset):
-    """regression_data whose items take ``delay`` seconds to produce."""
+class ManualClock:
+    """A clock for ThroughputMonitor (its module's ``time``) that moves only when ``sleep`` is called: the
+    slow data or step below advance it, everything else takes no time on it."""
 
-    def __init__(self, n: int, delay: float) -> None:
-        self.data, self.delay = regression_data(n), delay
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class SlowData(Dataset):
+    """regression_data whose items take ``delay`` seconds to produce (on ``clock``; real time by default)."""
+
+    def __init__(self, n: int, delay: float, clock=time) -> None:
+        self.data, self.delay, self.clock = regression_data(n), delay, clock
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, i: int):
-        time.sleep(self.delay)
+        self.clock.sleep(self.delay)
         return self.data[i]
 
 
 class SlowStep(Regression):
-    def __init__(self, delay: float) -> None:
+    def __init__(self, delay: float, clock=time) -> None:
         super().__init__()
-        self.delay = delay
+        self.delay, self.clock = delay, clock
 
     def training_step(self, batch, batch_idx):
-        time.sleep(self.delay)
+        self.clock.sleep(self.delay)
         return super().training_step(batch, batch_idx)
 
 
@@ -143,19 +159,21 @@ def test_throughput_keys_only_at_logging_steps(tmp_path: Path) -> None:
             assert float(row["throughput/step_time"]) * samples == pytest.approx(8, rel=1e-6)
 
 
-@pytest.mark.parametrize("slow", ["data", "step"])
-def test_throughput_data_wait_fraction(slow: str) -> None:
+@pytest.mark.parametrize("slow, wait_fraction", [("data", 1.0), ("step", 0.0)])
+def test_throughput_data_wait_fraction(slow: str, wait_fraction: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a clock that only the slow part moves (4 x 5 ms per batch of 4, or a 20 ms training step), every step
+    takes 20 ms: all of it waiting for data, or none of it. Exact, whatever the machine's load."""
+    clock = ManualClock()
+    monkeypatch.setattr(throughput_module, "time", clock)
     monitor = ThroughputMonitor(window=8)
-    data = SlowData(32, 0.005) if slow == "data" else regression_data(32)  # 4 x 5 ms per batch of 4
-    task = SlowStep(0.02) if slow == "step" else Regression()
+    data = SlowData(32, 0.005, clock) if slow == "data" else regression_data(32)
+    task = SlowStep(0.02, clock) if slow == "step" else Regression()
     Trainer(**quiet(max_epochs=1, log_every_n_steps=4, callbacks=[monitor])).fit(task, loader(data, 4))
     values = monitor.last_values
     assert "throughput/items_per_sec" not in values  # the task reports no num_items
-    assert values["throughput/step_time"] >= 0.018
-    if slow == "data":
-        assert values["throughput/data_wait_fraction"] > 0.6
-    else:
-        assert values["throughput/data_wait_fraction"] < 0.4
+    assert values["throughput/step_time"] == pytest.approx(0.02, rel=1e-9)
+    assert values["throughput/samples_per_sec"] == pytest.approx(4 / 0.02, rel=1e-9)
+    assert values["throughput/data_wait_fraction"] == pytest.approx(wait_fraction, abs=1e-9)
 
 
 # ---------------------------------------------------------------------------------------------- EarlyStopping
@@ -411,8 +429,24 @@ def test_lambda_hook_names_match_the_callback_class() -> None:
         if callable(value) and not name.startswith("_") and name not in ("state_dict", "load_state_dict")
     ]
     assert list(HOOK_NAMES) == hooks
-    for name in HOOK_NAMES:  # each is a real method of LambdaCallback, not inherited no-op
-        assert name in vars(LambdaCallback), name
+    assert not set(HOOK_NAMES) & set(vars(LambdaCallback))  # no hook of its own: the given ones are the instance's
+
+
+def test_lambda_callback_resolves_to_the_given_hooks_only() -> None:
+    """Only ``on_train_batch_end`` given: the per-epoch hook table (trainer/hooks.py) holds it and nothing
+    else, so a fit calls it once per batch and no other per-batch hook of the callback."""
+    calls: list[tuple] = []
+    cb = LambdaCallback(
+        on_train_batch_end=lambda trainer, task, outputs, batch, batch_idx: calls.append((batch_idx, trainer._hooks))
+    )
+    assert {name for name in HOOK_NAMES if name in vars(cb)} == {"on_train_batch_end"}
+    Trainer(**quiet(max_epochs=1, callbacks=[cb])).fit(Regression(), loader(regression_data(24), 8))
+    assert [batch_idx for batch_idx, _ in calls] == [0, 1, 2]
+    for resolved in (TrainHooks("trainer", Regression(), [cb]), calls[0][1]):  # by hand, and the fit's own table
+        assert [h.func for h in resolved.on_train_batch_end] == [cb.hooks["on_train_batch_end"]]
+        for name in TRAIN_BATCH_HOOKS:
+            if name != "on_train_batch_end":
+                assert getattr(resolved, name) == (), name  # not in the table: never called
 
 
 # ---------------------------------------------------------------------------------------------- loggers and errors

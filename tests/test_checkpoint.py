@@ -259,3 +259,26 @@ def test_forced_save_before_the_monitored_metric_exists(tmp_path: Path) -> None:
     assert read_pointer(tmp_path)[0] == Path(path).name and cb.best_k_models == {}
     with pytest.raises(KeyError, match="val/loss"):
         cb.save(trainer)
+
+
+class _FailsAtFirstStep(Regression):
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError("boom at the first step")
+
+
+def test_forced_save_without_the_monitored_value_when_top_k_is_full(tmp_path: Path) -> None:
+    """A resumed run that fails before its first validation (no ``val/loss`` yet) while top-k is full still
+    saves on exception, as ``last``, outside the top-k; the run's own error is what the caller sees (before
+    the fix, comparing the missing score with the worst kept one raised TypeError inside the save)."""
+    _, cb = fit_with_checkpoints(tmp_path, monitor="val/loss", save_top_k=1)
+    assert len(cb.best_k_models) == 1
+    kept = dict(cb.best_k_models)
+    cb2 = ModelCheckpoint(dirpath=tmp_path, monitor="val/loss", save_top_k=1, save_on_exception=True)
+    trainer = Trainer(**quiet(max_epochs=5, enable_checkpointing=True, callbacks=[cb2]))
+    with pytest.raises(RuntimeError, match="boom at the first step"):
+        trainer.fit(
+            _FailsAtFirstStep(), loader(regression_data(), 16), loader(regression_data(24, seed=1), 8), ckpt_path="last"
+        )
+    assert cb2.best_k_models == kept  # the failed run's save is not ranked
+    assert "-exception" in cb2.last_model_path and Path(cb2.last_model_path).exists()
+    assert read_pointer(tmp_path)[0] == Path(cb2.last_model_path).name  # what ckpt_path="last" resumes from

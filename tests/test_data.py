@@ -344,3 +344,17 @@ def test_worker_seeding_is_deterministic_per_seed_rank_worker_epoch() -> None:
     second = _epoch(a, 1)
     assert [i for i, *_ in second] != [i for i, *_ in first]
     assert {d for _, _, d, _ in second}.isdisjoint(draws)  # epoch 1 reseeds workers
+
+
+def test_batch_fingerprint_is_a_digest_of_the_tensors() -> None:
+    """What warn_if_unsharded compares across ranks (the 2-rank check: tests/test_ddp.py)."""
+    from trainer.data.loaders import batch_fingerprint
+
+    x = torch.arange(12.0).reshape(4, 3)
+    assert batch_fingerprint((x, torch.tensor([0, 1, 0, 1]))) == batch_fingerprint(
+        (x.clone(), torch.tensor([0, 1, 0, 1]))
+    )
+    assert batch_fingerprint({"x": x}) == batch_fingerprint([x]) != batch_fingerprint([x + 1])  # nested batches too
+    assert batch_fingerprint([x]) != batch_fingerprint([x.double()]) != batch_fingerprint([x.reshape(3, 4)])
+    assert isinstance(batch_fingerprint([x.bfloat16(), torch.tensor(True), torch.zeros(0)]), str)
+    assert batch_fingerprint({"ids": [1, 2]}) is None  # no tensor: nothing to compare

@@ -77,3 +77,13 @@ def test_two_simulated_nodes_agree(tmp_path: Path) -> None:
     for name in rank0["weights"]:
         assert torch.equal(rank0["weights"][name], rank1["weights"][name]), name
     assert rank0["predictions"] == list(range(37))
+
+
+def test_the_same_first_batch_on_every_rank_is_warned_about() -> None:
+    """An unsharded stream gives both ranks the same first batch: warned, on each rank (the fingerprints are
+    digests, equal across processes whatever PYTHONHASHSEED); a stream sharded by rank is not."""
+    script = REPO_ROOT / "tests" / "scripts" / "unsharded.py"
+    result = torchrun(script, nproc=2, timeout=180, env={"PYTHONHASHSEED": "random"}).check()
+    for rank in (0, 1):
+        assert f"rank {rank} same 1" in result.stdout, result.tail()
+        assert f"rank {rank} sharded 0" in result.stdout, result.tail()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -222,8 +223,10 @@ def test_async_staging_reuses_its_cpu_buffers_and_always_copies_the_current_valu
 
 
 def test_async_sharded_save_refuses_non_finite_weights_on_every_rank(tmp_path: Path) -> None:
-    """A NaN in rank 1's shard only: the background check votes on the checkpoint group, so both ranks
-    raise, nothing is committed for that step, and `last` stays at the step before."""
+    """A NaN in rank 1's shard only: the background check votes on the checkpoint group, and the vote also
+    picks the step boundary where every rank raises (AsyncCheckpointer.vote), so both ranks raise at the same
+    step, neither left to die in the next step's all-gather; nothing is committed for that step, and `last`
+    stays at the step before."""
     ck = tmp_path / "ck"
     result = torchrun(
         SCRIPT,
@@ -242,6 +245,8 @@ def test_async_sharded_save_refuses_non_finite_weights_on_every_rank(tmp_path: P
     )
     assert result.returncode != 0
     assert result.stdout.count("FloatingPointError: Refusing to write checkpoint") >= 2, result.tail()
+    raised = dict(re.findall(r"^rank (\d) raised FloatingPointError at step (\d+)$", result.stdout, re.M))
+    assert set(raised) == {"0", "1"} and raised["0"] == raised["1"], result.tail()
     assert (
         "step=2" in read_pointer(ck)[0]
         and not list(ck.glob("*step=3*"))

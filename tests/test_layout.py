@@ -15,8 +15,7 @@
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,16 +61,21 @@ def test_torch_distributed_only_in_the_distributed_and_checkpoint_packages() -> 
 
 
 def test_import_trainer_is_cheap() -> None:
+    """``import trainer`` and what a script imports from it up front (the loggers, W&B's and MLflow's included,
+    and the progress bar) load none of the integrations: each is imported when first used (docs/design.md
+    section 11). The one import check of the suite: a fresh interpreter, through tests/launch.py's
+    ``import_check`` (exempt from the multiprocess marker, tests/conftest.py)."""
+    from launch import import_check
+
+    integrations = ("tensorboard", "torch.utils.tensorboard", "hydra", "omegaconf", "wandb", "mlflow")
     code = (
-        "import sys, trainer; "
-        "print(sorted(m for m in ('tensorboard', 'hydra', 'tqdm', 'omegaconf', 'wandb', 'mlflow') if m in sys.modules))"
+        "import sys, trainer, trainer.loggers, trainer.observability.progress; "
+        "from trainer.loggers import CSVLogger, TensorBoardLogger, WandbLogger, MLFlowLogger; "
+        f"print(sorted(m for m in {integrations!r} if m in sys.modules))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True
-    )
-    # torch itself imports tqdm lazily in some builds; the integrations must never load at import.
-    loaded = eval(out.stdout.strip())
-    assert not {"tensorboard", "hydra", "wandb", "mlflow"} & set(loaded), loaded
+    loaded = ast.literal_eval(import_check(code).stdout.strip())
+    # tqdm is not checked: torch itself imports it in some builds.
+    assert not loaded, loaded
 
 
 def test_the_loop_never_names_a_wrapper() -> None:
@@ -178,3 +182,28 @@ def test_subpackages_never_import_the_loop_at_run_time() -> None:
     for name in graph:
         if name.count(".") >= 2 or (name != "trainer" and _is_package(name)):
             assert not _reaches(graph, name, "trainer.trainer"), f"{name} reaches trainer.trainer at run time"
+
+
+def _declared_imports(package: Path) -> set[str]:
+    """The keel modules named in the ``May import:`` paragraph of a package's ``__init__`` docstring."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    paragraph = doc[doc.index("May import") :].split("\n\n")[0]
+    return set(re.findall(r":mod:`~?(trainer[\w.]*)`", paragraph))
+
+
+def test_packages_import_at_run_time_only_what_their_docstring_declares() -> None:
+    """Run-time imports of keel modules stay inside what each package says it may import; imports under
+    TYPE_CHECKING (the Trainer, the TaskModule as types) are free."""
+    graph = _import_graph(run_time_only=True)
+    for package in sorted(p for p in TRAINER.iterdir() if p.is_dir() and (p / "__init__.py").is_file()):
+        own, allowed = f"trainer.{package.name}", _declared_imports(package)
+        for name, targets in graph.items():
+            if name != own and not name.startswith(own + "."):
+                continue
+            for target in sorted(t for t in targets if not _is_package(t)):  # `from pkg import module` names both
+                inside = target == own or target.startswith(own + ".")
+                declared = any(target == a or target.startswith(a + ".") for a in allowed)
+                assert inside or declared, (
+                    f"{name} imports {target} at run time, which trainer/{package.name}/__init__.py does not list "
+                    "under 'May import'"
+                )

@@ -386,6 +386,7 @@ def test_a_lightning_module_class_gets_a_porting_hint() -> None:
 
 
 # ---------------------------------------------------------------------------- nothing fails silently
+@pytest.mark.multiprocess
 def test_rank_zero_info_prints_before_any_trainer() -> None:
     code = (
         "from trainer.observability.rank_zero import rank_zero_info, rank_zero_warn\n"

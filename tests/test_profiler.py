@@ -147,21 +147,6 @@ def test_simple_profiler_teardown_logs_on_rank_zero_writes_file_and_resets(
     assert (tmp_path / "perf-fit-rank1.txt").is_file()  # but keeps its own numbers
 
 
-def test_simple_profiler_overhead_is_small() -> None:
-    """A start/stop pair stays in the microsecond range (README quotes the measured number)."""
-    import time
-
-    profiler = SimpleProfiler()
-    profiler.setup("fit")
-    n = 20000
-    begin = time.perf_counter()
-    for _ in range(n):
-        profiler.start("x")
-        profiler.stop("x")
-    per_pair = (time.perf_counter() - begin) / n
-    assert per_pair < 50e-6, per_pair  # generous bound for a loaded 2-core CI machine
-
-
 # ---------------------------------------------------------------------------------------------- pytorch
 _TRACE = re.compile(r"^rank(\d+)\.fit\.\d+\.pt\.trace\.json$")
 

@@ -1,5 +1,5 @@
-"""Tests for recipes/ and conf/: every YAML composes and instantiates, the override grammar of README
-"Configuration and recipes" works, bad options fail before anything starts, and the recipes run end to
+"""Tests for recipes/ and conf/: every YAML composes and instantiates, the override grammar of
+docs/configuration.md works, bad options fail before anything starts, and the recipes run end to
 end with pinned losses.
 
 The end-to-end tests launch ``python -m recipes.train`` in a subprocess, exactly as a user would, with
@@ -188,17 +188,18 @@ def test_experiment_charlm_matches_the_recipe_defaults(tmp_path: Path) -> None:
     assert _callback(trainer, ModelCheckpoint).monitor == "val/loss"
 
 
-def _readme_commands(heading: str) -> list[list[str]]:
-    """The ``python -m recipes.train ...`` command lines of the first bash block under ``### heading``."""
-    section = _readme_section("Configuration and recipes")
-    block = re.search(r"### " + re.escape(heading) + r"\n.*?```bash\n(.*?)```", section, re.S)
+def _docs_commands(heading: str) -> list[list[str]]:
+    """The ``python -m recipes.train ...`` command lines of the first bash block of docs/configuration.md's
+    ``## heading``."""
+    section = _docs_section("configuration.md", heading)
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
     assert block, heading
     lines = block.group(1).replace("\\\n", " ").splitlines()
     return [shlex.split(line, comments=True)[3:] for line in lines if line.startswith("python -m recipes.train")]
 
 
-def test_readme_override_examples_compose_and_build(tmp_path: Path) -> None:
-    commands = _readme_commands("Overrides")
+def test_docs_override_examples_compose_and_build(tmp_path: Path) -> None:
+    commands = _docs_commands("Overrides")
     assert len(commands) >= 10
     for args in commands:
         assert check_overrides(args) is None, args
@@ -300,6 +301,7 @@ def _summary(stdout: str) -> tuple[dict[str, str], dict[str, float]]:
 E2E_ARGS = ["trainer.limit_val_batches=2", "trainer.limit_test_batches=2", "trainer.log_every_n_steps=1"]
 
 
+@pytest.mark.multiprocess
 def test_digits_recipe_end_to_end(tmp_path: Path) -> None:
     proc = _run(["trainer.max_steps=5", *E2E_ARGS, f"output_dir={tmp_path}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -325,6 +327,7 @@ def test_digits_recipe_end_to_end(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["digits"]
 
 
+@pytest.mark.multiprocess
 def test_digits_recipe_resumes_exactly_after_a_crash_and_reports_the_changed_config(tmp_path: Path) -> None:
     """A run SIGKILLed after step 4 (last checkpoint: step 3), run again with the same run dir and a
     slightly different command line, ends as a 5-step run in one go; the differences are listed."""
@@ -365,6 +368,7 @@ def test_digits_recipe_resumes_exactly_after_a_crash_and_reports_the_changed_con
     assert "recipe_faults.KillAtStep" in (run_dir / "config.1.yaml").read_text()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "override, expected",
     [
@@ -381,6 +385,7 @@ def test_bad_option_fails_naming_the_key(override: str, expected: list[str], tmp
     assert os.listdir(tmp_path) == []  # refused before anything was created
 
 
+@pytest.mark.multiprocess
 def test_multirun_sweep_makes_one_run_per_value(tmp_path: Path) -> None:
     proc = _run(
         [
@@ -413,6 +418,7 @@ def _charlm_corpus(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.multiprocess
 def test_charlm_recipe_end_to_end(tmp_path: Path) -> None:
     corpus = _charlm_corpus(tmp_path / "corpus")
     proc = _run(
@@ -447,17 +453,17 @@ def test_charlm_recipe_end_to_end(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- user task
-def _readme_section(title: str) -> str:
-    text = (REPO_ROOT / "README.md").read_text()
+def _docs_section(page: str, title: str) -> str:
+    text = (REPO_ROOT / "docs" / page).read_text()
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start : end if end != -1 else None]
 
 
-def test_readme_user_task_example_runs_with_its_callback(tmp_path: Path) -> None:
-    """README "Your own task": its files, written to a fresh folder, run by its command line."""
-    section = _readme_section("Configuration and recipes")
-    example = section[section.index("### Your own task") : section.index("### Launching a recipe")]
+@pytest.mark.multiprocess
+def test_docs_user_task_example_runs_with_its_callback(tmp_path: Path) -> None:
+    """docs/configuration.md "Your own task": its files, written to a fresh folder, run by its command line."""
+    example = _docs_section("configuration.md", "Your own task")
     files = re.findall(r"^File `([^`]+)`:\n\n```\w*\n(.*?)```", example, re.M | re.S)
     assert {"mypkg/regression.py", "myconf/experiment/regression.yaml"} <= {name for name, _ in files}
     assert "File `mypkg/__init__.py`: empty." in example

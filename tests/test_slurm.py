@@ -1,8 +1,8 @@
-"""SLURM for real: ``srun`` and README's batch file on the one-node cluster of tests/slurm/start.sh.
+"""SLURM for real: ``srun`` and docs/slurm.md's batch file on the one-node cluster of tests/slurm/start.sh.
 
 * ``srun -N1 -n2 python -m recipes.train`` trains on 2 ranks (launcher slurm, one run directory named by
   the job, rank-zero output) and ends with the 2-rank torchrun run's weights, bit for bit;
-* README's batch file (``# keel.sbatch``), run as README says, with ``sbatch`` options for this node:
+* docs/slurm.md's batch file (``# keel.sbatch``), run as docs/slurm.md says, with ``sbatch`` options for this node:
   signalled mid-epoch with ``scancel --signal=USR1 --full``, keel saves, exits 75, the file requeues the
   job, which resumes in the same run directory from ``last`` and ends with the uninterrupted weights;
 * its processes SIGKILLed with no warning (what a time limit does after KillWait when no save could
@@ -35,7 +35,7 @@ from slurm import cluster as slurm
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
 TESTS_DIR = Path(__file__).resolve().parent
-README = REPO_ROOT / "docs" / "slurm.md"
+SLURM_PAGE = REPO_ROOT / "docs" / "slurm.md"
 STEPS, STEPS_PER_EPOCH, EVERY = 15, 10, 3  # the last periodic checkpoint holds the final weights
 RECIPE = [
     "logger=csv",
@@ -56,11 +56,11 @@ LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (?P<level>[A-Z]+) (?P<name>\S+): (?P<mes
 
 
 def readme_batch_file() -> str:
-    """README's batch file: the fenced bash block whose second line is ``# keel.sbatch: ...``."""
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
+    """docs/slurm.md's batch file: the fenced bash block whose second line is ``# keel.sbatch: ...``."""
+    for block in re.findall(r"```bash\n(.*?)```", SLURM_PAGE.read_text(), re.S):
         if block.startswith("#!/bin/bash\n# keel.sbatch"):
             return block
-    raise AssertionError("README has no ```bash block starting with '#!/bin/bash\\n# keel.sbatch'")
+    raise AssertionError("docs/slurm.md has no ```bash block starting with '#!/bin/bash\\n# keel.sbatch'")
 
 
 def job_env(faults: Path, **extra: str) -> dict[str, str]:
@@ -268,7 +268,7 @@ def test_hard_killed_job_requeued_resumes_from_the_last_periodic_checkpoint(
 def test_time_limit_without_signal_resumes_from_the_last_periodic_checkpoint(
     slurm_cluster: slurm.Cluster, srun_run: dict, tmp_path: Path
 ) -> None:
-    """A real time limit (1 minute, SLURM's smallest) on README's file without its ``--signal`` line: SLURM
+    """A real time limit (1 minute, SLURM's smallest) on docs/slurm.md's file without its ``--signal`` line: SLURM
     sends SIGTERM, then SIGKILL after KillWait (10 s on the test cluster). The preemption check is far
     away (``preemption_check_interval=1000``, like a long epoch between logging steps), so no save
     happens; after ``scontrol requeue`` the job resumes from the last periodic checkpoint."""

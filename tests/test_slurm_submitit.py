@@ -1,6 +1,6 @@
 """Hydra's submitit launcher for real: ``python -m recipes.train -m hydra/launcher=submitit_slurm`` submits
 a two-value sweep as two SLURM jobs to the one-node cluster of tests/slurm/start.sh, each trains on 2 ranks
-in its own run directory, and the results and submitit's logs land where README ("SLURM") says.
+in its own run directory, and the results and submitit's logs land where docs/slurm.md says.
 ``submitit_local`` runs the same sweep as two local processes at the same time, one run directory each,
 and ``tasks_per_node`` > 1 is refused there. A few optimizer steps of the digits recipe per job.
 """

@@ -191,12 +191,17 @@ def main() -> None:
     train, val = data(48, 0), data(37, 1)
     if args.precision != "64":  # float32 data for the other precisions
         train, val = (TensorDataset(d.tensors[0], d.tensors[1].float(), d.tensors[2].float()) for d in (train, val))
-    trainer.fit(
-        task,
-        DataLoader(train, batch_size=args.batch, shuffle=True),
-        DataLoader(val, batch_size=5),
-        ckpt_path="last" if args.ckpt_dir else None,
-    )
+    try:
+        trainer.fit(
+            task,
+            DataLoader(train, batch_size=args.batch, shuffle=True),
+            DataLoader(val, batch_size=5),
+            ckpt_path="last" if args.ckpt_dir else None,
+        )
+    except FloatingPointError:  # --nan-at: the refused checkpoint; where each rank learnt it
+        sys.stdout.write(f"rank {trainer.global_rank} raised FloatingPointError at step {trainer.global_step}\n")
+        sys.stdout.flush()
+        raise
     val_metrics = trainer.validate(task, DataLoader(val, batch_size=5))
     test_metrics = trainer.test(task, DataLoader(val, batch_size=4))
     predictions = trainer.predict(task, DataLoader(val, batch_size=3))

@@ -1,49 +1,53 @@
-"""A fake training loop with a keel Watchdog; rank 1 stalls inside its training step.
+"""A 2-rank fit with the Trainer's hang watchdog on; rank 1 stalls inside its training step.
 
-Launched by torchrun (gloo). Usage: ``watchdog_sleep.py RUN_DIR [TIMEOUT_S]``.
-Every rank beats the watchdog each step and all-reduces a fake gradient; at step 3
-rank 1 calls :func:`sleep_inside_training_step` (60 s). Its watchdog must fire after
-TIMEOUT_S (default 2), dump its stacks to RUN_DIR and exit 134; torchrun then stops rank 0.
+Launched by torchrun (gloo). Usage: ``watchdog_sleep.py OUT_DIR [TIMEOUT_S]``.
+``Trainer(watchdog_timeout=...)``, the run directory under OUT_DIR; at global step 3 rank 1 calls
+:func:`sleep_inside_training_step`, which sleeps far longer than the test's launch timeout: only the
+watchdog can end the job. Rank 1's watchdog must fire after TIMEOUT_S (default 3), dump its stacks to
+the run directory and exit 134; torchrun then stops rank 0.
 """
 
-import datetime
+from __future__ import annotations
+
 import logging
 import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
-from trainer.distributed import comm, launcher
-from trainer.distributed.watchdog import PHASE_BACKWARD, PHASE_TRAINING_STEP, Watchdog
+from models import Regression, quiet, regression_data
+from torch.utils.data import DataLoader
+
+from trainer import Trainer
+from trainer.distributed import launcher
 
 STALL_STEP = 3
 
 
 def sleep_inside_training_step() -> None:
-    time.sleep(60)
+    time.sleep(3600)
+
+
+class Stalls(Regression):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and self.global_step == STALL_STEP:
+            sleep_inside_training_step()
+        return super().training_step(batch, batch_idx)
 
 
 def main() -> None:
-    run_dir = sys.argv[1]
-    timeout = float(sys.argv[2]) if len(sys.argv) > 2 else 2.0
+    out = sys.argv[1]
+    timeout = float(sys.argv[2]) if len(sys.argv) > 2 else 3.0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    env = launcher.detect_env()
-    # The group timeout is far longer than the watchdog's: the watchdog must be what ends the job.
-    comm.init_process_group(env, backend="gloo", timeout=datetime.timedelta(seconds=300))
-    rank = comm.get_rank()
-    # Rank 0 waits longer than rank 1, so the stalled rank always fires (and is reported)
-    # first; with equal timeouts torchrun may kill rank 1 when rank 0 exits a moment earlier.
-    watchdog = Watchdog(timeout if rank == 1 else 3 * timeout, run_dir=run_dir, rank=rank)
-    watchdog.start()
-    grad = torch.zeros(4)
-    for step in range(1000):
-        watchdog.beat(PHASE_TRAINING_STEP, step)
-        if rank == 1 and step == STALL_STEP:
-            sleep_inside_training_step()
-        time.sleep(0.01)
-        watchdog.beat(PHASE_BACKWARD, step)
-        comm.all_reduce(grad)
-    watchdog.stop()
+    rank = launcher.detect_env().rank
+    # Rank 0 waits three times longer, so the stalled rank always fires (and is reported) first; with equal
+    # timeouts rank 0, blocked in the gradient all-reduce, may fire a poll earlier and torchrun would stop
+    # rank 1 before it wrote its stacks.
+    trainer = Trainer(
+        **quiet(max_epochs=1, watchdog_timeout=timeout if rank == 1 else 3 * timeout, default_root_dir=out)
+    )
+    trainer.fit(Stalls(), DataLoader(regression_data(64), batch_size=8))
     print(f"rank {rank} finished without the watchdog firing", flush=True)
 
 

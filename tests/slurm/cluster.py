@@ -116,6 +116,7 @@ class Cluster:
     ) -> Iterator[Job]:
         """Submits ``script`` (the text of a batch file) with ``sbatch [options] FILE args``, the output
         in ``log``; on leaving, cancels the job if it still runs and kills its leftover processes."""
+        launch.require_multiprocess_marker("sbatch")
         log.parent.mkdir(parents=True, exist_ok=True)
         path = log.with_suffix(".sbatch")
         path.write_text(script)

@@ -25,8 +25,10 @@
 
 At most one save is in flight: :meth:`AsyncCheckpointer.submit` first waits for (and finishes) the
 previous one. An error raised by ``write`` or ``commit`` is re-raised on the main thread at the next
-``poll``/``wait``/``submit``: the save is reported done, or failed, at a step boundary. Preemption,
-exception and end-of-fit paths wait, so a run never exits with a save in flight.
+``poll``/``wait``/``submit``: the save is reported done, or failed, at a step boundary. A save that every
+rank votes to refuse (:meth:`AsyncCheckpointer.vote`: the sharded save's non-finite check) fails at the same
+step boundary on every rank. Preemption, exception and end-of-fit paths wait, so a run never exits with a
+save in flight.
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,10 @@ class _Job:
     thread: threading.Thread | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    polls: int = 0  # poll() calls while this save was in flight (the main thread)
+    voting: bool = False  # the worker thread is in AsyncCheckpointer.vote's collective; poll() waits for it
+    refused_at: int | None = None  # a save every rank refused: the poll at which every rank raises it
+    lock: threading.Condition = field(default_factory=threading.Condition)
 
 
 class AsyncCheckpointer:
@@ -115,16 +124,56 @@ class AsyncCheckpointer:
 
     def poll(self) -> bool:
         """At a step boundary: commit the save in flight if its write is done. Never blocks (beyond the
-        commit itself: a pointer swap and unlinks). Returns True when a save was committed now.
+        commit itself: a pointer swap and unlinks), with two exceptions for a save whose write calls
+        :meth:`vote`: while this rank's worker thread is in the vote's all-reduce, and, when every rank
+        refused the save, at the poll the vote chose for the end of the write (its clean-up). Returns True
+        when a save was committed now.
 
         Raises:
             BaseException: the error of a failed background write or commit (reported once).
         """
         job = self._job
-        if job is None or not job.done.is_set() or (job.error is None and job.ready is not None and not job.ready()):
+        if job is None:
+            return False
+        with job.lock:
+            job.lock.wait_for(lambda: not job.voting)  # the verdict decides this poll; a vote is one all-reduce
+            job.polls += 1
+            polls, refused_at = job.polls, job.refused_at
+        if refused_at is not None:
+            if polls < refused_at:
+                return False
+            job.done.wait()
+        elif not job.done.is_set() or (job.error is None and job.ready is not None and not job.ready()):
             return False
         self._finish(job)
         return True
+
+    def vote(self, collective: Callable[[int], tuple[bool, int]]) -> bool:
+        """On the worker thread, inside ``write``: the verdict on this save that every rank agrees on.
+
+        ``collective(polls)`` is a collective of every rank's worker thread (an all-reduce on the checkpoint
+        group) returning ``(verdict, the largest poll count of any rank)``, where ``polls`` is this rank's
+        count of :meth:`poll` calls on this save, read while :meth:`poll` waits for the vote. When the
+        verdict is False (``write`` raises next), every rank raises at the same poll: the first one that no
+        rank had reached when it voted. Every rank's main thread must poll at the same step boundaries
+        (``ModelCheckpoint.on_train_batch_end`` does), so all ranks raise at the same step, none left to die
+        in the next step's collective. Returns the verdict.
+        """
+        job = self._job
+        assert job is not None, "vote() runs inside the write of the save in flight"
+        with job.lock:
+            job.voting = True
+            polls = job.polls
+        refused_at = None
+        try:
+            verdict, last = collective(polls)
+            if not verdict:
+                refused_at = last + 1
+            return verdict
+        finally:
+            with job.lock:
+                job.refused_at, job.voting = refused_at, False
+                job.lock.notify_all()
 
     def wait(self, *, raise_errors: bool = True) -> bool:
         """Block until the save in flight is written, then commit it. Returns True when one was committed.
@@ -257,7 +306,7 @@ def stage_to_cpu(obj: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- the one-file (DDP) save
-def save_async(trainer: Any, path: str, checkpointer: AsyncCheckpointer, commit: Callable[[], None] | None) -> None:
+def save_async(trainer: Trainer, path: str, checkpointer: AsyncCheckpointer, commit: Callable[[], None] | None) -> None:
     """``Trainer.save_checkpoint`` in the background: assemble the state (collective: every rank calls
     this), then rank 0 stages a CPU copy and hands the write to ``checkpointer``; ``commit`` (rank 0: the
     pointer swap and pruning) runs on the worker thread once the file is durable. No barrier: other
@@ -274,16 +323,15 @@ def save_async(trainer: Any, path: str, checkpointer: AsyncCheckpointer, commit:
     from trainer.checkpoint.files import K_OPTIMIZERS, K_STATE_DICT
     from trainer.distributed.watchdog import PHASE_CHECKPOINT
 
-    beat = getattr(trainer, "_beat", None)
-    if beat is not None:
-        beat(PHASE_CHECKPOINT)  # as Trainer.save_checkpoint does
-    guard = getattr(trainer, "_nonfinite", None)  # on_nonfinite="error": a NaN loss since the last check stops here
-    if guard is not None:
-        guard.check(f"before saving checkpoint {path!r}")  # one host read (+ one collective in DDP), on every rank
-    if getattr(trainer.strategy, "sharded", False):  # every rank writes its shards: trainer/checkpoint/sharded.py
+    trainer._beat(PHASE_CHECKPOINT)  # as Trainer.save_checkpoint does
+    # on_nonfinite="error": a NaN loss since the last check stops here; one host read (+ one collective in
+    # DDP), on every rank.
+    trainer._nonfinite.check(f"before saving checkpoint {path!r}")
+    if trainer.strategy.sharded:  # every rank writes its shards: trainer/checkpoint/sharded.py
         from trainer.checkpoint import sharded as sharded_checkpoint
 
         task = trainer.task  # non-finite weights: refused on the staged copy, in the background (as below)
+        assert task is not None  # assemble() needs it
         checkpointer.wait()  # the save in flight first: its DCP collectives come before this one's
         sharded_checkpoint.save_async(
             ckpt.assemble(trainer),

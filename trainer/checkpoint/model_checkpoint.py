@@ -317,7 +317,7 @@ class ModelCheckpoint(Callback):
         if trainer.world_size > 1:  # rank 0's values name the file and decide top-k on every rank (per-step
             from trainer.distributed import comm  # training values in callback_metrics are this rank's, not reduced)
 
-            metrics = comm.broadcast_object(metrics)  # type: ignore[assignment]
+            metrics = comm.broadcast_object(metrics)
         score = None
         if self.monitor is not None:
             if self.monitor in metrics:
@@ -401,6 +401,8 @@ class ModelCheckpoint(Callback):
             return False
         if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k or self.monitor is None:
             return True
+        if score is None:  # a forced save (preemption, exception) before the monitored value exists
+            return False
         worst = self.best_k_models[self._worst()]
         return score < worst if self._mode == "min" else score > worst
 

@@ -33,8 +33,9 @@ import os
 import pickle
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as tdist
@@ -52,6 +53,9 @@ from torch.distributed.checkpoint.state_dict import (
 from trainer.checkpoint.files import K_FORMAT, CheckpointError, CheckpointIO, CheckpointSaveError, _fsync_dir, _os_error
 from trainer.data.transfer import tensors_in
 from trainer.distributed import comm
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.checkpoint.async_save import AsyncCheckpointer
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +192,8 @@ def save_async(
     task: torch.nn.Module,
     optimizers: list[torch.optim.Optimizer],
     is_writer: bool,
-    checkpointer: Any,
-    commit: Any,
+    checkpointer: AsyncCheckpointer,
+    commit: Callable[[], None] | None,
 ) -> None:
     """:func:`save` in the background. A collective: every rank calls it at the same step boundary.
 
@@ -227,8 +231,10 @@ def save_async(
             future.result()
             # Non-finite weights are refused on the staged copy, here in the background (a pass over the
             # weights costs as much as the copy), as the one-file path does; every rank votes on the
-            # checkpoint group, so all agree. Nothing is committed: rank 0 removes the folder.
-            finite = _staged_finite(stager, params)
+            # checkpoint group, so all agree, and a refusal is raised at the same step on every rank
+            # (AsyncCheckpointer.vote). Nothing is committed: rank 0 removes the folder.
+            local = _staged_finite(stager, params)
+            finite = checkpointer.vote(lambda polls: _agree_finite(local, polls))
         except BaseException as exc:
             if is_writer:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -291,18 +297,23 @@ class ReusedStaging(AsyncStager):
 
 
 def _staged_finite(stager: ReusedStaging, params: list[str]) -> bool:
-    """Whether this rank's staged shards of every parameter are finite on all ranks (a collective on the
-    checkpoint group: every rank's checkpoint thread calls it for the same save)."""
+    """Whether this rank's staged shards of every parameter are finite (this rank only: see _agree_finite)."""
     model = (stager._buffers or {}).get(K_MODEL, {})
     local = [t.to_local() if hasattr(t, "to_local") else t for t in (model.get(n) for n in params) if t is not None]
     local = [t for t in local if t.numel()]
-    ok = not local or bool(torch.isfinite(torch.stack(torch._foreach_norm(local, ord=math.inf))).all())
+    return not local or bool(torch.isfinite(torch.stack(torch._foreach_norm(local, ord=math.inf))).all())
+
+
+def _agree_finite(ok: bool, polls: int) -> tuple[bool, int]:
+    """Every rank's verdict and the largest poll count (one all-reduce on the checkpoint group: every rank's
+    checkpoint thread calls it for the same save, through AsyncCheckpointer.vote)."""
     group = comm.checkpoint_group()
     if group is None:
-        return ok
-    flag = torch.tensor([1.0 if ok else 0.0])
-    tdist.all_reduce(flag, op=tdist.ReduceOp.MIN, group=group)  # type: ignore[arg-type]
-    return bool(flag.item() > 0)
+        return ok, polls
+    flags = torch.tensor([0 if ok else 1, polls], dtype=torch.int64)
+    tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=group)
+    refused, last = flags.tolist()
+    return refused == 0, last
 
 
 def _cpu_copy(obj: Any) -> Any:
@@ -316,7 +327,7 @@ def _cpu_copy(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-def _save_error(target: Path, tensors: Any, exc: BaseException) -> BaseException:
+def _save_error(target: Path, tensors: dict[str, Any], exc: BaseException) -> BaseException:
     """A failed folder write, explained: the OSError of whichever rank failed (DCP collects every rank's
     failures in a CheckpointException, a BaseException), with the bytes needed (this rank's shards) and free."""
     causes = [exc] + [
@@ -385,8 +396,8 @@ def load(path: str | os.PathLike, task: torch.nn.Module, optimizers: list[torch.
 def apply(
     task: torch.nn.Module,
     optimizers: list[torch.optim.Optimizer],
-    model_state: Any,
-    optimizer_states: list[Any],
+    model_state: dict[str, Any],
+    optimizer_states: list[dict[str, Any]],
     *,
     strict: bool = True,
 ) -> None:

@@ -13,7 +13,7 @@ import logging
 import os
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -53,7 +53,8 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
     try:
         import numpy as np
 
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        # get_state() returns the legacy tuple by default (numpy types it as that tuple or a dict).
+        kind, keys, pos, has_gauss, cached = cast("tuple[str, Any, int, int, float]", np.random.get_state())
         state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
     except ImportError:  # pragma: no cover
         pass
@@ -91,7 +92,7 @@ def assemble(trainer: Trainer) -> dict[str, Any]:
     loop = {
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
-        "epoch_finished": bool(getattr(trainer, "_epoch_finished", False)),
+        "epoch_finished": trainer._epoch_finished,
         "samples_consumed": trainer._epoch_samples,
         "batches_done": trainer._epoch_batches_done,
     }
@@ -116,7 +117,7 @@ def assemble(trainer: Trainer) -> dict[str, Any]:
             state[K_CALLBACKS][cb.state_key] = cb_state
     if trainer.datamodule is not None:
         state[K_DATAMODULE] = trainer.datamodule.state_dict()
-    hparams = getattr(task, "hparams", None)
+    hparams = task.hparams
     if hparams:
         state[K_HPARAMS] = _plain_hparams(dict(hparams))
     task.on_save_checkpoint(state)
@@ -147,6 +148,7 @@ def save(trainer: Trainer, path: str | os.PathLike, *, weights_only: bool = Fals
     if trainer.strategy.sharded:
         from trainer.checkpoint import sharded as sharded_checkpoint
 
+        assert task is not None  # assemble() needs it
         sharded_checkpoint.save(
             state,
             path,
@@ -342,6 +344,7 @@ def resolve_ckpt_path(trainer: Trainer, ckpt_path: str) -> str | None:
     callback = trainer.checkpoint_callback
     if callback is None:
         raise ValueError(f'ckpt_path="{ckpt_path}" needs a ModelCheckpoint callback (enable_checkpointing=True).')
+    assert callback.dirpath is not None  # set in the callback's setup, before any checkpoint is restored
     if ckpt_path == "best":
         best = callback.best_model_path
         if not best and trainer.is_global_zero:

@@ -22,13 +22,17 @@ step, is refused with the reason; so is a micro-batch size that does not divide 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from trainer.options import parse_global_batch
 from trainer.step.accumulation import AccumulationSchedule
 
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.trainer import Trainer
+
 log = logging.getLogger(__name__)
-# The functions below take the Trainer as ``Any``: this module does not import it (no import circle).
+# The functions below take the Trainer as an argument; it is imported for types only (no import circle).
 
 OPTION = "global_batch_size"
 # Keys of the checkpoint's record of the global batch (checkpoint key trainer.checkpoint.K_GLOBAL_BATCH).
@@ -38,7 +42,7 @@ R_MICRO = "micro_batch_size"
 R_WORLD = "world_size"
 
 
-def micro_batch_size(loader: Any) -> int:
+def micro_batch_size(loader: Iterable[Any]) -> int:
     """The per-rank micro-batch size of a training loader: its ``batch_size``.
 
     Raises:
@@ -54,7 +58,7 @@ def micro_batch_size(loader: Any) -> int:
     return size
 
 
-def accumulation_for(global_batch: Any, *, world_size: int, micro_batch: int) -> AccumulationSchedule:
+def accumulation_for(global_batch: int | dict[Any, Any], *, world_size: int, micro_batch: int) -> AccumulationSchedule:
     """The accumulation schedule that keeps ``global_batch`` samples per step at this world size.
 
     Args:
@@ -101,7 +105,7 @@ def _not_divisible(size: int, world_size: int, micro_batch: int, where: str = ""
     )
 
 
-def configure(trainer: Any, loader: Any) -> None:
+def configure(trainer: Trainer, loader: Iterable[Any]) -> None:
     """Set ``trainer.accumulation_schedule`` from ``global_batch_size`` for this (re)start (no-op without it).
 
     Called by ``Trainer.fit`` once the training loader is known, before ``configure_optimizers`` (so
@@ -123,7 +127,7 @@ def configure(trainer: Any, loader: Any) -> None:
     )
 
 
-def _spec(value: Any) -> Any:
+def _spec(value: int | dict[Any, Any] | None) -> int | dict[str, Any] | None:
     """The option as a plain, comparable value (checkpoints hold only plain containers)."""
     if value is None:
         return None
@@ -133,17 +137,17 @@ def _spec(value: Any) -> Any:
     return {"clock": clock, "items": [[start, size] for start, size in items]}
 
 
-def _micro_of(trainer: Any) -> int | None:
+def _micro_of(trainer: Trainer) -> int | None:
     loader = trainer._train.loader if trainer._train is not None else None
     size = getattr(loader, "batch_size", None)
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
-def checkpoint_record(trainer: Any) -> dict[str, Any]:
+def checkpoint_record(trainer: Trainer) -> dict[str, Any]:
     """What a checkpoint records of the global batch: the option, and the layout of the step to come."""
     micro = _micro_of(trainer)
     # A save in on_train_epoch_end resumes at the next epoch: record the accumulation in force there.
-    epoch = trainer.current_epoch + (1 if getattr(trainer, "_epoch_finished", False) else 0)
+    epoch = trainer.current_epoch + (1 if trainer._epoch_finished else 0)
     k = trainer.accumulation_schedule.k(epoch=epoch, global_step=trainer.global_step)
     return {
         R_SPEC: _spec(trainer.options.global_batch_size),
@@ -153,7 +157,7 @@ def checkpoint_record(trainer: Any) -> dict[str, Any]:
     }
 
 
-def check_resume(trainer: Any, record: dict[str, Any] | None, *, path: str) -> None:
+def check_resume(trainer: Trainer, record: dict[str, Any] | None, *, path: str) -> None:
     """Refuse a resume that would change the run's samples per optimizer step.
 
     Call after the step clock is restored (the accumulation in force is read at it). A micro-batch size
@@ -193,7 +197,7 @@ def check_resume(trainer: Any, record: dict[str, Any] | None, *, path: str) -> N
         )
 
 
-def _show(spec: Any) -> str:
+def _show(spec: int | dict[str, Any] | None) -> str:
     if isinstance(spec, dict):
         items = {int(start): int(size) for start, size in spec["items"]}
         return repr({"step": items} if spec["clock"] == "step" else items)

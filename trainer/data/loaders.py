@@ -16,7 +16,7 @@ import random
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch.utils.data import (
@@ -29,7 +29,11 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from trainer.data.transfer import tensors_in
 from trainer.distributed import comm
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.module import DataHooks
 
 logger = logging.getLogger(__name__)
 
@@ -512,7 +516,7 @@ def limit_batches(loader: Any, limit: int | float, name: str, *, fast_dev_run: b
     return int(length * limit)
 
 
-def resolve_loaders(source: Any, stage: str, given: Any) -> list[Any]:
+def resolve_loaders(source: DataHooks, stage: str, given: Any) -> list[Any]:
     """The loaders of ``stage``: ``given`` (one loader or a list), else ``source``'s ``*_dataloader()``
     hook (the datamodule's, or the task's)."""
     if given is None:
@@ -558,12 +562,26 @@ def all_ranks_have_data(has_data: bool, device: torch.device) -> bool:
     return bool(flag.item() > 0)
 
 
+def batch_fingerprint(batch: Any) -> str | None:
+    """A digest of a batch's tensors (dtype, shape and the bytes of the first 4096 elements of each) that is
+    the same in every process: blake2b, not ``hash()``, whose value for bytes is salted per process
+    (``PYTHONHASHSEED``), so two ranks holding the same batch would never agree. None without tensors."""
+    tensors = tensors_in(batch)
+    if not tensors:
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        head = t.detach().cpu().contiguous().view(-1)[:4096]
+        digest.update(f"{head.dtype}{tuple(t.shape)};".encode())
+        digest.update(head.view(torch.uint8).numpy().tobytes() if head.numel() else b"")
+    return digest.hexdigest()
+
+
 def warn_if_unsharded(batch: Any, loader: Any) -> None:
     """First batch of a fit from an unsharded loader in DDP: warn if every rank got the same one
     (a collective: one object gather)."""
-    tensors = [t for t in (batch if isinstance(batch, (list, tuple)) else [batch]) if isinstance(t, torch.Tensor)]
-    fingerprint = hash(tuple(t.detach().cpu().contiguous().view(-1)[:4096].numpy().tobytes() for t in tensors))
-    if len(set(comm.all_gather_object(fingerprint))) == 1:
+    fingerprints = comm.all_gather_object(batch_fingerprint(batch))
+    if fingerprints[0] is not None and len(set(fingerprints)) == 1:
         logger.warning(
             "Every rank got the same first batch from %s: the data is probably not sharded by rank, so each "
             "rank trains on the same samples. Shard it (trainer.data.shard_iterable) or pass a plain "
@@ -622,5 +640,8 @@ def plan_epoch(
             train.reason,
         )
         start = samples_done = 0
-    samples_per_batch = (train.loader.batch_size or 0) * world_size if sampler is not None else 0
+    # With keel's sampler the loader is the DataLoader keel rebuilt.
+    samples_per_batch = (
+        (cast("DataLoader[Any]", train.loader).batch_size or 0) * world_size if sampler is not None else 0
+    )
     return EpochPlan(start, samples_done, num_batches, agree, samples_per_batch)
