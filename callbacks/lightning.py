@@ -29,10 +29,7 @@ from trainer.callback import Callback
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.distributed.strategy import DDPStrategy, SingleDeviceStrategy, Strategy
 from trainer.lifecycle import seed_everything
-from trainer.loggers.local import CSVLogger, TensorBoardLogger
-from trainer.loggers.logger import Logger
-from trainer.loggers.mlflow import MLFlowLogger
-from trainer.loggers.wandb import WandbLogger
+from trainer.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from trainer.module import DataModule, TaskModule
 from trainer.observability.progress import ProgressBar
 from trainer.observability.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_only, rank_zero_warn

@@ -38,8 +38,8 @@ from recipes.config_callback import SaveConfig
 from recipes.config_dir import config_dir
 from recipes.trainer_schema import check_overrides  # importing it registers trainer/options_schema
 from trainer import Callback, DataModule, TaskModule, Trainer, seed_everything
-from trainer.loggers.local import CSVLogger, TensorBoardLogger
-from trainer.loggers.logger import Logger, run_identity
+from trainer.loggers import CSVLogger, Logger, TensorBoardLogger
+from trainer.loggers.logger import run_identity
 
 log = logging.getLogger("recipes.train")  # also when run as __main__ (python -m recipes.train)
 

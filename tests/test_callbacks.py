@@ -31,7 +31,7 @@ from callbacks.lr_monitor import lr_metric_names
 from callbacks.timer import parse_duration
 from trainer import Callback, Trainer
 from trainer.hooks import TRAIN_BATCH_HOOKS, TrainHooks
-from trainer.loggers.local import CSVLogger, TensorBoardLogger
+from trainer.loggers import CSVLogger, TensorBoardLogger
 
 
 def read_csv(logger: CSVLogger) -> list[dict[str, str]]:

@@ -434,7 +434,7 @@ def test_nan_then_finite_loss_is_still_caught_before_a_checkpoint(tmp_path: Path
 
 def test_logger_experiment_on_another_rank_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from trainer.distributed import comm
-    from trainer.loggers.local import TensorBoardLogger
+    from trainer.loggers import TensorBoardLogger
     from trainer.loggers.logger import DummyExperiment
 
     logger = TensorBoardLogger(str(tmp_path), version=0)

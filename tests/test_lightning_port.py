@@ -20,7 +20,7 @@ from trainer import TaskModule, Trainer
 from trainer.checkpoint.files import CheckpointIO
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.distributed.launcher import detect_env
-from trainer.loggers.local import CSVLogger
+from trainer.loggers import CSVLogger
 from trainer.options import LIGHTNING_UNSUPPORTED, TrainerOptions, check_lightning_keywords
 
 

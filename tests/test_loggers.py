@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from trainer.loggers import CSVLogger, Logger, TensorBoardLogger
 from trainer.loggers import local as loggers_mod
 from trainer.loggers import logger as logger_mod
-from trainer.loggers.local import CSVLogger, TensorBoardLogger, default_loggers
-from trainer.loggers.logger import Logger, flatten_params
+from trainer.loggers.local import default_loggers
+from trainer.loggers.logger import flatten_params
 
 
 # ---------------------------------------------------------------------------------------------- versions

@@ -40,7 +40,7 @@ from recipes.config_dir import config_dir
 from recipes.train import build
 from recipes.trainer_schema import check_overrides, config_keys
 from trainer import Callback, DataModule, TaskModule, Trainer
-from trainer.loggers.logger import Logger
+from trainer.loggers import Logger
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TESTS_DIR = Path(__file__).resolve().parent

@@ -15,10 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.loggers import wandb_records
-from trainer.loggers.logger import Logger
-from trainer.loggers.mlflow import MLFlowLogger
-from trainer.loggers.wandb import WandbLogger
+from trainer.loggers import Logger, MLFlowLogger, WandbLogger, wandb_records
 
 TESTS = Path(__file__).resolve().parent
 

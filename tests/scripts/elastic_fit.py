@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainer import Callback, TaskModule, Trainer
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.distributed import comm
-from trainer.loggers.local import CSVLogger
+from trainer.loggers import CSVLogger
 
 ORDER_KEY = "elastic_fit_order"
 

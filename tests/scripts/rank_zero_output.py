@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 from callbacks import EarlyStopping, LearningRateMonitor, ModelSummary, ThroughputMonitor, Timer
 from trainer import Trainer
-from trainer.loggers.local import CSVLogger
+from trainer.loggers import CSVLogger
 from trainer.observability.rank_zero import rank_zero_info
 
 user_log = logging.getLogger("user_script")

@@ -31,9 +31,7 @@ from torch.utils.data import DataLoader
 
 from trainer import Callback, Trainer
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
-from trainer.loggers import wandb_records
-from trainer.loggers.mlflow import MLFlowLogger
-from trainer.loggers.wandb import WandbLogger
+from trainer.loggers import MLFlowLogger, WandbLogger, wandb_records
 
 
 class KillAt(Callback):

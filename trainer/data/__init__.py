@@ -8,5 +8,5 @@
   every (re)start.
 
 May import: torch, :mod:`trainer.distributed.comm`, :mod:`trainer.step.accumulation`, :mod:`trainer.options`.
-Never the core's ``trainer.py``.
+The core's ``trainer.py`` only as a type (under ``TYPE_CHECKING``), never at run time.
 """

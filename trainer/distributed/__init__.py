@@ -10,5 +10,5 @@
 * :mod:`~trainer.distributed.watchdog`: a rank that stops making progress dumps its stacks and exits.
 
 May import: torch, :mod:`trainer.options` and :mod:`trainer.compat` (the strategy reads the options), nothing
-else of keel. Never the core's ``trainer.py``.
+else of keel at run time; the core's ``trainer.py`` only as a type (under ``TYPE_CHECKING``).
 """

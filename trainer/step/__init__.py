@@ -8,5 +8,5 @@
 * :mod:`~trainer.step.nonfinite`: the NaN/inf loss guard that reads the host only on logging steps.
 
 May import: torch, :mod:`trainer.distributed` (collectives and the strategy seam), :mod:`trainer.data.transfer`.
-Never the core's ``trainer.py``.
+The core's ``trainer.py`` only as a type (under ``TYPE_CHECKING``), never at run time.
 """
