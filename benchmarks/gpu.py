@@ -20,7 +20,7 @@ save at step boundaries (the loop's blocked time). tokens/s = batch x context x 
 FLOPs per token = 6 x parameters + 12 x layers x context x width (attention scores, PaLM's appendix B),
 MFU = FLOPs/s over the GPU's dense bf16 peak (table below, or ``--peak-tflops``). ``batch_copy_overlap``:
 a 256 MiB pinned copy queued behind ~50 ms of matmuls, on the compute stream vs keel's copy stream
-(trainer.transfer.BatchCopier): with overlap the second is close to the compute time alone.
+(trainer.data.transfer.BatchCopier): with overlap the second is close to the compute time alone.
 
 Refuses to run without CUDA, naming why. ``--smoke-on-cpu`` runs a tiny configuration on CPU/gloo
 (the test suite's check that the script itself works; its numbers mean nothing).

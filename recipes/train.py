@@ -191,7 +191,7 @@ def _check_sweep_launcher() -> None:
     """Refuses a ``-m`` sweep run by Hydra's basic launcher inside a torchrun/SLURM job.
 
     The basic launcher runs the sweep's jobs one after another in this process. Inside a torchrun or
-    SLURM job they would all share the job's run identity (``trainer.loggers.local.run_identity``), so every
+    SLURM job they would all share the job's run identity (``trainer.loggers.logger.run_identity``), so every
     job after the first would land in the first job's run directory and resume its checkpoint. Hydra's
     submitit launcher runs each job as its own SLURM job and is not affected.
     """

@@ -7,7 +7,7 @@ Writes runs under ROOT/runs (run directory ROOT/runs/exp/version_N, MLflow store
 --kill-at S SIGKILLs rank R at step S on the first attempt (TORCHELASTIC_RESTART_COUNT 0), after that step
 was logged and before its checkpoint, so the restart re-runs step S. It first waits (at most --kill-delay
 seconds, default 30) until W&B's run file holds step S-1 (W&B flushes it every
-trainer.wandb_logger.FLUSH_INTERVAL seconds), as it would in a run killed mid-training; step S itself is
+trainer.loggers.wandb.FLUSH_INTERVAL seconds), as it would in a run killed mid-training; step S itself is
 still in W&B's memory (a row is written once a later step is logged) and dies with the process.
 --kill-signal TERM sends SIGTERM instead: keel's preemption path saves at the step boundary and exits 75.
 At the end rank 0 writes ROOT/result-attempt<K>.json: the run ids and the run directory.

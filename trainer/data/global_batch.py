@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 # The functions below take the Trainer as an argument; it is imported for types only (no import circle).
 
 OPTION = "global_batch_size"
-# Keys of the checkpoint's record of the global batch (checkpoint key trainer.checkpoint.K_GLOBAL_BATCH).
+# Keys of the checkpoint's record of the global batch (checkpoint key trainer.checkpoint.files.K_GLOBAL_BATCH).
 R_SPEC = "global_batch_size"  # the option as given: an int, or the schedule as {"clock", "items"}; None without it
 R_SAMPLES = "samples_per_step"  # samples of the next optimizer step at the checkpoint's clock (W x b x k)
 R_MICRO = "micro_batch_size"

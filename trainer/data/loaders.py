@@ -571,7 +571,7 @@ def batch_fingerprint(batch: Any) -> str | None:
         return None
     digest = hashlib.blake2b(digest_size=16)
     for t in tensors:
-        head = t.detach().cpu().contiguous().view(-1)[:4096]
+        head = t.detach().reshape(-1)[:4096].contiguous().cpu()  # the slice first: only 4096 elements move
         digest.update(f"{head.dtype}{tuple(t.shape)};".encode())
         digest.update(head.view(torch.uint8).numpy().tobytes() if head.numel() else b"")
     return digest.hexdigest()
@@ -584,7 +584,7 @@ def warn_if_unsharded(batch: Any, loader: Any) -> None:
     if fingerprints[0] is not None and len(set(fingerprints)) == 1:
         logger.warning(
             "Every rank got the same first batch from %s: the data is probably not sharded by rank, so each "
-            "rank trains on the same samples. Shard it (trainer.data.shard_iterable) or pass a plain "
+            "rank trains on the same samples. Shard it (trainer.data.loaders.shard_iterable) or pass a plain "
             "DataLoader over a map-style dataset.",
             type(loader).__name__,
         )
