@@ -26,7 +26,7 @@ from callbacks.model_summary import ModelSummary
 from callbacks.throughput import ThroughputMonitor
 from callbacks.timer import Timer
 from trainer.callback import Callback
-from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint as _KeelModelCheckpoint
 from trainer.distributed.strategy import DDPStrategy, SingleDeviceStrategy, Strategy
 from trainer.lifecycle import seed_everything
 from trainer.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
@@ -96,6 +96,16 @@ class RichProgressBar(ProgressBar):
 
 
 RichModelSummary = ModelSummary  # the same table, printed through logging instead of rich
+
+
+class ModelCheckpoint(_KeelModelCheckpoint):
+    """Lightning's ``ModelCheckpoint``: keel's, with ``lightning_file=True`` by default, so that
+    ``best_model_path``, ``last_model_path`` and ``last.ckpt`` name one plain file with Lightning's keys
+    (``state_dict``, ``epoch``, ``global_step``, ``hyper_parameters``) that ``torch.load`` reads, committed
+    inside each save folder (DDP or one device)."""
+
+    def __init__(self, *args: Any, lightning_file: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, lightning_file=lightning_file, **kwargs)
 
 
 def _namespace(name: str, **members: Any) -> types.ModuleType:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.yaml"
-# Top-level checkpoint key of the config. (trainer/checkpoint/state.py holds the Trainer's own keys; this one is
+# Top-level checkpoint key of the config. (trainer/checkpoint/files.py holds the Trainer's own keys; this one is
 # written by a callback, so it lives with the callback.)
 K_CONFIG = "config"
 _ABSENT = "<absent>"

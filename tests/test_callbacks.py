@@ -280,7 +280,7 @@ def test_early_stopping_state_round_trips_through_checkpoints(tmp_path: Path) ->
     fit_sequence(values, stopper, callbacks=[stopper, ckpts], enable_checkpointing=True)
     assert stopper.stopped_epoch == 4
     (path,) = tmp_path.glob("epoch=3-*.ckpt")
-    saved = torch.load(path, weights_only=True)["callbacks"][stopper.state_key]
+    saved = torch.load(path / "keel.pt", weights_only=True)["callbacks"][stopper.state_key]  # a save folder
     assert saved == {"wait_count": 2, "stopped_epoch": -1, "best_score": 4.0}
     # Resuming after epoch 3 with a fresh callback stops at the same epoch as the uninterrupted run.
     resumed = EarlyStopping("val/metric", patience=3)
@@ -347,7 +347,7 @@ def test_timer_budget_survives_resume(tmp_path: Path) -> None:
         Counting(0.01), loader(regression_data(16), 8)
     )
     (path,) = tmp_path.glob("*.ckpt")
-    saved = torch.load(path, weights_only=True)["callbacks"]["Timer"]["time_elapsed"]
+    saved = torch.load(path / "keel.pt", weights_only=True)["callbacks"]["Timer"]["time_elapsed"]  # a save folder
     assert 0.02 <= saved <= first.time_elapsed()
     # The resumed run starts with the saved time spent: a budget of exactly that stops after one step.
     second = Timer(duration=saved)

@@ -13,9 +13,9 @@ from launch import REPO_ROOT, python, torchrun
 from models import Regression, loader, quiet, regression_data
 
 from trainer import Trainer
-from trainer.checkpoint.files import CheckpointError, CheckpointIO, read_pointer
+from trainer.checkpoint.files import CheckpointError, read_pointer
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
-from trainer.checkpoint.state import export_weights
+from trainer.checkpoint.reader import export_weights, load_weights
 from trainer.distributed.preemption import PREEMPTED_EXIT_CODE
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "resume_fit.py"
@@ -94,7 +94,7 @@ def test_writer_killed_mid_save_keeps_last_loadable(tmp_path: Path, single_refer
     assert first.returncode == -9
     names = read_pointer(tmp_path / "ck")
     assert names and "step=4" in names[0]
-    CheckpointIO().load(tmp_path / "ck" / names[0])  # `last` still loads
+    load_weights(tmp_path / "ck" / names[0])  # `last` still loads, and verifies
     python(SCRIPT, *args, "--resumed", timeout=120).check()
     assert_same(weights(tmp_path / "out"), single_reference)
 
@@ -147,14 +147,15 @@ def test_truncated_and_garbage_files(tmp_path: Path) -> None:
     trainer, cb = fit_with_checkpoints(tmp_path, save_top_k=-1)
     files = sorted(tmp_path.glob("*.ckpt"), key=os.path.getmtime)
     newest = Path(cb.last_model_path)
-    newest.write_bytes(newest.read_bytes()[:100])  # truncated
-    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+    data = newest / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])  # truncated
+    with pytest.raises(CheckpointError, match="__0_0.distcp is corrupt"):
         Trainer(**quiet(max_epochs=4)).fit(Regression(), loader(regression_data(), 16), ckpt_path=str(newest))
     garbage = tmp_path / "garbage.ckpt"
     garbage.write_bytes(os.urandom(2048))
     with pytest.raises(CheckpointError, match="garbage.ckpt"):
         Trainer(**quiet(max_epochs=4)).fit(Regression(), loader(regression_data(), 16), ckpt_path=str(garbage))
-    # "last" skips the truncated newest file with a warning and resumes from the one before it.
+    # "last" skips the truncated newest save with a warning and resumes from the one before it.
     resumed = Trainer(**quiet(max_epochs=4, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path)]))
     resumed.fit(Regression(), loader(regression_data(), 16), ckpt_path="last")
     assert resumed.global_step == 16  # resumed at epoch 2 (8 steps), trained epochs 2 and 3
@@ -172,14 +173,14 @@ def test_malicious_checkpoint_is_refused_and_runs_nothing(tmp_path: Path) -> Non
     torch.save({"keel_format_version": 1, "state_dict": {}, "payload": Payload()}, evil)
     assert not marker.exists()
     with pytest.raises(CheckpointError, match="refuses to load"):
-        CheckpointIO().load(evil)
+        load_weights(evil)
     with pytest.raises(CheckpointError):
         Regression.load_from_checkpoint(str(evil))
     assert not marker.exists()
     raw = tmp_path / "raw.ckpt"
     raw.write_bytes(pickle.dumps(Payload()))
     with pytest.raises(CheckpointError):
-        CheckpointIO().load(raw)
+        load_weights(raw)
     assert not marker.exists()
 
 

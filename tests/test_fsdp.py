@@ -101,20 +101,18 @@ def test_sigkill_under_torchrun_resumes_bit_identical_and_reshards_to_one_rank(t
     # steps; with async saves step 3's save may still have been in flight: then from step 2.
     assert len(resumed["seen"]) in ((3 * 8,) if mode == "sync" else (3 * 8, 4 * 8)) and len(reference["seen"]) == 6 * 8
     assert max_diff(resumed["weights"], reference["weights"]) == 0.0  # bit for bit
-    # The committed checkpoints are folders: each rank's shards, DCP's index and keel's own file.
+    # The committed checkpoints are folders: each rank's shards, DCP's index, keel's own file, the manifest.
     last = Path(resumed["last"])
-    assert last.is_dir() and {".metadata", "keel.pt", "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(last))
+    assert last.is_dir() and {".metadata", "keel.pt", "keel.json", "__0_0.distcp", "__1_0.distcp"} <= set(
+        os.listdir(last)
+    )
     assert not [p for p in ck.iterdir() if ".tmp-" in p.name]
-    # Saved at 2 ranks (end of epoch 1), resumed in one process (DCP reshards): epoch 2 at 1 rank, 6 steps.
-    python(
-        SCRIPT, str(tmp_path / "one"), "--strategy", "fsdp", "--ckpt-dir", str(ck), "--epochs", "3", timeout=180
-    ).check()
-    one = load(tmp_path / "one")
-    assert one["global_step"] == 12 and one["world_size"] == 1
-    # export_weights: one plain file from the 2-rank folder, no process group, loads into the bare task.
+    # export_weights: one plain file from the 2-rank folder, no process group, loads into the bare task
+    # (before the one-rank run below, whose saves prune this folder).
     out = tmp_path / "weights.pt"
     code = (
-        "import sys, torch; sys.path.insert(0, 'tests/scripts'); from trainer.checkpoint.state import export_weights; "
+        "import sys, torch; sys.path.insert(0, 'tests/scripts'); "
+        "from trainer.checkpoint.reader import export_weights; "
         f"export_weights({str(last)!r}, {str(out)!r}); from fsdp_fit import BlockNet; t = BlockNet(); "
         f"t.load_state_dict(torch.load({str(out)!r}, weights_only=True)); "
         f"u = BlockNet.load_from_checkpoint({str(last)!r}); "
@@ -124,25 +122,36 @@ def test_sigkill_under_torchrun_resumes_bit_identical_and_reshards_to_one_rank(t
     assert "OK True" in done.stdout, done.stdout + done.stderr
     exported = torch.load(out, weights_only=True)
     assert max_diff(exported, reference["weights"]) == 0.0  # the final checkpoint is the final model
+    # Saved at 2 ranks (end of epoch 1), resumed in one process (DCP reshards): epoch 2 at 1 rank, 6 steps.
+    python(
+        SCRIPT, str(tmp_path / "one"), "--strategy", "fsdp", "--ckpt-dir", str(ck), "--epochs", "3", timeout=180
+    ).check()
+    one = load(tmp_path / "one")
+    assert one["global_step"] == 12 and one["world_size"] == 1
 
 
 class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
     def __reduce__(self):
-        return (os.system, ("echo pwned > /dev/null",))
+        return (os.system, (f"touch {self.marker}",))
 
 
 def test_crafted_metadata_is_refused_naming_the_file(tmp_path: Path) -> None:
-    from trainer.checkpoint.files import CheckpointError
-    from trainer.checkpoint.state import load_meta
+    from trainer.checkpoint.files import CorruptCheckpointError
+    from trainer.checkpoint.reader import load_weights
 
     folder = tmp_path / "epoch=0-step=1.ckpt"
     folder.mkdir()
+    marker = tmp_path / "pwned"
     torch.save({"keel_format_version": 1, "state_dict": {}}, folder / "keel.pt")
-    (folder / ".metadata").write_bytes(pickle.dumps(_Evil()))
-    with pytest.raises(CheckpointError) as info:
-        load_meta(folder)
+    (folder / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
+    with pytest.raises(CorruptCheckpointError) as info:
+        load_weights(folder)
     assert "posix.system" in str(info.value) or "os.system" in str(info.value)
     assert str(folder / ".metadata") in str(info.value)
+    assert not marker.exists()  # refused before anything in it ran
 
 
 @pytest.mark.parametrize(
@@ -195,7 +204,7 @@ except CheckpointSaveError as exc:
 
 
 def test_async_staging_reuses_its_cpu_buffers_and_always_copies_the_current_values() -> None:
-    from trainer.checkpoint.sharded import ReusedStaging
+    from trainer.checkpoint.async_save import ReusedStaging
 
     w = torch.arange(4.0)
     state = {

@@ -86,7 +86,7 @@ sys.path.insert(0, 'tests'); sys.path.insert(0, 'tests/scripts')
 from torch.utils.data import DataLoader, TensorDataset
 from fsdp_fit import BlockNet, data
 from trainer import Trainer
-from trainer.checkpoint.state import export_weights
+from trainer.checkpoint.reader import export_weights
 task = BlockNet()
 trainer = Trainer(max_steps=4, accelerator='cuda', strategy='fsdp', precision='bf16-mixed', fsdp_cpu_offload=True,
                   logger=False, enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0)

@@ -289,8 +289,14 @@ def test_trainer_fit_torch_compile_one_process(tmp_path: Path) -> None:
     trainer = Trainer(**quiet(max_epochs=1, callbacks=[checkpoint]))
     trainer.fit(torch.compile(task, backend="aot_eager"), data())
     assert trainer.global_step == 4 and trainer.model is task
-    state = torch.load(tmp_path / "last.ckpt", weights_only=True)["state_dict"]
-    assert sorted(state) == sorted(task.state_dict())
+    # last.ckpt and best_model_path: Lightning's plain file, the compiled task's plain keys and trained weights
+    for path in (tmp_path / "last.ckpt", checkpoint.best_model_path, checkpoint.last_model_path):
+        loaded = torch.load(path, weights_only=True)
+        assert {"state_dict", "epoch", "global_step", "hyper_parameters"} <= loaded.keys(), path
+        assert (loaded["global_step"], loaded["epoch"]) == (4, 0) and sorted(loaded["state_dict"]) == sorted(
+            task.state_dict()
+        )
+        assert all(torch.equal(loaded["state_dict"][k], v) for k, v in task.state_dict().items()), path
 
 
 # ---------------------------------------------------------------------------- callbacks

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import copy
 import csv
+import importlib.util
 import inspect
 import logging
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from launch import REPO_ROOT, torchrun
 from models import Regression, quiet, regression_data
 from torch import nn, optim
 from torch.nn import functional as F
@@ -17,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import trainer.trainer as trainer_module
 from trainer import TaskModule, Trainer
-from trainer.checkpoint.files import CheckpointIO
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+from trainer.checkpoint.reader import load_weights
 from trainer.distributed.launcher import detect_env
 from trainer.loggers import CSVLogger
 from trainer.options import LIGHTNING_UNSUPPORTED, TrainerOptions, check_lightning_keywords
@@ -353,15 +356,119 @@ def test_module_valued_hparam_is_left_out_with_a_warning(tmp_path: Path, caplog:
     torch.manual_seed(0)
     task = BackboneTask(nn.Linear(8, 4), lr=0.03)
     assert isinstance(task.hparams.backbone, nn.Linear)  # in memory, as in Lightning
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint.state"):
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint.stateful"):
         path = fit_with_checkpoint(task, tmp_path)
     assert "hparams['backbone'] (Linear) is not a plain value" in caplog.text
-    state = torch.load(path, weights_only=True)  # nothing in the file needs unpickling of code
+    state = torch.load(Path(path) / "keel.pt", weights_only=True)  # nothing in the save needs unpickling of code
     assert state["hyper_parameters"] == {"lr": 0.03}
-    assert CheckpointIO().load(path)["hyper_parameters"] == {"lr": 0.03}
+    assert load_weights(path)["hyper_parameters"] == {"lr": 0.03}
     with pytest.raises(TypeError, match="backbone"):
         BackboneTask.load_from_checkpoint(path)  # not saved: the caller must pass it
     loaded = BackboneTask.load_from_checkpoint(path, backbone=nn.Linear(8, 4))
     assert loaded.hparams.lr == 0.03
     for name, value in task.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
+
+
+# ---------------------------------------------------------------------------- Lightning's checkpoint files
+PORT_DDP = REPO_ROOT / "tests" / "scripts" / "lightning_port_ddp.py"
+LIGHTNING_KEYS = {"state_dict", "epoch", "global_step", "hyper_parameters"}
+
+
+def load_port_ddp():
+    spec = importlib.util.spec_from_file_location("lightning_port_ddp", PORT_DDP)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def check_lightning_checkpoint(result: dict, world_size: int) -> None:
+    """What a Lightning program reads from L.ModelCheckpoint's paths, and ckpt_path=best_model_path."""
+    assert result["world_size"] == world_size
+    best, last = Path(result["best_model_path"]), Path(result["last_model_path"])
+    assert best != last  # val/loss is best after epoch 0: the best save is not the newest
+    for path in (best, last):  # one plain file with Lightning's keys, inside a committed save folder
+        assert path.is_file() and path.name == "lightning.ckpt" and (path.parent / "keel.json").is_file(), path
+    loaded = torch.load(best, weights_only=True)
+    assert LIGHTNING_KEYS <= loaded.keys(), sorted(loaded)
+    epoch, weights = result["saved"][loaded["global_step"]]  # the task's weights when that save was made
+    assert loaded["epoch"] == epoch and loaded["hyper_parameters"] == result["hparams"] == {
+        "lr": 0.05,
+        "note": "ported",
+    }
+    assert_same(loaded["state_dict"], weights)
+    for path in (last, Path(result["dirpath"]) / "last.ckpt"):  # save_last=True: Lightning's last.ckpt too
+        loaded = torch.load(path, weights_only=True)
+        assert LIGHTNING_KEYS <= loaded.keys() and loaded["hyper_parameters"] == result["hparams"], path
+        assert (loaded["global_step"], loaded["epoch"]) == (result["global_step"], 1), path  # epoch 1 of 0, 1
+        assert_same(loaded["state_dict"], result["final"])  # the trained task's weights
+    # test(ckpt_path=best_model_path) tests those weights (not the untrained task it was given) ...
+    assert result["tested_best"] == result["tested_by_hand"] != result["tested_untrained"]
+    # ... and fit(ckpt_path=...) resumes from the save folder (the Lightning file alone holds no optimizer
+    # or loop state): only the remaining steps, to the weights of the uninterrupted fit, bit for bit.
+    per_epoch = result["reference_steps"] // 3
+    best_step = torch.load(best, weights_only=True)["global_step"]
+    assert result["from_best_steps"] == result["reference_steps"] - best_step < result["reference_steps"]
+    assert result["from_last_steps"] == per_epoch and result["global_step"] == 2 * per_epoch
+    assert_same(result["from_best"], result["reference"])
+    assert_same(result["from_last"], result["reference"])
+
+
+def test_lightning_model_checkpoint_paths_load_with_torch_load_on_one_device(tmp_path: Path) -> None:
+    result = load_port_ddp().lightning_checkpoint(tmp_path)
+    assert result["strategy"] == "SingleDeviceStrategy"
+    check_lightning_checkpoint(result, world_size=1)
+
+
+@pytest.mark.multiprocess
+def test_lightning_model_checkpoint_paths_load_with_torch_load_under_ddp(tmp_path: Path) -> None:
+    torchrun(PORT_DDP, str(tmp_path), "checkpoint", nproc=2, timeout=300).check()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert ranks[0]["strategy"] == "DDPStrategy"
+    assert ranks[0]["best_model_path"] == ranks[1]["best_model_path"]  # every rank reports the same save
+    assert_same(ranks[0]["final"], ranks[1]["final"])
+    check_lightning_checkpoint(ranks[0], world_size=2)
+
+
+def test_keel_model_checkpoint_reports_the_save_folder(tmp_path: Path) -> None:
+    """keel's own ModelCheckpoint (and Lightning's with lightning_file=False) report the save folder itself:
+    no Lightning file is written; last.ckpt is a symlink to the folder; the folder loads as ckpt_path."""
+    import callbacks.lightning as L
+
+    for name, callback in (
+        ("keel", ModelCheckpoint(dirpath=tmp_path / "keel", save_last=True)),
+        ("off", L.ModelCheckpoint(dirpath=tmp_path / "off", save_last=True, lightning_file=False)),
+    ):
+        task = HParamTask(hidden=5)
+        data = DataLoader(regression_data(16), batch_size=8)
+        trainer = Trainer(**quiet(max_epochs=2, enable_checkpointing=True, callbacks=[callback]))
+        trainer.fit(task, data)
+        for path in (Path(callback.best_model_path), Path(callback.last_model_path)):
+            assert path.is_dir() and path.parent == tmp_path / name and (path / "keel.json").is_file(), path
+            assert "lightning.ckpt" not in os.listdir(path)
+        link = tmp_path / name / "last.ckpt"
+        assert link.is_symlink() and link.resolve() == Path(callback.last_model_path).resolve()
+        assert_same(load_weights(callback.last_model_path)["state_dict"], task.state_dict())
+        resumed = Trainer(**quiet(max_epochs=3))
+        resumed.fit(HParamTask(hidden=5), data, ckpt_path=callback.last_model_path)
+        assert resumed.global_step == 3 * 2
+
+
+def test_lightning_last_ckpt_passed_back_as_ckpt_path_resumes_the_fit(tmp_path: Path) -> None:
+    import callbacks.lightning as L
+
+    data = DataLoader(regression_data(16), batch_size=8)
+    whole = Regression()
+    Trainer(**quiet(max_epochs=2)).fit(whole, data)
+    callback = L.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    Trainer(**quiet(max_epochs=1, enable_checkpointing=True, callbacks=[callback])).fit(Regression(), data)
+    resumed, task = Trainer(**quiet(max_epochs=2)), Regression()
+    resumed.fit(task, data, ckpt_path=str(tmp_path / "last.ckpt"))  # Lightning's idiom
+    assert resumed.global_step == 4
+    assert_same(task.state_dict(), whole.state_dict())

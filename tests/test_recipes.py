@@ -313,14 +313,14 @@ def test_digits_recipe_end_to_end(tmp_path: Path) -> None:
     assert Path(fields["run dir"]) == run_dir
     assert Path(fields["tensorboard"]) == run_dir
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(run_dir))
-    for key in ("best checkpoint", "last checkpoint"):
+    for key in ("best checkpoint", "last checkpoint"):  # committed save folders
         ckpt = Path(fields[key])
-        assert ckpt.is_file() and ckpt.parent == run_dir / "checkpoints", fields
+        assert (ckpt / "keel.json").is_file() and ckpt.parent == run_dir / "checkpoints", fields
     config = (run_dir / "config.yaml").read_text()
     assert config.startswith("# python -m recipes.train trainer.max_steps=5")
     import torch
 
-    saved = torch.load(fields["last checkpoint"], weights_only=True)[K_CONFIG]
+    saved = torch.load(Path(fields["last checkpoint"]) / "keel.pt", weights_only=True)[K_CONFIG]
     assert saved["trainer"]["max_steps"] == 5 and saved["task"]["_target_"] == "recipes.digits.DigitsCNN"
     assert OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")) == saved
     # Hydra wrote nothing of its own and stayed in the launch directory.

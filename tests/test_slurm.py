@@ -32,6 +32,8 @@ pytest.importorskip("sklearn", reason="the digits recipe needs scikit-learn (pip
 from launch import KNOWN_ABORT, REPO_ROOT, torchrun
 from slurm import cluster as slurm
 
+from trainer.checkpoint.reader import load_weights
+
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -75,7 +77,7 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The model weights of the run's ``last`` checkpoint: the periodic one of the final step."""
     folder = run_dir / "checkpoints"
     name = json.loads((folder / "last").read_text())["last"]
-    checkpoint = torch.load(folder / name, weights_only=True)
+    checkpoint = load_weights(folder / name)  # a save folder, verified against its manifest
     assert checkpoint["loop"]["global_step"] == STEPS, (name, checkpoint["loop"])
     return checkpoint["state_dict"]
 

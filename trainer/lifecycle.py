@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import random
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +24,7 @@ from trainer.observability.rank_zero import rank_zero_only
 
 if TYPE_CHECKING:
     from trainer.callback import Callback
+    from trainer.module import TaskModule
     from trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -104,7 +106,7 @@ def teardown_stage(trainer: Trainer, stage: str, *, failed: bool) -> None:
     """``teardown`` of the profiler (its summary), the task, the callbacks and the datamodule (all of them,
     even when one raises), then the loggers' ``finalize`` on rank 0. After a successful stage every rank
     leaves together (a barrier) and the first teardown error is raised; after a failed one the stage's own
-    error wins.
+    error wins and every teardown error is logged.
     """
     task, datamodule, callbacks, profiler = trainer.task, trainer.datamodule, trainer.callbacks, trainer.profiler
     assert task is not None
@@ -128,6 +130,39 @@ def teardown_stage(trainer: Trainer, stage: str, *, failed: bool) -> None:
         comm.barrier(trainer.device)
     if errors and not failed:
         raise errors[0]
+    for error in errors:  # after a failed stage its own error wins; these are logged, never dropped
+        log.error("Teardown after the failed %s stage: %s: %s", stage, type(error).__name__, error, exc_info=error)
+
+
+def handle_failure(trainer: Trainer, task: TaskModule, exc: BaseException, teardown: Callable[[], None]) -> None:
+    """A stage raised ``exc``: every callback's ``on_exception`` (one that raises is logged and the others
+    still run: the run's error wins), then ``teardown`` in a ``finally``; an error of the teardown after the
+    failure is logged, never dropped and never raised over ``exc``."""
+    try:
+        for cb in trainer.callbacks:
+            try:
+                cb.on_exception(trainer, task, exc)
+            except Exception as hook_error:
+                log.error(
+                    "%s.on_exception raised %s: %s (while handling %s: %s)",
+                    type(cb).__name__,
+                    type(hook_error).__name__,
+                    hook_error,
+                    type(exc).__name__,
+                    exc,
+                )
+    finally:
+        try:
+            teardown()
+        except Exception as teardown_error:
+            log.error(
+                "Teardown after the failure (%s: %s) also failed: %s: %s",
+                type(exc).__name__,
+                exc,
+                type(teardown_error).__name__,
+                teardown_error,
+                exc_info=teardown_error,
+            )
 
 
 def init_process_group(trainer: Trainer) -> bool:

@@ -285,9 +285,9 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
         file can run code). The task is returned in eval mode.
         """
         from trainer.checkpoint.files import K_HPARAMS, K_STATE_DICT
-        from trainer.checkpoint.state import load_with_weights
+        from trainer.checkpoint.reader import load_weights
 
-        state = load_with_weights(checkpoint_path)  # a file, or a sharded folder saved at any world size
+        state = load_weights(checkpoint_path)  # verified; any strategy and world size, or a plain file
         kwargs = dict(state.get(K_HPARAMS, {}))
         kwargs.update(overrides)
         task = cls(**kwargs)

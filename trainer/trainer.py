@@ -5,7 +5,7 @@ Read :meth:`Trainer._train_epoch` (the fit loop) and :meth:`Trainer._training_mi
 through the precision plugin (docs/design.md section 5). How the task is replicated or sharded is the
 :class:`~trainer.distributed.strategy.Strategy`'s business; the loop never asks which one runs. Evaluation and
 predict loops are in :mod:`trainer.evaluation`, manual optimization in :mod:`trainer.step.optim`, checkpoint
-content in :mod:`trainer.checkpoint.state`.
+state in :mod:`trainer.run_state`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any, Literal, cast
 
 import torch
 
+from trainer import lifecycle, run_state
 from trainer.callback import Callback, check_callbacks
-from trainer.checkpoint import state as ckpt
-from trainer.checkpoint.files import CheckpointIO
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+from trainer.checkpoint.reader import CheckpointIO
 from trainer.compat import TrainerAttributes, compile_step, fit_validation
 from trainer.data import global_batch as elastic
 from trainer.data import stages
@@ -32,7 +32,6 @@ from trainer.distributed.preemption import PreemptionWatcher, save_and_exit
 from trainer.distributed.strategy import StepAdapter, Strategy, select_strategy
 from trainer.evaluation import EvaluationLoop, log_results
 from trainer.hooks import TrainHooks
-from trainer.lifecycle import init_process_group, setup_stage, start_watchdog, teardown_stage, with_default_callbacks
 from trainer.loggers.local import default_loggers, log_fit_start
 from trainer.loggers.logger import Logger
 from trainer.metrics import MetricCollector
@@ -85,8 +84,9 @@ class Trainer(TrainerAttributes):
         self._moves_batches = self.device.type != "cpu" or self._precision.param_dtype is not None
         # How the task is replicated or sharded (trainer/distributed/strategy.py); chosen before any process group.
         self.strategy: Strategy = select_strategy(opts, self.env, self.device)
+        self.strategy.checkpoint_io = CheckpointIO()  # checkpoints: one folder per save (trainer/checkpoint/)
         self.callbacks: list[Callback] = check_callbacks(
-            with_default_callbacks(
+            lifecycle.with_default_callbacks(
                 check_callbacks(opts.callbacks),
                 progress_bar=ProgressBar if opts.enable_progress_bar else None,
                 checkpoint=ModelCheckpoint if opts.enable_checkpointing else None,
@@ -136,7 +136,6 @@ class Trainer(TrainerAttributes):
         self._manual: ManualOptimization | None = None  # built per fit (TaskModule.optimizers() wraps with it)
         self._manual_mode = False  # task.automatic_optimization is False for this fit
         self._check_sharding = False
-        self._checkpoint_io = CheckpointIO()
         self._logged_options = False
         self._eval_loop = EvaluationLoop(
             device=self.device,
@@ -240,17 +239,17 @@ class Trainer(TrainerAttributes):
         )
         return None if return_predictions is False else out
 
-    def save_checkpoint(self, path: str | os.PathLike, weights_only: bool = False) -> None:
-        """Write a checkpoint of the whole run state to ``path`` (rank 0 writes; all ranks must call).
-        ``weights_only``: weights, hyperparameters, step and epoch only (Lightning's; cannot resume a fit).
+    def save_checkpoint(self, path: str | os.PathLike, weights_only: bool = False, **options: Any) -> None:
+        """Write a checkpoint of the whole run state as the save folder ``path`` (every rank writes its part;
+        all ranks must call). ``weights_only``: one plain file with the weights, hyperparameters, step and
+        epoch (Lightning's; cannot resume a fit). ``options``: what ModelCheckpoint passes
+        (:func:`trainer.run_state.save`).
 
         Raises:
             FloatingPointError: a training loss since the last check, or the weights, hold NaN or inf; such a
                 checkpoint is never written.
         """
-        self._beat(wd.PHASE_CHECKPOINT)
-        self._nonfinite.check(f"before saving checkpoint {os.fspath(path)!r}")  # never a checkpoint after a NaN step
-        ckpt.save(self, path, weights_only=weights_only)
+        run_state.save(self, path, weights_only=weights_only, **options)
 
     # ------------------------------------------------------------------ stage plumbing
     def _run(
@@ -265,7 +264,7 @@ class Trainer(TrainerAttributes):
         task, datamodule, loaders, self._dynamo_ctx = check_stage_inputs(
             stage, task if task is not None else self.task, datamodule, loaders
         )
-        self._owns_group = init_process_group(self) or self._owns_group
+        self._owns_group = lifecycle.init_process_group(self) or self._owns_group
         self.task, self.datamodule, self.state_stage = task, datamodule, stage
         task._trainer = self
         if datamodule is not None:
@@ -273,15 +272,13 @@ class Trainer(TrainerAttributes):
         self._metrics.reset()
         try:
             self._setup_stage(stage)
-            self._watchdog = start_watchdog(self)
+            self._watchdog = lifecycle.start_watchdog(self)
             # Beats on the hot path are skipped outright when nothing listens (no watchdog, no profiler).
             self._beating = self._watchdog is not None or self.profiler.enabled
             self._beat(wd.PHASE_SETUP)
             result = body(*loaders)
         except BaseException as exc:
-            for cb in self.callbacks:
-                cb.on_exception(self, task, exc)
-            self._teardown_stage(stage, failed=True)
+            lifecycle.handle_failure(self, task, exc, lambda: self._teardown_stage(stage, failed=True))
             raise
         finally:
             if self._watchdog is not None:
@@ -301,14 +298,14 @@ class Trainer(TrainerAttributes):
         if not self._logged_options and self.is_global_zero:
             log.info("Trainer options: %s", self.options.resolved())
             self._logged_options = True
-        setup_stage(self, stage)
+        lifecycle.setup_stage(self, stage)
         assert self.task is not None
         self.task.to(self.device)
         self._precision.convert_module(self.task)
 
     def _teardown_stage(self, stage: str, *, failed: bool) -> None:
         try:
-            teardown_stage(self, stage, failed=failed)
+            lifecycle.teardown_stage(self, stage, failed=failed)
         finally:
             self._model = self._run_step = self._hooks = self._metrics.batch = None
             self.strategy.teardown()
@@ -334,7 +331,7 @@ class Trainer(TrainerAttributes):
         self.should_stop = False
         self._nonfinite.reset()
         if ckpt_path is not None:
-            ckpt.restore(self, ckpt_path, full=True)
+            run_state.restore(self, ckpt_path, full=True)
         if self.is_global_zero:
             own_summary = any(getattr(cb, "is_model_summary", False) for cb in self.callbacks)
             log_fit_start(self.loggers, task, opts.resolved(), summary=opts.enable_model_summary and not own_summary)
@@ -677,7 +674,7 @@ class Trainer(TrainerAttributes):
         """validate / test / predict: the sharded loaders, and the weights of ``ckpt_path`` when given."""
         loaders = stages.eval_loaders(self, stage, dataloaders, required=True)
         if ckpt_path is not None:
-            ckpt.restore(self, ckpt_path, full=False)
+            run_state.restore(self, ckpt_path, full=False)
         return loaders
 
     def _evaluate(

@@ -1,7 +1,10 @@
-"""2-rank checks of Lightning-style logging: reduce_fx, rank_zero_only and metric objects under DDP.
+"""2-rank checks of Lightning-style logging (reduce_fx, rank_zero_only and metric objects under DDP) and of
+the files Lightning's ModelCheckpoint leaves.
 
-Usage: torchrun --nproc-per-node 2 lightning_port_ddp.py OUT_DIR
-Writes OUT_DIR/rank{R}.json with what every rank saw (tests/test_metrics_objects.py checks it).
+Usage: torchrun --nproc-per-node 2 lightning_port_ddp.py OUT_DIR [checkpoint]
+Writes OUT_DIR/rank{R}.json with what every rank saw (tests/test_metrics_objects.py checks it); with
+``checkpoint``, OUT_DIR/rank{R}.pt from :func:`lightning_checkpoint` instead (tests/test_lightning_port.py
+checks it, and runs the same function in one process).
 
 The duck-typed metrics here do their own all-reduce through ``torch.distributed`` (as torchmetrics does
 in ``compute()``); keel must use their result as is, never reduce it again.
@@ -10,6 +13,7 @@ in ``compute()``); keel must use their result as is, never reduce it again.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +24,7 @@ import torch
 import torch.distributed as tdist
 from models import Regression, quiet, regression_data
 from torch.nn import functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from trainer import Callback, TaskModule, Trainer
 from trainer.options import TrainerOptions, check_lightning_keywords
@@ -141,8 +145,94 @@ class StepRecorder(Callback):
         self.validations.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
+class CkptTask(Regression):
+    """Float64 regression whose constructor arguments are its saved hyperparameters; its ``val/loss`` is
+    best after epoch 0, so the best save is not the newest."""
+
+    def __init__(self, lr: float = 0.05, note: str = "lightning") -> None:
+        super().__init__(optimizer="sgd", lr=lr, dtype=torch.float64)
+        self.save_hyperparameters()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", torch.tensor(1.0 if self.current_epoch == 0 else 2.0, dtype=torch.float64))
+
+
+class AtSave(Callback):
+    """(epoch, a copy of the task's weights) at every save, by global step; and the steps this fit trained."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+        self.trained = 0
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+        self.trained += 1
+
+    def on_save_checkpoint(self, trainer, task, checkpoint) -> None:
+        weights = {k: v.detach().clone() for k, v in task.state_dict().items()}
+        self.saved[trainer.global_step] = (trainer.current_epoch, weights)
+
+
+def lightning_checkpoint(out: Path, strategy: str = "auto") -> dict:
+    """A Lightning program's use of ``callbacks.lightning.ModelCheckpoint``: fit 2 epochs with a monitored
+    top-1 save and ``save_last=True``; then ``test(ckpt_path=cb.best_model_path)``, and ``fit`` resumed to
+    epoch 3 from ``cb.best_model_path`` and from ``cb.last_model_path``, beside an uninterrupted 3-epoch fit.
+    Returns the paths the callback reports and the weights to compare them with (the test reads the files)."""
+    import callbacks.lightning as L
+
+    x, y = regression_data(48, dtype=torch.float64).tensors  # one problem: 32 samples to train, 16 to validate
+    train, val = TensorDataset(x[:32], y[:32]), TensorDataset(x[32:], y[32:])
+
+    def fit(epochs: int, callbacks: list, ckpt_path: str | None = None) -> tuple[Trainer, CkptTask, AtSave]:
+        record = AtSave()
+        trainer = L.Trainer(
+            **quiet(strategy=strategy, max_epochs=epochs, precision="64", callbacks=callbacks + [record])
+        )
+        task = CkptTask(lr=0.05, note="ported")
+        trainer.fit(task, DataLoader(train, batch_size=4), DataLoader(val, batch_size=4), ckpt_path=ckpt_path)
+        return trainer, task, record
+
+    def test(task: CkptTask, ckpt_path: str | None = None) -> dict[str, float]:
+        tester = L.Trainer(**quiet(strategy=strategy, precision="64"))
+        return {
+            k: float(v) for k, v in tester.test(task, DataLoader(val, batch_size=4), ckpt_path=ckpt_path)[0].items()
+        }
+
+    _, reference, whole = fit(3, [])
+    cb = L.ModelCheckpoint(dirpath=str(out / "ck"), monitor="val/loss", save_top_k=1, save_last=True)
+    trainer, task, record = fit(2, [cb])
+    by_hand = CkptTask(lr=0.05, note="ported")
+    by_hand.load_state_dict(torch.load(cb.best_model_path, weights_only=True)["state_dict"])
+    _, from_best, best_run = fit(3, [], ckpt_path=cb.best_model_path)
+    _, from_last, last_run = fit(3, [], ckpt_path=cb.last_model_path)
+    return {
+        "world_size": trainer.world_size,
+        "strategy": type(trainer.strategy).__name__,
+        "dirpath": cb.dirpath,
+        "best_model_path": cb.best_model_path,
+        "last_model_path": cb.last_model_path,
+        "global_step": trainer.global_step,
+        "hparams": dict(task.hparams),
+        "final": {k: v.detach().clone() for k, v in task.state_dict().items()},
+        "saved": record.saved,
+        "tested_best": test(CkptTask(lr=0.05, note="ported"), ckpt_path=cb.best_model_path),
+        "tested_by_hand": test(by_hand),
+        "tested_untrained": test(CkptTask(lr=0.05, note="ported")),
+        "reference": reference.state_dict(),
+        "reference_steps": whole.trained,
+        "from_best": from_best.state_dict(),
+        "from_best_steps": best_run.trained,
+        "from_last": from_last.state_dict(),
+        "from_last_steps": last_run.trained,
+    }
+
+
 def main() -> None:
     out = Path(sys.argv[1])
+    if sys.argv[2:] == ["checkpoint"]:
+        result = lightning_checkpoint(out, strategy="ddp")
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(result, out / f"rank{os.environ.get('RANK', '0')}.pt")
+        return
     train = regression_data(32, dtype=torch.float64)
     val = regression_data(37, seed=1, dtype=torch.float64)
     recorder = StepRecorder()

@@ -5,7 +5,7 @@ Faults on demand (first attempt only, TORCHELASTIC_RESTART_COUNT == 0 or unset):
   --kill-at S         SIGKILL rank --kill-rank at step S (before that step's checkpoint)
   --sigterm-at S      SIGTERM to rank --kill-rank at step S (keel saves and exits 75)
   --check-on-logging-steps   preemption checked on the logging steps (every 3), not every 2 steps
-  --kill-in-save-at S SIGKILL the writer halfway through writing the checkpoint of step S
+  --kill-in-save-at S SIGKILL rank 0 halfway through committing the checkpoint of step S (a torn keel.pt)
 Writes OUT/rank{R}.pt with the final weights when the fit completes.
 """
 
@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainer import Callback, TaskModule, Trainer
-from trainer.checkpoint.files import CheckpointIO
+from trainer.checkpoint import store
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 
 
@@ -78,18 +78,15 @@ class Faults(Callback):
         if step == self.args.sigterm_at and mine:
             os.kill(os.getpid(), signal.SIGTERM)
         if step == self.args.kill_in_save_at and mine:
-            original = CheckpointIO.save
 
-            def torn_save(self, state, path, *, is_writer):
-                directory = Path(path).parent
-                with open(directory / f".{Path(path).name}.torn.tmp", "wb") as handle:  # the temp name
+            def torn_finish(job, files):  # rank 0, once every rank's data files are written: keel.pt torn
+                with open(job.tmp / "keel.pt", "wb") as handle:
                     handle.write(b"PK\x03\x04" + os.urandom(4096))
                     handle.flush()
                     os.fsync(handle.fileno())
                 os.kill(os.getpid(), signal.SIGKILL)
-                return original(self, state, path, is_writer=is_writer)
 
-            CheckpointIO.save = torn_save
+            store._finish = torn_finish
 
 
 class CrashAfterSave(Callback):

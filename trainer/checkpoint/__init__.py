@@ -1,13 +1,15 @@
-"""Checkpoints: what a save holds, how it is written and committed, how a run is restored.
+"""Checkpoints: one folder per save for every strategy, verified before it is loaded (docs/design.md section 8).
 
-* :mod:`~trainer.checkpoint.files`: the file layer: top-level keys, errors, atomic one-file writes, safe loading
-  (``weights_only=True``), the ``last`` pointer.
-* :mod:`~trainer.checkpoint.state`: what a save holds (model, optimizers, loop state, RNG, callbacks) and
-  restoring it, including at another world size.
-* :mod:`~trainer.checkpoint.sharded`: one folder per save under FSDP, every rank writing its shards (DCP).
-* :mod:`~trainer.checkpoint.async_save`: stage at a step boundary, write and commit in the background.
+* :mod:`~trainer.checkpoint.files`: keys, errors, plain files written atomically and loaded with
+  ``weights_only=True``, the ``last`` pointer.
+* :mod:`~trainer.checkpoint.stateful`: the objects a save holds (model, optimizers, schedulers, RNG, callbacks).
+* :mod:`~trainer.checkpoint.store`: writing and committing a save (DCP data files from every rank, then
+  ``keel.pt`` and the manifest from rank 0, then the rename), synchronous or in the background.
+* :mod:`~trainer.checkpoint.reader`: resolving ``last`` / ``best``, verifying a save and loading it.
+* :mod:`~trainer.checkpoint.async_save`: the background writer and its CPU staging.
 * :mod:`~trainer.checkpoint.model_checkpoint`: the ``ModelCheckpoint`` callback: when to save, what to keep.
 
 May import: torch (``torch.distributed.checkpoint`` included), :mod:`trainer.distributed`, :mod:`trainer.data`,
-:mod:`trainer.callback`. The Trainer is passed in as an argument and only named under ``TYPE_CHECKING``.
+:mod:`trainer.callback`. The Trainer is never imported or read: it hands in the state objects
+(trainer/run_state.py builds them).
 """

@@ -3,49 +3,42 @@
 ``ModelCheckpoint(async_save=True)`` saves through an :class:`AsyncCheckpointer`. One save has three parts:
 
 ``stage()``
-    On the main thread, at the step boundary, now. Returns the payload to write: a copy that later
-    optimizer steps cannot change (for one file: every tensor copied to CPU, see :class:`CpuStager`).
-    Training continues as soon as it returns; with the wait for a save still in flight, this is the
-    whole time the loop is blocked.
+    On the main thread, at the step boundary, now: this rank's tensors copied into CPU buffers reused
+    across saves (:class:`ReusedStaging`), so later optimizer steps cannot change what is written.
+    Training continues as soon as it returns; with the wait for a save still in flight, this is the whole
+    time the loop is blocked.
 ``write(staged)``
-    On the checkpointer's worker thread: write, fsync, rename into place, fsync the folder, and then the
-    commit: the ``last`` pointer swap, then pruning of what it replaces (:func:`save_async` does all of
-    it; unlinking a GiB file alone takes 0.3 s, kept off the loop). Everything it writes carries a
-    temporary name until its own atomic rename, so a SIGKILL here leaves the previous checkpoint as
-    ``last``. It must not touch the training process group (DDP: only rank 0 writes one file, so no
-    collective is needed; FSDP, trainer/checkpoint/sharded.py: DCP on a gloo group of its own, whose
-    coordinator finishes only when every rank's shards are durable; rank 0 then renames the folder, and
-    swaps the pointer in ``commit``).
+    On the checkpointer's worker thread: the same write as a synchronous save (trainer/checkpoint/store.py):
+    data files, checksums gathered, rank 0 writes keel.pt and the manifest and renames the folder into
+    place. Its collectives run on a gloo group of their own (:func:`trainer.distributed.comm.checkpoint_group`),
+    never on the training group.
 ``commit()`` (optional)
     On the main thread again, at a later step boundary (:meth:`AsyncCheckpointer.poll`, called from
     ``ModelCheckpoint.on_train_batch_end``: no collective, no host-device sync) or when waited on
-    (:meth:`AsyncCheckpointer.wait`), after ``write`` returned, and never when it raised: for what must
-    happen on the training thread. A ``ready`` predicate (polled without blocking) can hold it back
-    until, e.g., every rank reported done.
+    (:meth:`AsyncCheckpointer.wait`), after ``write`` returned, and never when it raised: the ``last``
+    pointer swap and pruning.
 
 At most one save is in flight: :meth:`AsyncCheckpointer.submit` first waits for (and finishes) the
 previous one. An error raised by ``write`` or ``commit`` is re-raised on the main thread at the next
-``poll``/``wait``/``submit``: the save is reported done, or failed, at a step boundary. A save that every
-rank votes to refuse (:meth:`AsyncCheckpointer.vote`: the sharded save's non-finite check) fails at the same
-step boundary on every rank. Preemption, exception and end-of-fit paths wait, so a run never exits with a
-save in flight.
+``poll``/``wait``/``submit``. The outcome of a save is agreed by every rank (:meth:`AsyncCheckpointer.vote`),
+so a failed save fails at the same step boundary on every rank. Preemption, exception and end-of-fit paths
+wait, so a run never exits with a save half done.
 """
 
 from __future__ import annotations
 
-import collections
 import copy
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint.staging import AsyncStager
 
-if TYPE_CHECKING:  # pragma: no cover
-    from trainer.trainer import Trainer
+from trainer.data.transfer import tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +58,6 @@ class SaveTimes:
 class _Job:
     what: str
     commit: Callable[[], None] | None
-    ready: Callable[[], bool] | None
     times: SaveTimes
     thread: threading.Thread | None = None
     error: BaseException | None = None
@@ -100,11 +92,9 @@ class AsyncCheckpointer:
         commit: Callable[[], None] | None = None,
         *,
         what: str = "checkpoint",
-        ready: Callable[[], bool] | None = None,
     ) -> SaveTimes:
         """Wait for the save in flight (committing it), run ``stage()`` here, start ``write(staged)`` on
-        the worker thread and return. ``commit()`` runs later on this thread, after ``write`` returned and
-        ``ready()`` (when given; polled without blocking) is True.
+        the worker thread and return. ``commit()`` runs later on this thread, after ``write`` returned.
 
         Raises:
             BaseException: whatever the previous save's ``write``/``commit`` raised (it is reported once),
@@ -114,7 +104,7 @@ class AsyncCheckpointer:
         self.wait()
         staged = stage()
         times = SaveTimes(what)
-        job = _Job(what, commit, ready, times)
+        job = _Job(what, commit, times)
         job.thread = threading.Thread(target=self._work, args=(job, write, staged), name=self.name, daemon=True)
         del staged  # the worker holds the only reference: memory is freed as soon as the write ends
         self._job = job
@@ -143,7 +133,7 @@ class AsyncCheckpointer:
             if polls < refused_at:
                 return False
             job.done.wait()
-        elif not job.done.is_set() or (job.error is None and job.ready is not None and not job.ready()):
+        elif not job.done.is_set():
             return False
         self._finish(job)
         return True
@@ -183,9 +173,6 @@ class AsyncCheckpointer:
         if job is None:
             return False
         job.done.wait()
-        if job.ready is not None and job.error is None:
-            while not job.ready():
-                time.sleep(0.005)
         try:
             self._finish(job)
         except BaseException as exc:
@@ -222,153 +209,57 @@ class AsyncCheckpointer:
 
 
 # ---------------------------------------------------------------------- staging
-class CpuStager:
-    """Copies checkpoint states to CPU memory that later training cannot change, reusing the buffers of
-    the previous copy (its write is over by then: :meth:`AsyncCheckpointer.submit` waits first), so a
-    save costs one ``copy_`` per tensor and no fresh allocation (about half of a ``clone``'s time on
-    CPU). It keeps that one copy of the state between saves; :meth:`release` frees it.
+class ReusedStaging(AsyncStager):
+    """DCP's staging of this rank's tensors to CPU memory, into the buffers of the previous async save.
 
-    Every tensor is copied (a tensor seen twice, e.g. tied weights, once, and shared), dicts, lists and
-    tuples are rebuilt, plain values kept. CUDA tensors go to pinned memory without blocking, then one
-    synchronize.
+    DCP's default stager allocates a fresh CPU copy on every save; allocating and first touching it was
+    most of the time an async save blocked the loop (benchmarks/fsdp.py). The buffers are free again when
+    the next save stages: the checkpointer waits for the save in flight first. One copy of this rank's
+    tensors (pinned on CUDA) stays in memory between saves; a different layout (optimizer state that
+    appeared, a resized parameter) allocates anew. Blocking: the copy is done when :meth:`stage` returns.
     """
+
+    _synchronize_after_execute = False
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple, list[torch.Tensor]] = {}
-        self._last: list[torch.Tensor] = []
+        self._buffers: Any = None
+        self._last: dict[str, Any] = {}
 
-    def stage(self, obj: Any) -> Any:
-        pool, self._buffers, self._last = self._pool(), {}, []
-        cuda: list[bool] = []
-        out = self._stage(obj, {}, pool, cuda)
-        if cuda and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return out
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict, _create_cpu_state_dict
 
-    def release(self) -> None:
-        self._buffers, self._last = {}, []
+        cuda = any(t.device.type == "cuda" for t in tensors_in(state_dict))
+        staged = None
+        if self._buffers is not None:
+            try:
+                staged = _copy_state_dict(state_dict, self._buffers, non_blocking=cuda)
+            except (CompanionMismatch, RuntimeError):  # another structure, or a tensor of another shape
+                staged = None
+        if staged is None:
+            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=cuda)
+            staged = _copy_state_dict(state_dict, self._buffers, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()  # the copies are complete before training changes the weights
+        self._last = staged
+        return staged
 
-    def _pool(self) -> dict[tuple, list[torch.Tensor]]:
-        pool: dict[tuple, list[torch.Tensor]] = {}
-        for t in self._last:
-            pool.setdefault((t.dtype, tuple(t.shape), t.is_pinned()), []).append(t)
-        for values in pool.values():
-            values.reverse()  # pop() hands them out in the order they were made
-        return pool
+    def staged(self, key: str) -> Any:
+        """The staged copy of ``state_dict[key]`` of the last :meth:`stage`."""
+        return self._last.get(key, {})
 
-    def _stage(
-        self, obj: Any, memo: dict[tuple, torch.Tensor], pool: dict[tuple, list[torch.Tensor]], cuda: list[bool]
-    ) -> Any:
-        if isinstance(obj, torch.Tensor):
-            t = obj.detach()
-            strided = t.layout == torch.strided
-            key = (
-                (t.device, t.dtype, t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-                if strided and t.numel()
-                else None
-            )
-            if key is not None and key in memo:
-                return memo[key]
-            on_cuda = t.device.type == "cuda"
-            free = pool.get((t.dtype, tuple(t.shape), on_cuda)) if strided else None
-            if free:
-                out = free.pop()
-                out.copy_(t, non_blocking=on_cuda)
-            elif on_cuda:
-                out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-                out.copy_(t, non_blocking=True)
-            else:
-                out = t.to("cpu", copy=True)
-            cuda.extend([True] if on_cuda else [])
-            if strided and out.is_contiguous():
-                self._last.append(out)
-            if key is not None:
-                memo[key] = out
-            return out
-        if isinstance(obj, dict):  # OrderedDict (state_dict()) stays an OrderedDict; other kinds become dicts
-            items = [(k, self._stage(v, memo, pool, cuda)) for k, v in obj.items()]
-            return collections.OrderedDict(items) if isinstance(obj, collections.OrderedDict) else dict(items)
-        if isinstance(obj, list):
-            return [self._stage(v, memo, pool, cuda) for v in obj]
-        if isinstance(obj, tuple):
-            items = [self._stage(v, memo, pool, cuda) for v in obj]
-            return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-        if obj is None or isinstance(
-            obj, (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
-        ):
-            return obj
-        return copy.deepcopy(obj)
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once the copy is complete."""
+
+    def close(self) -> None:
+        self._buffers, self._last = None, {}
 
 
-def stage_to_cpu(obj: Any) -> Any:
-    """A CPU copy of ``obj`` that later training cannot change (see :class:`CpuStager`; no buffer reuse)."""
-    return CpuStager().stage(obj)
-
-
-# ---------------------------------------------------------------------- the one-file (DDP) save
-def save_async(trainer: Trainer, path: str, checkpointer: AsyncCheckpointer, commit: Callable[[], None] | None) -> None:
-    """``Trainer.save_checkpoint`` in the background: assemble the state (collective: every rank calls
-    this), then rank 0 stages a CPU copy and hands the write to ``checkpointer``; ``commit`` (rank 0: the
-    pointer swap and pruning) runs on the worker thread once the file is durable. No barrier: other
-    ranks have nothing in flight and continue at once. Non-finite weights are refused as by
-    ``Trainer.save_checkpoint``, but
-    checked on the staged copy in the background (a full pass over the weights is as slow as the copy):
-    the FloatingPointError is raised at the next step boundary, and nothing is written.
-
-    The FSDP sharded-folder save plugs in here: every rank stages its shards (DCP ``async_save`` on the
-    checkpoint's own gloo group), ``write`` waits for its future, rank 0 adds the keel file and renames
-    the folder once every rank is done.
-    """
-    from trainer.checkpoint import state as ckpt
-    from trainer.checkpoint.files import K_OPTIMIZERS, K_STATE_DICT
-    from trainer.distributed.watchdog import PHASE_CHECKPOINT
-
-    trainer._beat(PHASE_CHECKPOINT)  # as Trainer.save_checkpoint does
-    # on_nonfinite="error": a NaN loss since the last check stops here; one host read (+ one collective in
-    # DDP), on every rank.
-    trainer._nonfinite.check(f"before saving checkpoint {path!r}")
-    if trainer.strategy.sharded:  # every rank writes its shards: trainer/checkpoint/sharded.py
-        from trainer.checkpoint import sharded as sharded_checkpoint
-
-        task = trainer.task  # non-finite weights: refused on the staged copy, in the background (as below)
-        assert task is not None  # assemble() needs it
-        checkpointer.wait()  # the save in flight first: its DCP collectives come before this one's
-        sharded_checkpoint.save_async(
-            ckpt.assemble(trainer),
-            path,
-            model_key=K_STATE_DICT,
-            optimizers_key=K_OPTIMIZERS,
-            task=task,
-            optimizers=trainer.optimizers,
-            is_writer=trainer.is_global_zero,
-            checkpointer=checkpointer,
-            commit=commit,
-        )
-        return
-    state = ckpt.assemble(trainer)
-    if not trainer.is_global_zero:
-        return
-    task, io, step = trainer.task, trainer._checkpoint_io, trainer.global_step
-    params = [name for name, _ in task.named_parameters()] if task is not None else []
-    stager = checkpointer.__dict__.setdefault("cpu_stager", CpuStager())
-
-    def write(staged: dict[str, Any]) -> None:
-        _refuse_non_finite(staged[K_STATE_DICT], params, path, step)
-        io.save(staged, path, is_writer=True)
-        if commit is not None:
-            commit()  # only now that the file is durable: the pointer swap, then pruning
-
-    checkpointer.submit(lambda: stager.stage(state), write, what=str(path))
-
-
-def _refuse_non_finite(weights: dict[str, Any], params: list[str], path: str, step: int) -> None:
-    """As ``checkpoint.save``: a checkpoint of NaN/inf weights is never written (parameters only: a buffer
-    may hold -inf on purpose, an attention mask)."""
-    tensors = [
-        weights[n] for n in params if isinstance(weights.get(n), torch.Tensor) and weights[n].is_floating_point()
-    ]
-    if tensors and not bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()):
-        raise FloatingPointError(
-            f"Refusing to write checkpoint {path!r} at step {step}: the weights hold NaN or inf (a non-finite "
-            "step got through). The last good checkpoint is kept."
-        )
+def cpu_copy(obj: Any) -> Any:
+    """A copy of keel.pt's small state (RNG, schedulers, loop, callbacks) that later steps cannot change."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, cpu_copy(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_copy(v) for v in obj) if not hasattr(obj, "_fields") else obj
+    return copy.deepcopy(obj)

@@ -1,12 +1,11 @@
-"""The checkpoint file layer: top-level keys, errors, atomic one-file writes, safe loading, the pointer.
+"""The checkpoint file layer: keys, errors, plain files written atomically and loaded safely, the pointer.
 
-What a checkpoint holds and how a run is restored is trainer/checkpoint/state.py; one folder of shards is
-trainer/checkpoint/sharded.py; background writes are trainer/checkpoint/async_save.py. All of them use this
-module, and it imports none of them (no import circle between the checkpoint modules).
+Everything in a save is either a plain ``torch.save`` file (``keel.pt``, a weights file) read back with
+``torch.load(weights_only=True)``, DCP's files (trainer/checkpoint/store.py writes them, reader.py reads
+them through an allow-list), or JSON. Nothing in a checkpoint can run code when it is loaded.
 
-Files are written to a temporary name in the same folder, fsynced, renamed over the target and the
-folder is fsynced, so a crash leaves either the old file or the new one, never a torn one. Loading
-always uses ``torch.load(weights_only=True)``: a checkpoint can never run code.
+Files are written to a temporary name in the same folder, fsynced, renamed over the target and the folder
+is fsynced, so a crash leaves either the old file or the new one, never a torn one.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +24,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: one file per save (DDP) or a folder without a manifest (FSDP); 2: a folder with keel.json
 KEEL_VERSION = "0.1.0"
 
-# Top-level checkpoint keys.
+# Keys of a checkpoint: the dict the on_save_checkpoint / on_load_checkpoint hooks see (Lightning's names
+# where Lightning has one), and of the state objects handed to Strategy.save_checkpoint.
 K_FORMAT = "keel_format_version"
 K_KEEL_VERSION = "keel_version"
 K_WORLD_SIZE = "world_size"
@@ -42,37 +43,45 @@ K_OPTIONS = "trainer_options"
 K_DATAMODULE = "datamodule"
 K_HPARAMS = "hyper_parameters"
 K_GLOBAL_BATCH = "global_batch"  # trainer/data/global_batch.py: the run's samples per optimizer step
+K_CLASSES = "state_classes"  # {key: [class names]} of the optimizers and schedulers, checked before loading
+K_IDENTITY = "identity"  # {save_id, run, step, epoch, world_size}: the same in keel.pt and keel.json
 REQUIRED_KEYS = (K_FORMAT, K_STATE_DICT)
-
 
 POINTER_NAME = "last"  # JSON in the checkpoint folder: {"last": name, "history": [names, newest first]}
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint file that cannot be read: missing, truncated, corrupt, unsafe, or of an unknown format."""
+    """A checkpoint that cannot be read: missing, truncated, corrupt, unsafe, foreign, or of an unknown format."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A save that is damaged (a truncated, corrupt or missing part), unsafe (a pickle that is not plain data)
+    or foreign (a part of another save). ``ckpt_path="last"`` falls back to the previous committed save."""
 
 
 class CheckpointSaveError(OSError):
     """A checkpoint that could not be written (disk full, no permission, ...). An ``OSError`` with the
     cause's ``errno``; the message names the file, the bytes needed and free, and the previous
-    checkpoint, which is intact (only a temporary file was written, and it was removed)."""
+    checkpoint, which is intact (only a temporary file or folder was written, and it was removed)."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
     @classmethod
     def for_file(cls, target: Path, state: Any, cause: OSError, *, temporary: bool = True) -> CheckpointSaveError:
-        """The error for ``target`` (a file or a folder) whose write of ``state`` failed with ``cause``;
-        ``temporary``: a temporary file or folder had been created (and was removed)."""
-        needed = tensor_bytes(state)
+        """The error for ``target`` (a file or a folder) whose write of ``state`` failed with ``cause``."""
+        needed = state if isinstance(state, int) else tensor_bytes(state)
         folder = target.parent
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent
         try:
-            free = _human(shutil.disk_usage(folder).free)
+            free = human_bytes(shutil.disk_usage(folder).free)
         except OSError:
             free = "unknown"
-        previous = read_pointer(target.parent) if target.parent.is_dir() else []
+        try:
+            previous = read_pointer(target.parent) or []
+        except CheckpointError:
+            previous = []
         if previous:
             kept = (
                 f"the previous checkpoint {str(target.parent / previous[0])!r} is intact "
@@ -91,18 +100,19 @@ class CheckpointSaveError(OSError):
         else:
             hint = ""
         error = cls(
-            f"Could not write checkpoint {str(target)!r}: {reason}. It needs about {_human(needed)} "
+            f"Could not write checkpoint {str(target)!r}: {reason}. It needs about {human_bytes(needed)} "
             f"({needed:,} bytes of tensors); {free} free in {str(folder)!r}. Nothing was replaced: "
-            f"{'the temporary file was removed' if temporary else 'nothing was written'} and {kept}.{hint}"
+            f"{'the temporary files were removed' if temporary else 'nothing was written'} and {kept}.{hint}"
         )
         error.errno, error.strerror, error.filename = cause.errno, cause.strerror, str(target)
         return error
 
 
 def tensor_bytes(obj: Any) -> int:
-    """Sum of ``nbytes`` of the tensors in a (nested) checkpoint state: the size estimate of its file."""
+    """Sum of ``nbytes`` of the tensors in a (nested) state: the size estimate of its files."""
     if isinstance(obj, torch.Tensor):
-        return obj.nelement() * obj.element_size()
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.nelement() * local.element_size()
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
@@ -110,7 +120,7 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def _human(n: int) -> str:
+def human_bytes(n: int) -> str:
     if n < 1024:
         return f"{n} B"
     size = float(n)
@@ -121,9 +131,10 @@ def _human(n: int) -> str:
     return f"{size:.1f} {unit}"
 
 
-def _os_error(exc: BaseException) -> OSError | None:
+def os_error(exc: BaseException) -> OSError | None:
     """The OSError behind a failed write: the first one raised (the deepest in ``exc``'s cause/context
-    chain; a failed write is often followed by another one when the file is closed)."""
+    chain; a failed write is often followed by another one when the file is closed), also inside DCP's
+    CheckpointException, which holds every rank's failure in ``failures``."""
     found: OSError | None = None
     current: BaseException | None = exc
     for _ in range(8):
@@ -131,11 +142,15 @@ def _os_error(exc: BaseException) -> OSError | None:
             break
         if isinstance(current, OSError) and not isinstance(current, CheckpointSaveError):
             found = current
+        for failure in getattr(current, "failures", {}).values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if found is None and isinstance(inner, BaseException) and inner is not current:
+                found = os_error(inner)
         current = current.__cause__ or current.__context__
     return found
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds
@@ -148,72 +163,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class CheckpointIO:
-    """Atomic save and safe load of one checkpoint file."""
-
-    def save(self, state: dict[str, Any], path: str | os.PathLike, *, is_writer: bool) -> None:
-        """Write ``state`` to ``path`` atomically (only where ``is_writer``).
-
-        Raises:
-            CheckpointSaveError: the write failed (disk full, no permission, ...); it names the file, the
-                bytes needed and free, and the previous checkpoint, which is intact.
-        """
-        if not is_writer:
-            return
-        target = Path(path)
-        tmp_name: str | None = None
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-            with os.fdopen(fd, "wb") as handle:
-                os.fchmod(handle.fileno(), 0o666 & ~_UMASK)  # mkstemp makes 0600; the usual file mode instead
-                torch.save(state, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp_name, target)
-        except BaseException as exc:
-            if tmp_name is not None:
-                with_suppressed_unlink(tmp_name)
-            cause = _os_error(exc)
-            if cause is None:
-                raise
-            # Raised from the OSError itself: torch's "enforce fail ... unexpected pos" after it is noise.
-            raise CheckpointSaveError.for_file(target, state, cause, temporary=tmp_name is not None) from cause
-        _fsync_dir(target.parent)
-
-    def load(self, path: str | os.PathLike, *, required: tuple[str, ...] = REQUIRED_KEYS) -> dict[str, Any]:
-        """Load with ``weights_only=True``. Raises :class:`CheckpointError` naming the file and the cause.
-        ``required``: the top-level keys the file must hold (a sharded folder's keel.pt has no weights)."""
-        path = Path(path)
-        if not path.is_file():
-            raise CheckpointError(f"Checkpoint {str(path)!r} does not exist.")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            text = str(exc)
-            if "weights_only" in text or "Unsupported global" in text or "GLOBAL" in text:
-                raise CheckpointError(
-                    f"Checkpoint {str(path)!r} contains pickled objects that are not plain tensors and "
-                    "containers; keel refuses to load it (weights_only=True) so that nothing in it can run. "
-                    f"Detail: {text.splitlines()[0] if text else type(exc).__name__}"
-                ) from exc
-            raise CheckpointError(
-                f"Checkpoint {str(path)!r} is truncated or corrupt ({type(exc).__name__}: "
-                f"{text.splitlines()[0] if text else ''})."
-            ) from exc
-        if not isinstance(state, dict) or any(k not in state for k in required):
-            raise CheckpointError(
-                f"{str(path)!r} is not a keel checkpoint (missing "
-                f"{[k for k in required if not isinstance(state, dict) or k not in state]})."
-            )
-        if state[K_FORMAT] > FORMAT_VERSION:
-            raise CheckpointError(
-                f"Checkpoint {str(path)!r} has format version {state[K_FORMAT]}, newer than this keel "
-                f"({FORMAT_VERSION}); upgrade keel to load it."
-            )
-        return state
-
-
 def _read_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -223,7 +172,95 @@ def _read_umask() -> int:
 _UMASK = _read_umask()  # read once at import: os.umask is process-wide, so never toggle it while saving
 
 
-def with_suppressed_unlink(name: str) -> None:
+def write_atomic(target: Path, write: Any, *, state: Any = None) -> int:
+    """Write a file through ``write(handle)`` to a temporary name beside ``target``, fsync, rename it over
+    ``target``, fsync the folder. Returns the file's CRC32.
+
+    Raises:
+        CheckpointSaveError: the write failed (disk full, no permission, ...); ``target`` is untouched.
+    """
+    tmp_name: str | None = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        with os.fdopen(fd, "wb") as raw:
+            os.fchmod(raw.fileno(), 0o666 & ~_UMASK)  # mkstemp makes 0600; the usual file mode instead
+            handle = HashingWriter(raw)
+            write(handle)
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp_name, target)
+    except BaseException as exc:
+        if tmp_name is not None:
+            remove_quietly(tmp_name)
+        cause = os_error(exc)
+        if cause is None:
+            raise
+        # Raised from the OSError itself: torch's "enforce fail ... unexpected pos" after it is noise.
+        raise CheckpointSaveError.for_file(target, state, cause, temporary=tmp_name is not None) from cause
+    fsync_dir(target.parent)
+    return handle.crc
+
+
+class HashingWriter:
+    """A binary file wrapper that keeps the CRC32 and size of every byte written through it (the checksum
+    is computed while writing: zlib's CRC32 runs at several GB/s and releases the GIL)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.crc, self.size = raw, 0, 0
+
+    def write(self, data: Any) -> int:
+        written = self.raw.write(data)
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view[:written] if written is not None else view, self.crc)
+        self.size += len(view) if written is None else written
+        return len(view) if written is None else written
+
+    def __getattr__(self, name: str) -> Any:  # tell, seek, flush, fileno, close: the file's own
+        return getattr(self.raw, name)
+
+    def writable(self) -> bool:
+        return True
+
+
+def save_file(state: dict[str, Any], path: str | os.PathLike) -> None:
+    """A plain ``torch.save`` file written atomically (a weights file, ``export_weights``). Raises
+    :class:`CheckpointSaveError` naming the file, the bytes needed and free."""
+    write_atomic(Path(path), lambda handle: torch.save(state, handle), state=state)
+
+
+def load_file(path: str | os.PathLike, *, required: tuple[str, ...] = REQUIRED_KEYS) -> dict[str, Any]:
+    """A plain file with ``torch.load(weights_only=True)``: nothing in it can run code. Raises
+    :class:`CheckpointError` naming the file and the cause. ``required``: the top-level keys it must hold."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"Checkpoint {str(path)!r} does not exist.")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        text = str(exc)
+        first = text.splitlines()[0] if text else type(exc).__name__
+        if "weights_only" in text or "Unsupported global" in text or "GLOBAL" in text:
+            raise CorruptCheckpointError(
+                f"Checkpoint {str(path)!r} contains pickled objects that are not plain tensors and "
+                f"containers; keel refuses to load it (weights_only=True) so that nothing in it can run. "
+                f"Detail: {first}"
+            ) from exc
+        raise CorruptCheckpointError(
+            f"Checkpoint {str(path)!r} is truncated or corrupt ({type(exc).__name__}: {first})."
+        ) from exc
+    missing = [k for k in required if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{str(path)!r} is not a keel checkpoint (missing {missing}).")
+    if isinstance(state, dict) and int(state.get(K_FORMAT, 0)) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"Checkpoint {str(path)!r} has format version {state[K_FORMAT]}, newer than this keel "
+            f"({FORMAT_VERSION}); upgrade keel to load it."
+        )
+    return state
+
+
+def remove_quietly(name: str | os.PathLike) -> None:
     try:
         os.unlink(name)
     except OSError:
@@ -231,29 +268,62 @@ def with_suppressed_unlink(name: str) -> None:
 
 
 # ---------------------------------------------------------------------- the ``last`` pointer
-def read_pointer(directory: str | os.PathLike) -> list[str]:
-    """Checkpoint file names recorded by the ``last`` pointer in ``directory``, newest first."""
+def check_entry(name: Any, pointer: Path) -> str:
+    """A pointer entry: a plain name of a save inside the pointer's folder. Anything else (a path, ``..``,
+    an absolute path, a hidden temporary name) is refused: a pointer never leads out of its folder."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or name.startswith(".")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or name == POINTER_NAME
+    ):
+        raise CheckpointError(
+            f"The pointer {str(pointer)!r} names {name!r}, which is not the plain name of a save in its folder; "
+            "keel follows a pointer only to a save inside that folder."
+        )
+    return name
+
+
+def read_pointer(directory: str | os.PathLike) -> list[str] | None:
+    """Save names recorded by the ``last`` pointer in ``directory``, newest first; None when there is no
+    pointer (a first run).
+
+    Raises:
+        CheckpointError: the pointer exists but cannot be read, is not keel's JSON, or names anything but
+            a plain name inside ``directory``.
+    """
     pointer = Path(directory) / POINTER_NAME
+    if not pointer.exists() and not pointer.is_symlink():
+        return None
     try:
         data = json.loads(pointer.read_text())
-        return [str(n) for n in data.get("history", [data["last"]])]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
+        names = data.get("history", [data["last"]]) if isinstance(data, dict) else None
+        if not isinstance(names, list) or not names:
+            raise ValueError("no 'last' entry")
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"The pointer {str(pointer)!r} cannot be read ({type(exc).__name__}: {exc}).") from exc
+    return [check_entry(n, pointer) for n in names]
 
 
 def write_pointer(path: str | os.PathLike) -> None:
-    """Record the committed checkpoint ``path`` as the newest in its folder's ``last`` pointer (kept
-    history: 20). Swapped atomically (temporary file, fsync, rename): a crash leaves the old pointer."""
-    directory = Path(path).parent
-    history = [Path(path).name] + [n for n in read_pointer(directory) if n != Path(path).name]
-    fd, tmp = tempfile.mkstemp(prefix=".last.", dir=directory)
+    """Record the committed save ``path`` as the newest in its folder's ``last`` pointer (kept history:
+    20). Swapped atomically (temporary file, fsync, rename): a crash leaves the old pointer. A pointer
+    that cannot be read is replaced (with a warning): the saves in the folder are the record."""
+    directory, name = Path(path).parent, Path(path).name
     try:
-        with os.fdopen(fd, "w") as handle:
-            os.fchmod(handle.fileno(), 0o666 & ~_UMASK)  # the checkpoints' mode, not mkstemp's 0600
-            json.dump({"last": history[0], "history": history[:20]}, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, directory / POINTER_NAME)
-    except BaseException:
-        with_suppressed_unlink(tmp)
-        raise
+        previous = read_pointer(directory) or []
+    except CheckpointError as exc:
+        log.warning("%s It is replaced by a pointer to %s.", exc, name)
+        previous = []
+    history = [name] + [n for n in previous if n != name]
+    pointer = directory / POINTER_NAME
+    if pointer.is_dir() and not pointer.is_symlink():  # not a pointer: moved aside (kept for a look), not deleted
+        aside = directory / f"{POINTER_NAME}.not-a-pointer-{os.getpid()}"
+        log.warning("%s is a folder, not keel's pointer; it is moved to %s.", pointer, aside)
+        os.replace(pointer, aside)
+    body = json.dumps({"last": history[0], "history": history[:20]}).encode()
+    write_atomic(pointer, lambda handle: handle.write(body))

@@ -3,9 +3,10 @@
 It lives in ``trainer/`` because ``enable_checkpointing=True`` adds one by default and ``trainer`` never
 imports ``callbacks``. It uses only the public Callback API and ``Trainer.save_checkpoint``.
 
-Files in ``dirpath``: one ``*.ckpt`` per save (written atomically by ``Trainer.save_checkpoint``) and a
-small JSON pointer ``last`` (``{"last": name, "history": [newer, ..., older]}``) replaced atomically
-after each commit. Old files are pruned only after the new one and the pointer are committed.
+Files in ``dirpath``: one ``*.ckpt`` folder per save (committed by ``Trainer.save_checkpoint``,
+trainer/checkpoint/store.py; a plain file with ``save_weights_only``) and a small JSON pointer ``last``
+(``{"last": name, "history": [newer, ..., older]}``) replaced atomically after each commit. Old saves are
+pruned only after the new one and the pointer are committed; what a killed save left is removed then too.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import math
 import os
 import re
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from trainer.callback import Callback
-from trainer.checkpoint.async_save import AsyncCheckpointer, save_async
+from trainer.checkpoint.async_save import AsyncCheckpointer
 from trainer.checkpoint.files import write_pointer
+from trainer.checkpoint.store import LIGHTNING_FILE, remove_save
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.module import TaskModule
@@ -31,6 +34,9 @@ _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 
 
 LAST_NAME = "last.ckpt"  # Lightning's name for the latest checkpoint (save_last=True)
+# One background writer per Trainer, shared by all its ModelCheckpoints and waited on by synchronous saves
+# too: one save in flight at most, so two callbacks' background collectives never interleave.
+_CHECKPOINTERS: weakref.WeakKeyDictionary[Any, AsyncCheckpointer] = weakref.WeakKeyDictionary()
 
 
 def check_filename(template: str) -> None:
@@ -60,18 +66,22 @@ def check_filename(template: str) -> None:
         )
 
 
-def link_last(path: str) -> None:
-    """Point ``dirpath/last.ckpt`` at ``path`` (rank 0, after ``path`` is committed), atomically: a hard link
-    for a file (it outlives pruning of ``path``), a relative symlink for a sharded folder."""
+def link_last(path: str, *, lightning_file: bool = False) -> None:
+    """Point ``dirpath/last.ckpt`` at ``path`` (rank 0, after ``path`` is committed), atomically: a relative
+    symlink to a save folder, or with ``lightning_file`` to its ``lightning.ckpt`` (which Lightning programs
+    ``torch.load``; passed back as ``ckpt_path`` it resumes from its folder); a hard link to a plain file
+    (it outlives pruning of ``path``)."""
     target = os.path.join(os.path.dirname(path), LAST_NAME)
     if os.path.abspath(path) == os.path.abspath(target):
         return
+    inner = os.path.join(os.path.basename(path), LIGHTNING_FILE)
+    link = inner if lightning_file and os.path.isfile(os.path.join(path, LIGHTNING_FILE)) else os.path.basename(path)
     tmp = f"{target}.tmp-{os.getpid()}"
     try:
         if os.path.lexists(tmp):
             os.remove(tmp)
         if os.path.isdir(path):
-            os.symlink(os.path.basename(path), tmp)
+            os.symlink(link, tmp)
         else:
             try:
                 os.link(path, tmp)
@@ -98,7 +108,7 @@ class ModelCheckpoint(Callback):
         mode: ``"min"`` or ``"max"``.
         save_top_k: how many to keep (-1: all, 0: none except ``last``).
         save_last: always keep the most recent checkpoint (``last_model_path``) besides the top-k; True
-            also leaves ``last.ckpt`` in ``dirpath`` (a hard link to it, or a symlink to a sharded folder),
+            also leaves ``last.ckpt`` in ``dirpath`` (a symlink to the save folder, or to its ``lightning.ckpt``),
             the file Lightning users and their scripts look for, beside keel's ``last`` pointer.
         every_n_train_steps: save every n optimizer steps.
         every_n_epochs: save every n epochs (default 1 when no other trigger is given).
@@ -120,6 +130,11 @@ class ModelCheckpoint(Callback):
             ``fit`` (False).
         enable_version_counter: when a checkpoint of the same name already exists from another save (a
             rerun into the same folder), append ``-v1``, ``-v2``, ... instead of replacing it.
+        lightning_file: each save folder also holds ``lightning.ckpt``, one plain file with Lightning's keys
+            (``state_dict``, ``epoch``, ``global_step``, ``hyper_parameters``; DDP or one device), written before
+            the folder is committed; ``best_model_path``, ``last_model_path`` and ``last.ckpt`` name it, so
+            programs that ``torch.load`` them keep working. Passing that path back as ``ckpt_path`` resumes
+            from its folder. ``callbacks.lightning.ModelCheckpoint`` turns it on.
     """
 
     is_model_checkpoint = True
@@ -143,6 +158,7 @@ class ModelCheckpoint(Callback):
         auto_insert_metric_name: bool = True,
         save_on_train_epoch_end: bool | None = None,
         enable_version_counter: bool = True,
+        lightning_file: bool = False,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"ModelCheckpoint(mode={mode!r}): expected 'min' or 'max'.")
@@ -151,16 +167,14 @@ class ModelCheckpoint(Callback):
         for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"ModelCheckpoint({name}={value!r}): expected an int >= 1 or None.")
-        if not isinstance(async_save, bool):
-            raise ValueError(f"ModelCheckpoint(async_save={async_save!r}): expected True or False.")
-        for name, flag in (
-            ("verbose", verbose),
-            ("save_weights_only", save_weights_only),
-            ("auto_insert_metric_name", auto_insert_metric_name),
-            ("enable_version_counter", enable_version_counter),
-        ):
-            if not isinstance(flag, bool):
-                raise ValueError(f"ModelCheckpoint({name}={flag!r}): expected True or False.")
+        _check_flags(
+            async_save=async_save,
+            verbose=verbose,
+            save_weights_only=save_weights_only,
+            auto_insert_metric_name=auto_insert_metric_name,
+            enable_version_counter=enable_version_counter,
+            lightning_file=lightning_file,
+        )
         if save_on_train_epoch_end is not None and not isinstance(save_on_train_epoch_end, bool):
             raise ValueError(
                 f"ModelCheckpoint(save_on_train_epoch_end={save_on_train_epoch_end!r}): expected True, False or None."
@@ -168,7 +182,7 @@ class ModelCheckpoint(Callback):
         if save_last not in (None, True, False):
             raise ValueError(
                 f"ModelCheckpoint(save_last={save_last!r}): expected True, False or None (keel has no "
-                "'link' mode: save_last=True already leaves last.ckpt as a hard link)."
+                "'link' mode: save_last=True already leaves last.ckpt as a link)."
             )
         if async_save and save_weights_only:
             raise ValueError(
@@ -196,14 +210,37 @@ class ModelCheckpoint(Callback):
         self.auto_insert_metric_name = auto_insert_metric_name
         self.save_on_train_epoch_end = save_on_train_epoch_end
         self.enable_version_counter = enable_version_counter
-        self._checkpointer = AsyncCheckpointer()  # also waited on by synchronous saves: one in flight at most
+        self.lightning_file = lightning_file
+        self._checkpointer = AsyncCheckpointer()  # replaced in setup by the trainer's shared one
         self.best_k_models: dict[str, float] = {}
-        self.best_model_path = ""
+        self._best_path = ""  # the saves themselves; best_model_path / last_model_path report them
         self.best_model_score: float | None = None
-        self.last_model_path = ""
+        self._last_path = ""
         self._last_saved_step = -1
         self._pending_after_validation = False
         self._last_time = time.monotonic()
+
+    @property
+    def best_model_path(self) -> str:
+        """The best save (with ``lightning_file``: its ``lightning.ckpt``, when the save has one)."""
+        return self._report(self._best_path)
+
+    @best_model_path.setter
+    def best_model_path(self, path: str) -> None:
+        self._best_path = _save_of(path)
+
+    @property
+    def last_model_path(self) -> str:
+        """The newest save (with ``lightning_file``: its ``lightning.ckpt``, when the save has one)."""
+        return self._report(self._last_path)
+
+    @last_model_path.setter
+    def last_model_path(self, path: str) -> None:
+        self._last_path = _save_of(path)
+
+    def _report(self, path: str) -> str:
+        inner = os.path.join(path, LIGHTNING_FILE)
+        return inner if path and self.lightning_file and os.path.isfile(inner) else path
 
     @property
     def state_key(self) -> str:
@@ -213,6 +250,10 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: Trainer, task: TaskModule, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.log_dir, "checkpoints")
+        shared = _CHECKPOINTERS.setdefault(trainer, AsyncCheckpointer())
+        if self._checkpointer is not shared:
+            self._checkpointer.wait()
+            self._checkpointer = shared
 
     def on_train_batch_end(self, trainer: Trainer, task: TaskModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._checkpointer.in_flight:
@@ -270,9 +311,9 @@ class ModelCheckpoint(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "best_k_models": dict(self.best_k_models),
-            "best_model_path": self.best_model_path,
+            "best_model_path": self._best_path,
             "best_model_score": self.best_model_score,
-            "last_model_path": self.last_model_path,
+            "last_model_path": self._last_path,
             "dirpath": self.dirpath,
             "monitor": self.monitor,
             "mode": self.mode,
@@ -280,9 +321,9 @@ class ModelCheckpoint(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best_k_models = {k: float(v) for k, v in state.get("best_k_models", {}).items() if os.path.exists(k)}
-        self.best_model_path = state.get("best_model_path", "")
+        self._best_path = state.get("best_model_path", "")
         self.best_model_score = state.get("best_model_score")
-        self.last_model_path = state.get("last_model_path", "")
+        self._last_path = state.get("last_model_path", "")
 
     # ------------------------------------------------------------------ saving
     def format_name(
@@ -335,30 +376,30 @@ class ModelCheckpoint(Callback):
             return None
         self._checkpointer.wait()  # the previous (background) save is committed before this one's bookkeeping
         # Bookkeeping first, so the state saved inside this checkpoint already lists this file.
-        old_last = self.last_model_path
-        self.last_model_path = path
+        old_last = self._last_path
+        self._last_path = path
         removed: list[str] = []
         if keep:
             self.best_k_models[path] = score if score is not None else float(trainer.global_step)
             removed = self._prune_top_k()
         victims = removed + ([old_last] if old_last and old_last != path else [])
-        if self.async_save and not force:
-            # Returns once the state is staged in CPU memory; the commit runs when the file is durable.
-            save_async(trainer, path, self._checkpointer, lambda: self._commit(trainer, path, victims))
-        else:
-            trainer.save_checkpoint(path, weights_only=self.save_weights_only)  # atomic; every rank passes a barrier
-            self._commit(trainer, path, victims)
+        background = self.async_save and not force  # forced saves (preemption, exception) are synchronous
+        trainer.save_checkpoint(
+            path,
+            weights_only=self.save_weights_only,
+            checkpointer=self._checkpointer if background else None,
+            on_commit=lambda: self._commit(trainer, path, victims),
+            lightning_file=self.lightning_file,
+        )
         self._last_saved_step = trainer.global_step
         self._last_time = time.monotonic()
         return path
 
     def _commit(self, trainer: Trainer, path: str, victims: list[str]) -> None:
-        """Only after ``path`` is committed (rank 0): point `last` at it, then prune what it replaces."""
-        if not trainer.is_global_zero:
-            return
+        """Rank 0, only after ``path`` is committed: point `last` at it, then prune what it replaces."""
         write_pointer(path)
         if self.save_last is True:
-            link_last(path)
+            link_last(path, lightning_file=self.lightning_file)
         if self.verbose:
             score = self.best_k_models.get(path)
             why = (
@@ -368,19 +409,16 @@ class ModelCheckpoint(Callback):
             )
             log.info("Epoch %d, global step %d: saved %s as %s.", trainer.current_epoch, trainer.global_step, path, why)
         for victim in victims:
-            if victim != path and victim not in self.best_k_models and os.path.exists(victim):
-                try:
-                    os.remove(victim)
-                except OSError as exc:  # pragma: no cover
-                    log.warning("Could not remove old checkpoint %s: %s", victim, exc)
+            if victim != path and victim not in self.best_k_models:
+                remove_save(victim)
 
     def _versioned(self, path: str) -> str:
         """``enable_version_counter``: ``name-vN.ckpt`` when ``path`` exists from another save."""
-        if not self.enable_version_counter or path == self.last_model_path or path in self.best_k_models:
+        if not self.enable_version_counter or path == self._last_path or path in self.best_k_models:
             return path
         stem, ext = os.path.splitext(path)
         version, candidate = 0, path
-        while os.path.exists(candidate) and candidate != self.last_model_path:
+        while os.path.exists(candidate) and candidate != self._last_path:
             version += 1
             candidate = f"{stem}-v{version}{ext}"
         return candidate
@@ -413,6 +451,17 @@ class ModelCheckpoint(Callback):
             self.best_k_models.pop(removed[-1])
         if self.best_k_models:
             best = (min if self._mode == "min" else max)(self.best_k_models, key=self.best_k_models.__getitem__)
-            self.best_model_path = best
+            self._best_path = best
             self.best_model_score = self.best_k_models[best] if self.monitor is not None else None
         return removed
+
+
+def _check_flags(**flags: Any) -> None:
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise ValueError(f"ModelCheckpoint({name}={flag!r}): expected True or False.")
+
+
+def _save_of(path: str) -> str:
+    """The save a reported path names (``<save>/lightning.ckpt`` -> ``<save>``)."""
+    return os.path.dirname(path) if os.path.basename(path) == LIGHTNING_FILE else path

@@ -1,8 +1,9 @@
 """The process group and the collectives keel uses, in one small module.
 
 Every other keel module reaches other processes through these functions; only the strategies
-(:mod:`trainer.distributed.strategy`, which wrap the task in DDP or FSDP2) and the sharded checkpoints
-(:mod:`trainer.checkpoint.sharded`, DCP) use ``torch.distributed`` directly. It holds:
+(:mod:`trainer.distributed.strategy`, which wrap the task in DDP or FSDP2) and the checkpoints
+(:mod:`trainer.checkpoint.store` and :mod:`~trainer.checkpoint.reader`, DCP) use ``torch.distributed``
+directly. It holds:
 
 * launcher detection (:func:`~trainer.distributed.launcher.detect_env`, in its own module): torchrun /
   TorchElastic, SLURM ``srun``, or a plain single process, read from environment variables only;
@@ -336,8 +337,8 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
     return tensor
 
 
-def all_gather_object(obj: T) -> list[T]:
-    """Gathers a picklable object from every rank (a collective).
+def all_gather_object(obj: T, group: dist.ProcessGroup | None = None) -> list[T]:
+    """Gathers a picklable object from every rank (a collective of ``group``, default: the default group).
 
     With nccl the objects travel through the current CUDA device, so
     :func:`select_device` must have run first.
@@ -350,8 +351,8 @@ def all_gather_object(obj: T) -> list[T]:
     """
     if not is_initialized():
         return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
     return gathered
 
 

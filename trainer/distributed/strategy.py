@@ -4,8 +4,9 @@ The Trainer talks to a :class:`Strategy` and never asks which one it holds (docs
 Each method has a fixed signature and a contract:
 
 * **Who calls it**: the fit loop and the optimizer step (``setup``, ``gradient_sync``, ``clip_grad_*``,
-  ``raise_explained``), manual optimization (``average_gradients``) and the checkpoint code (the
-  ``*_state_dict`` methods).
+  ``raise_explained``), manual optimization (``average_gradients``), every save and restore
+  (``save_checkpoint`` / ``load_checkpoint``) and the model and optimizer state objects (the ``*_state_dict``
+  methods).
 * **When**: ``setup`` once per ``fit``, after the task is on its device and in its dtype and before
   ``configure_optimizers`` (so a sharding strategy can replace parameters before an optimizer holds
   them); ``teardown`` at the end of every stage; the others between the two.
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
+import os
 import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -91,10 +94,8 @@ class Strategy:
     """
 
     name: ClassVar[str] = "single"
-    # A process group even in a single process (FSDP needs a device mesh), and checkpoints as sharded
-    # folders (every rank writes its shards; trainer/checkpoint/sharded.py) instead of one file.
+    # A process group even in a single process (FSDP needs a device mesh); parameters sharded over ranks.
     needs_process_group: ClassVar[bool] = False
-    sharded: ClassVar[bool] = False
     # gradient_sync() returns a real context (the loop skips the `with` otherwise: a per-step cost).
     has_sync_context: ClassVar[bool] = False
 
@@ -210,9 +211,20 @@ class Strategy:
         return _NO_CONTEXT
 
     def weights_finite(self, task: nn.Module) -> bool:
-        """Whether every weight is finite (before a checkpoint is written), the same answer on every rank."""
-        params = [p.detach() for p in task.parameters()]
-        return not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+        """Whether every weight is finite (before a checkpoint is written), the same answer on every rank:
+        one reduction on the device over this rank's parameters (its shards under FSDP), one host read, and
+        with several ranks one all-reduce of the verdict."""
+        # A DTensor's detach() is a DTensor; torch's stubs type it Tensor (without to_local).
+        local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in task.parameters()]  # type: ignore[attr-defined]
+        local = [t for t in local if t.numel() and t.is_floating_point()]
+        if local:
+            norms = torch._foreach_norm(local, ord=math.inf)
+            flag = torch.isfinite(torch.stack([n.to(self.root_device) for n in norms])).all().to(torch.float32)
+        else:
+            flag = torch.ones((), device=self.root_device)
+        if self.world_size > 1:
+            flag = comm.all_reduce(flag.reshape(1), "min")
+        return bool(flag.item() > 0)
 
     def raise_explained(self, exc: BaseException) -> None:
         """Called with an error raised by the wrapped module's forward. Raises a clearer error (chained
@@ -224,20 +236,71 @@ class Strategy:
         """Manual optimization, on the micro-batch that syncs: make every rank's gradients of
         ``params`` their mean over ranks (a collective in a multi-rank strategy)."""
 
-    # ------------------------------------------------------------------ checkpoint state
+    # ------------------------------------------------------------------ checkpoints
+    # What the strategy saves and loads through (trainer.checkpoint.reader.CheckpointIO): set by the
+    # Trainer, so this package never imports the checkpoint package (which builds on it).
+    checkpoint_io: Any = None
+
+    def save_checkpoint(self, path: str | os.PathLike, state: dict[str, Any], **options: Any) -> None:
+        """Write ``state`` (checkpoint key -> object with ``state_dict()``; ``state["state_dict"]`` is the
+        task's :class:`~trainer.checkpoint.stateful.ModelState`) as the save ``path``: one folder, every rank
+        writing its part (DCP), committed once every part is durable. A collective. ``options``: see
+        :func:`trainer.checkpoint.store.save`. Refuses non-finite weights (:meth:`weights_finite`)."""
+        task = state["state_dict"].task
+        self.checkpoint_io.save(path, state, finite=lambda: self.weights_finite(task), **options)
+
+    def load_checkpoint(self, path: str | os.PathLike, state: dict[str, Any], **options: Any) -> dict[str, Any]:
+        """Load the save ``path`` (written at any world size, by any strategy) into ``state``, after verifying
+        it. A collective. Returns the checkpoint dict (see :func:`trainer.checkpoint.reader.load`)."""
+        return self.checkpoint_io.load(path, state, **options)
+
     def model_state_dict(self, task: nn.Module) -> dict[str, Any]:
-        """The task's weights for a checkpoint, keyed as ``task.state_dict()`` (no wrapper prefixes)."""
-        return task.state_dict()
+        """The task's weights for a checkpoint, keyed as ``task.state_dict()`` (no wrapper prefixes); DTensor
+        shards under FSDP (``torch.distributed.checkpoint.state_dict``, the form DCP writes and reshards)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(task)
+
+    def full_model_state_dict(self, task: nn.Module) -> dict[str, Any]:
+        """The whole weights as plain CPU tensors on rank 0 (a collective under FSDP): one plain file."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sharded = any(hasattr(p, "device_mesh") for p in task.parameters())
+        return get_model_state_dict(task, options=StateDictOptions(full_state_dict=sharded, cpu_offload=True))
 
     def load_model_state_dict(self, task: nn.Module, state: dict[str, Any], *, strict: bool = True) -> None:
-        """Load weights produced by :meth:`model_state_dict` (at any world size) into ``task``."""
-        task.load_state_dict(state, strict=strict)
+        """Load weights produced by :meth:`model_state_dict` (at any world size), or a plain full state dict
+        (a weights file, a one-file checkpoint of the previous release), into ``task``."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return optimizer.state_dict()
+        sharded_task = any(hasattr(p, "device_mesh") for p in task.parameters())
+        full = sharded_task and not any(hasattr(v, "device_mesh") for v in state.values())
+        set_model_state_dict(task, state, options=StateDictOptions(full_state_dict=full, strict=strict))
 
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        optimizer.load_state_dict(state)
+    def optimizer_state_dict(self, task: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer``'s state keyed by parameter names (DCP's form), initialised if it has not stepped."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(task, optimizer)
+
+    def load_optimizer_state_dict(
+        self, task: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Load what :meth:`optimizer_state_dict` produced, or a plain ``optimizer.state_dict()`` (parameters
+        by position: a one-file checkpoint of the previous release)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        groups = state.get("param_groups", [])
+        if groups and all(isinstance(i, int) for g in groups for i in g["params"]):
+            names = {id(p): n for n, p in task.named_parameters()}
+            order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+            state = {
+                "state": {order[i]: v for i, v in state["state"].items()},
+                "param_groups": [dict(g, params=[order[i] for i in g["params"]]) for g in groups],
+            }
+            set_optimizer_state_dict(task, optimizer, state, options=StateDictOptions(full_state_dict=True))
+            return
+        set_optimizer_state_dict(task, optimizer, state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world_size={self.world_size}, device={self.root_device})"
@@ -350,13 +413,12 @@ class FSDPStrategy(Strategy):
     (registering the evaluation steps too would reshard after each nested ``self(x)`` and all-gather per
     batch, which hangs when ranks run different numbers of batches).
     Initial weights are rank 0's, broadcast before sharding, so they are the same at every world size.
-    Checkpoints are sharded folders (DCP). See docs/fsdp.md.
+    Checkpoints are the same folders as under DDP (each rank writes its shards). See docs/fsdp.md.
     """
 
     name = "fsdp"
     has_sync_context = True
     needs_process_group = True
-    sharded = True
     STEP_METHODS = ("training_step",)
 
     def __init__(self, env: DistEnv, device: torch.device, options: TrainerOptions) -> None:
@@ -482,49 +544,6 @@ class FSDPStrategy(Strategy):
 
     def eval_context(self, task: nn.Module) -> AbstractContextManager[Any]:
         return _Unsharded(task, reshard_after_forward=self.options.fsdp_reshard_after_forward)
-
-    def weights_finite(self, task: nn.Module) -> bool:
-        # A DTensor's detach() is a DTensor; torch's stubs type it Tensor (without to_local).
-        local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in task.parameters()]  # type: ignore[attr-defined]
-        flag = torch.tensor(
-            [1.0 if all(bool(torch.isfinite(t).all()) for t in local) else 0.0], device=self.root_device
-        )
-        return bool(comm.all_reduce(flag, "min").item() > 0)  # a collective: every rank answers the same
-
-    def model_state_dict(self, task: nn.Module) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(task)  # DTensor shards: written by DCP (trainer/checkpoint/sharded.py)
-
-    def load_model_state_dict(self, task: nn.Module, state: dict[str, Any], *, strict: bool = True) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        # A plain (full) state dict, e.g. from a DDP checkpoint file: every rank keeps its shard of it.
-        full = not any(hasattr(v, "device_mesh") for v in state.values())
-        set_model_state_dict(task, state, options=StateDictOptions(full_state_dict=full, strict=strict))
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        assert self.task is not None  # set by setup(), before any optimizer exists
-        return get_optimizer_state_dict(self.task, optimizer)
-
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        assert self.task is not None  # set by setup(), before any optimizer exists
-        groups = state.get("param_groups", [])
-        if groups and all(isinstance(i, int) for g in groups for i in g["params"]):
-            # A plain optimizer.state_dict() (a DDP checkpoint file): parameters by position; name them.
-            names = {id(p): n for n, p in self.task.named_parameters()}
-            order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-            state = {
-                "state": {order[i]: v for i, v in state["state"].items()},
-                "param_groups": [dict(g, params=[order[i] for i in g["params"]]) for g in groups],
-            }
-            set_optimizer_state_dict(self.task, optimizer, state, options=StateDictOptions(full_state_dict=True))
-            return
-        set_optimizer_state_dict(self.task, optimizer, state)
 
 
 class _Unsharded:

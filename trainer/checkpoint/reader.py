@@ -1,0 +1,443 @@
+"""Reading a save: which one (``last`` / ``best``), is it intact, and loading it (docs/design.md section 8).
+
+Resolving reads only manifests (``keel.json``, a few hundred bytes) and, for ``best``, the last save's
+``keel.pt``; never the weights. Loading verifies every file of the save against the manifest's sizes and
+CRC32s (the ranks share the files) and the identity of ``keel.pt`` against the manifest, checks the
+optimizer and scheduler classes, and only then reads the tensors: a corrupt or foreign part is refused by
+name before anything is loaded, and ``ckpt_path="last"`` falls back to the previous committed save.
+
+Nothing in a save can run code: ``keel.pt`` and every plain file load with ``weights_only=True``; DCP's
+``.metadata`` is read through an unpickler that admits only DCP's own metadata classes; DCP's non-tensor
+items (optimizer hyperparameters) load with ``weights_only=True`` too (DCP's own planner unpickles them
+freely). Saves written by the previous release (one file per save, or a folder without a manifest) still
+load, without the checksum check, which they predate.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+
+from trainer.checkpoint import store
+from trainer.checkpoint.files import (
+    FORMAT_VERSION,
+    K_CALLBACKS,
+    K_CLASSES,
+    K_FORMAT,
+    K_GLOBAL_BATCH,
+    K_IDENTITY,
+    K_LOOP,
+    K_STATE_DICT,
+    K_WORLD_SIZE,
+    POINTER_NAME,
+    CheckpointError,
+    CorruptCheckpointError,
+    load_file,
+    read_pointer,
+    save_file,
+)
+from trainer.checkpoint.stateful import check_classes
+from trainer.checkpoint.store import (
+    DCP_KEYS,
+    KEEL_FILE,
+    LIGHTNING_FILE,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    manifest_body,
+    quiet_dcp,
+)
+from trainer.distributed import comm
+
+log = logging.getLogger(__name__)
+
+LAST_LINK = "last.ckpt"  # ModelCheckpoint(save_last=True)'s alias of the newest save: never a candidate itself
+
+# What a real .metadata pickle refers to (torch 2.4 - 2.13); anything else is refused.
+_ALLOWED_GLOBALS: dict[str, set[str]] = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "Path"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "tuple", "list", "dict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, handle: Any, path: str) -> None:
+        super().__init__(handle)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
+            return getattr(torch, name)
+        raise CorruptCheckpointError(
+            f"Checkpoint metadata {self.path!r} refers to {module}.{name}, which is not one of DCP's metadata "
+            "classes; keel refuses to load it (a crafted .metadata file could run code)."
+        )
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, but ``.metadata`` is read through the allow-listed unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as handle:
+            metadata = _MetadataUnpickler(handle, os.fspath(path)).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _load_bytes_safely(planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO) -> None:
+    """DCP's non-tensor items with ``weights_only=True`` (DCP's planner uses ``weights_only=False``)."""
+    try:
+        obj = torch.load(value, weights_only=True)
+    except Exception as exc:
+        raise CorruptCheckpointError(
+            f"Checkpoint item {read_item.dest_index.fqn!r} holds pickled objects that are not plain values; "
+            f"keel refuses to load it so that nothing in it can run ({type(exc).__name__})."
+        ) from exc
+    if planner.flatten_state_dict:
+        from torch.distributed.checkpoint._nested_dict import set_element
+
+        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], obj)
+    else:
+        planner.state_dict[read_item.dest_index.fqn] = obj
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    load_bytes = _load_bytes_safely
+
+
+class _SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
+    load_bytes = _load_bytes_safely
+
+
+# ---------------------------------------------------------------------- one save
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a committed save. Raises :class:`CheckpointError` naming what is wrong."""
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        raise CheckpointError(f"Checkpoint {str(folder)!r} has no {MANIFEST_FILE}: it was never committed.")
+    try:
+        manifest = json.loads(path.read_text())
+        body = {k: manifest[k] for k in ("format", "keel_version", "identity", "files")}
+        intact = manifest_body(body["identity"], body["files"]) == dict(body, crc32=manifest["crc32"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(
+            f"Checkpoint manifest {str(path)!r} is unreadable ({type(exc).__name__}: {exc})."
+        ) from exc
+    if not intact:
+        raise CorruptCheckpointError(f"Checkpoint manifest {str(path)!r} is corrupt (its checksum does not match).")
+    if int(body["format"]) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"Checkpoint {str(folder)!r} has format version {body['format']}, newer than this keel "
+            f"({FORMAT_VERSION}); upgrade keel to load it."
+        )
+    return manifest
+
+
+def verify(folder: Path, manifest: dict[str, Any], *, rank: int = 0, world_size: int = 1) -> list[str]:
+    """What is wrong with this rank's share of the save's files (every ``world_size``-th, from ``rank``):
+    missing, another size, another checksum. Empty when intact."""
+    problems = []
+    names = sorted(manifest["files"])
+    for name in names[rank::world_size]:
+        size, crc = manifest["files"][name]
+        path = folder / name
+        try:
+            actual, actual_crc = path.stat().st_size, 0
+            with open(path, "rb") as handle:
+                while chunk := handle.read(1 << 24):
+                    actual_crc = zlib.crc32(chunk, actual_crc)
+        except OSError as exc:
+            problems.append(f"{name} cannot be read ({exc.strerror or exc})")
+            continue
+        if actual != size or actual_crc != crc:
+            problems.append(
+                f"{name} is corrupt or from another save ({actual:,} bytes, crc32 {actual_crc:08x}; the manifest "
+                f"of save {manifest['identity'].get('save_id', '?')[:8]} at step {manifest['identity'].get('step')} "
+                f"records {size:,} bytes, crc32 {crc:08x})"
+            )
+    return problems
+
+
+def _verified(folder: Path, *, collective: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(manifest or None for an older release's folder, keel.pt) of an intact save, or a CheckpointError
+    naming every bad part. ``collective``: the ranks share the checks and agree."""
+    problems: list[str] = []
+    manifest = None
+    try:
+        manifest = read_manifest(folder) if (folder / MANIFEST_FILE).exists() or not _is_v1(folder) else None
+        if manifest is not None:
+            rank, world = (comm.get_rank(), comm.get_world_size()) if collective else (0, 1)
+            problems = verify(folder, manifest, rank=rank, world_size=world)
+    except CheckpointError as exc:
+        problems = [str(exc)]
+    if collective:
+        problems = [p for rank_problems in comm.all_gather_object(problems) for p in rank_problems]
+    if problems:
+        raise CorruptCheckpointError(f"Checkpoint {str(folder)!r} is damaged: {'; '.join(problems)}.")
+    rest = _read_keel(folder)
+    if manifest is None and int(rest.get(K_FORMAT, 1)) >= 2:
+        raise CorruptCheckpointError(f"Checkpoint {str(folder)!r} has no {MANIFEST_FILE}: it was never committed.")
+    if manifest is not None and rest.get(K_IDENTITY) != manifest["identity"]:
+        raise CorruptCheckpointError(
+            f"Checkpoint {str(folder / KEEL_FILE)!r} belongs to another save than its folder's manifest "
+            f"({rest.get(K_IDENTITY)} vs {manifest['identity']})."
+        )
+    return manifest, rest
+
+
+def _is_v1(folder: Path) -> bool:
+    return (folder / KEEL_FILE).is_file() and (folder / METADATA_FILE).is_file()
+
+
+def _read_keel(folder: Path) -> dict[str, Any]:
+    metadata = folder / METADATA_FILE
+    if not metadata.is_file():
+        raise CheckpointError(f"Checkpoint {str(folder)!r} has no {METADATA_FILE}: it was never committed.")
+    try:
+        with open(metadata, "rb") as handle:
+            _MetadataUnpickler(handle, str(metadata)).load()
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(f"Checkpoint metadata {str(metadata)!r} is truncated or corrupt ({exc}).") from exc
+    return load_file(folder / KEEL_FILE, required=(K_FORMAT,))
+
+
+def save_folder(path: str | os.PathLike) -> Path:
+    """The save a path names: a folder; ``<folder>/lightning.ckpt`` (what ``callbacks.lightning`` reports)
+    names its folder; a plain file (a weights file, or a save of the previous release) itself."""
+    path = Path(path)
+    if path.is_symlink():  # last.ckpt -> a save folder, or its lightning.ckpt
+        path = path.resolve()
+    if path.name == LIGHTNING_FILE and (path.parent / MANIFEST_FILE).exists():
+        return path.parent
+    return path
+
+
+def load(
+    path: str | os.PathLike, state: dict[str, Any], *, on_load: Callable[[dict[str, Any]], None], required: tuple = ()
+) -> dict[str, Any]:
+    """Load the save ``path`` into ``state`` (key -> object with ``load_state_dict``). A collective under a
+    process group. Verifies the save first (the ranks share the files), checks the classes, reads the
+    tensors into this run's layout (DCP reshards: any world size, any strategy), calls ``on_load`` (the
+    ``on_load_checkpoint`` hooks) with the whole checkpoint dict, then loads every object. ``required``:
+    checkpoint keys that must be present (a fit needs the optimizer and loop state). Returns the dict.
+
+    Raises:
+        CheckpointError: naming the damaged or unsafe part, a missing key, or the mismatched classes.
+    """
+    folder = save_folder(path)
+    if folder.is_dir():
+        _, checkpoint = _verified(folder, collective=True)
+        _check(str(folder), checkpoint, state, tuple(k for k in required if k not in DCP_KEYS))
+        targets = {name: state[key].state_dict() for key, name in DCP_KEYS.items() if key in state}
+        try:
+            with quiet_dcp():
+                dcp.load(targets, storage_reader=_SafeReader(os.fspath(folder)), planner=_SafePlanner())
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            raise _load_error(folder, exc, "could not be loaded into this run's model and optimizers") from exc
+        checkpoint.update({key: targets[name] for key, name in DCP_KEYS.items() if name in targets})
+    else:
+        checkpoint = load_file(folder)
+        _check(str(folder), checkpoint, state, required)
+    if isinstance(checkpoint.get(K_LOOP), dict):  # format 1 kept these beside the loop state
+        for key, old in (("global_batch", K_GLOBAL_BATCH), ("world_size", K_WORLD_SIZE)):
+            if old in checkpoint:
+                checkpoint[K_LOOP].setdefault(key, checkpoint[old])
+    on_load(checkpoint)
+    for key, obj in state.items():
+        if key in checkpoint:
+            obj.load_state_dict(checkpoint[key])
+    return checkpoint
+
+
+def _load_error(folder: Path, exc: BaseException, what: str) -> BaseException:
+    """The error to raise for a failed DCP read: keel's own refusal (inside DCP's CheckpointException, which
+    collects every rank's failures) as it is, anything else as a CheckpointError naming the folder."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, CheckpointError)):
+        return exc
+    for failure in getattr(exc, "failures", {}).values():
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, CheckpointError):
+            return cause
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return CheckpointError(f"Checkpoint {str(folder)!r} {what} ({type(exc).__name__}: {text}).")
+
+
+def _check(path: str, checkpoint: dict[str, Any], state: dict[str, Any], required: tuple) -> None:
+    missing = [k for k in required if k not in checkpoint]
+    if missing:
+        raise CheckpointError(
+            f"Checkpoint {path!r} has no {missing}: it holds weights only and cannot resume a fit "
+            "(load it with TaskModule.load_from_checkpoint, or pass it to validate/test/predict)."
+        )
+    check_classes(path, checkpoint.get(K_CLASSES, {}), state)
+
+
+def load_weights(path: str | os.PathLike) -> dict[str, Any]:
+    """A save's checkpoint dict with ``K_STATE_DICT`` as one plain state dict of CPU tensors, whatever the
+    strategy and world size it was written at; no process group needed (``export_weights``,
+    ``load_from_checkpoint``). Every file is verified first."""
+    folder = save_folder(path)
+    if not folder.is_dir():
+        return load_file(folder)
+    _, checkpoint = _verified(folder, collective=False)
+    tensors: dict[str, Any] = {}
+    try:
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        with quiet_dcp():
+            _load_state_dict(
+                tensors,
+                storage_reader=_SafeReader(os.fspath(folder)),
+                planner=_SafeEmptyPlanner(keys={"model"}),
+                no_dist=True,
+            )
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        raise _load_error(folder, exc, "could not be read") from exc
+    checkpoint[K_STATE_DICT] = dict(tensors["model"])
+    return checkpoint
+
+
+# ---------------------------------------------------------------------- which save
+def committed(directory: str | os.PathLike) -> list[str]:
+    """Names of the committed saves in ``directory``, newest first (by step, then time): folders with a
+    manifest, and the previous release's saves (files, folders without a manifest). Reads manifests only."""
+    found: list[tuple[int, float, str]] = []
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    for entry in root.iterdir():
+        if entry.name.startswith(".") or entry.name in (POINTER_NAME, LAST_LINK) or entry.is_symlink():
+            continue
+        try:
+            if (entry / MANIFEST_FILE).is_file():
+                step = int(read_manifest(entry)["identity"].get("step", -1))
+                found.append((step, (entry / MANIFEST_FILE).stat().st_mtime, entry.name))
+            elif (
+                entry.is_dir() and _is_v1(entry) and int(load_file(entry / KEEL_FILE, required=()).get(K_FORMAT, 1)) < 2
+            ):
+                found.append((-1, entry.stat().st_mtime, entry.name))  # a folder of the previous release
+            elif entry.is_file() and entry.suffix == ".ckpt":
+                found.append((-1, entry.stat().st_mtime, entry.name))
+        except (CheckpointError, OSError, ValueError):
+            continue  # not committed, or damaged: never a candidate (the pointer's newest is reported)
+    return [name for _, _, name in sorted(found, reverse=True)]
+
+
+def resolve_last(directory: str | os.PathLike) -> list[str]:
+    """``ckpt_path="last"``: the saves to try, in order (rank 0). Empty only when the folder has no pointer
+    and no committed save: a first run. A pointer that cannot be read, or whose newest entry is missing or
+    uncommitted, gives the newest committed save with a WARNING naming what was wrong.
+
+    Raises:
+        CheckpointError: a pointer exists (the run saved before) but no committed save is left: starting
+            over would silently lose the run.
+    """
+    pointer = Path(directory) / POINTER_NAME
+    saves = committed(directory)
+    try:
+        names = read_pointer(directory)
+        problem = None
+    except CheckpointError as exc:
+        names, problem = [], str(exc)
+    if names is None:
+        if saves:
+            log.warning(
+                "ckpt_path='last': %s has no pointer but holds committed saves; resuming from the newest, %s.",
+                directory,
+                saves[0],
+            )
+        return [os.path.join(directory, n) for n in saves]
+    if names and names[0] in saves:
+        order = [names[0]] + [n for n in saves if n != names[0]]
+    else:
+        order = saves
+        if problem is None:
+            problem = f"The pointer {str(pointer)!r} names {names[0]!r}, which is missing or was never committed."
+    if not order:
+        raise CheckpointError(
+            f"ckpt_path='last': {problem} No committed save is left in {str(directory)!r}, so keel will not start "
+            "over silently. Restore the saves, or pass ckpt_path=None (or delete the folder) to start a new run."
+        )
+    if problem is not None:
+        log.warning("ckpt_path='last': %s Resuming from the newest committed save, %s.", problem, order[0])
+    return [os.path.join(directory, n) for n in order]
+
+
+def resolve_best(directory: str | os.PathLike, state_key: str, best_k: dict[str, float] | None, mode: str) -> list[str]:
+    """``ckpt_path="best"``: the callback's kept saves, best first (its state in this process, else the newest
+    save's ``keel.pt``). Every candidate that is not a committed save in ``directory`` is logged and skipped."""
+    saves = committed(directory)
+    for name in saves if not best_k else []:  # a fresh process: the callback's state is in the newest save
+        try:
+            saved = _read_keel(Path(directory, name)).get(K_CALLBACKS, {}).get(state_key, {})
+        except (CheckpointError, OSError) as exc:
+            log.warning("ckpt_path='best': skipping %s for the callback's state: %s", name, exc)
+            continue
+        best_k = dict(saved.get("best_k_models") or {})
+        break
+    out = []
+    for path, _ in sorted((best_k or {}).items(), key=lambda kv: kv[1], reverse=mode == "max"):
+        folder = save_folder(path)
+        if folder.parent.resolve() != Path(directory).resolve() or folder.name not in saves:
+            log.warning("ckpt_path='best': skipping %s: it is not a committed save in %s.", path, directory)
+        else:
+            out.append(os.fspath(folder))
+    return out
+
+
+def export_weights(ckpt_path: str | os.PathLike, out_path: str | os.PathLike) -> None:
+    """Write the task weights of a keel checkpoint (any strategy, any world size, this release's or the
+    previous one's) as one plain ``state_dict`` file, without a process group.
+
+    The result loads with bare PyTorch: ``model.load_state_dict(torch.load(out_path, weights_only=True))``.
+    """
+    save_file(dict(load_weights(ckpt_path)[K_STATE_DICT]), out_path)
+
+
+class CheckpointIO:
+    """What a strategy saves and loads through (``Strategy.checkpoint_io``; Lightning's name)."""
+
+    @staticmethod
+    def save(path: str | os.PathLike, state: dict[str, Any], **options: Any) -> None:
+        store.save(path, state, **options)
+
+    @staticmethod
+    def load(path: str | os.PathLike, state: dict[str, Any], **options: Any) -> dict[str, Any]:
+        return load(path, state, **options)

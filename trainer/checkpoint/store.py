@@ -1,0 +1,347 @@
+"""Writing and committing a save: one folder per save, for every strategy (docs/design.md section 8).
+
+Layout of ``epoch=0-step=4.ckpt/`` (a folder; the name keeps ModelCheckpoint's suffix)::
+
+    __<rank>_0.distcp   DCP's data files: the model and optimizer tensors. Every rank writes one; a
+                        tensor every rank holds (DDP) is written once, by whichever rank DCP's planner
+                        picks to balance the bytes; a sharded tensor (FSDP) by each rank, its shard.
+                        Each also holds the save's identity (item ``identity_<rank>``)
+    .metadata           DCP's index of every item (rank 0, once all data files are written)
+    keel.pt             rank 0: everything else (loop state, per-rank RNG, schedulers, scaler, callbacks,
+                        datamodule, hparams, options, class names, the save's identity); a plain
+                        ``torch.save`` file read back with ``weights_only=True``
+    lightning.ckpt      only with ``ModelCheckpoint(lightning_file=True)`` (``callbacks.lightning``'s
+                        default) under DDP or one device: Lightning's keys in one plain file
+    keel.json           the manifest, written last: format, identity (save id, run, step, epoch, world
+                        size) and the size and CRC32 of every other file, computed while it was written
+
+Commit protocol: every file is written under a temporary folder name beside the target and fsynced; once
+every rank's data files are durable (a gather of their checksums on the checkpoint group), rank 0 writes
+keel.pt and the manifest, fsyncs the folder, renames it into place and fsyncs the parent. The ``last``
+pointer is swapped after that (ModelCheckpoint). A crash at any point leaves the previous save and the
+pointer untouched; the temporary folder it leaves is removed by the next successful save.
+
+Synchronous and asynchronous saves run the same two functions, :func:`_stage` on the main thread and
+:func:`_write` on the main thread or the checkpointer's worker thread; only the thread differs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import uuid
+import warnings
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from trainer.checkpoint.async_save import AsyncCheckpointer, ReusedStaging, cpu_copy
+from trainer.checkpoint.files import (
+    FORMAT_VERSION,
+    K_CLASSES,
+    K_FORMAT,
+    K_HPARAMS,
+    K_IDENTITY,
+    K_KEEL_VERSION,
+    K_LOOP,
+    K_OPTIMIZERS,
+    K_STATE_DICT,
+    KEEL_VERSION,
+    CheckpointSaveError,
+    HashingWriter,
+    fsync_dir,
+    os_error,
+    tensor_bytes,
+    write_atomic,
+)
+from trainer.distributed import comm
+
+log = logging.getLogger(__name__)
+
+KEEL_FILE = "keel.pt"
+MANIFEST_FILE = "keel.json"
+METADATA_FILE = ".metadata"
+LIGHTNING_FILE = "lightning.ckpt"
+DCP_KEYS = {K_STATE_DICT: "model", K_OPTIMIZERS: "optimizers"}  # checkpoint key -> DCP top-level key
+_LEFTOVER = re.compile(
+    r"^\..+\.(tmp-[0-9a-f]{8}|old-[0-9a-f]{8}|[a-z0-9_]{8}\.tmp)$"
+)  # what a killed save leaves behind
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, keeping the size and CRC32 of every file written (by any writer thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as raw:
+            handle = HashingWriter(raw)
+            yield handle
+        with self._lock:
+            self.written[Path(path).name] = [handle.size, handle.crc]
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if Path(path).name in self.written:
+                self.written[Path(new_path).name] = self.written.pop(Path(path).name)
+
+
+_DCP_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
+# DCP in one process without a process group warns on every call, from whichever thread runs it (an async
+# save's is DCP's own), that it assumes one process: it does, so the warning is silenced for good.
+warnings.filterwarnings("ignore", message=_DCP_ONE_PROCESS)
+
+
+@contextmanager
+def quiet_dcp() -> Iterator[None]:
+    """The same, where a caller (pytest) reset the warning filters since this module was imported."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_DCP_ONE_PROCESS)
+        yield
+
+
+def manifest_body(identity: dict[str, Any], files: dict[str, list[int]]) -> dict[str, Any]:
+    body = {"format": FORMAT_VERSION, "keel_version": KEEL_VERSION, "identity": identity, "files": files}
+    return dict(body, crc32=zlib.crc32(json.dumps(body, sort_keys=True).encode()))
+
+
+def save(
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    *,
+    identity: dict[str, Any],
+    on_save: Callable[[dict[str, Any]], None],
+    finite: Callable[[], bool],
+    checkpointer: AsyncCheckpointer | None = None,
+    commit: Callable[[], None] | None = None,
+    lightning_file: bool = False,
+) -> None:
+    """Write ``state`` (name -> object with ``state_dict()``) as the save folder ``path``. A collective:
+    every rank calls it at the same point. ``identity``: the save's run, step, epoch, world size (a fresh
+    save id is added); ``on_save(checkpoint)``: the ``on_save_checkpoint`` hooks; ``finite()``: whether the
+    weights are finite (one reduction, the same on every rank); ``commit`` (rank 0): runs once the folder
+    is committed (the pointer swap and pruning). With ``checkpointer`` the write runs on its worker thread
+    and ``commit`` at a later step boundary.
+
+    Raises:
+        FloatingPointError: the weights hold NaN or inf; nothing is written.
+        CheckpointSaveError: the folder could not be written (disk full, ...): an OSError naming it, the bytes
+            needed and free, and that the previous save is intact.
+    """
+    target = Path(path)
+    is_writer = comm.get_rank() == 0
+    if not finite():
+        raise FloatingPointError(
+            f"Refusing to write checkpoint {str(target)!r} at step {identity.get('step')}: the weights hold NaN "
+            "or inf (a non-finite step got through). The last good checkpoint is kept."
+        )
+    if checkpointer is not None:
+        checkpointer.wait()  # the save in flight first: its collectives come before this one's
+    identity = dict(identity, save_id=comm.broadcast_object(uuid.uuid4().hex))
+    tmp = target.parent / f".{target.name}.tmp-{identity['save_id'][:8]}"
+    if is_writer:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint = {key: obj.state_dict() for key, obj in state.items()}  # RNG: a gather, on every rank
+    checkpoint[K_FORMAT], checkpoint[K_KEEL_VERSION], checkpoint[K_IDENTITY] = FORMAT_VERSION, KEEL_VERSION, identity
+    checkpoint[K_CLASSES] = {k: obj.classes() for k, obj in state.items() if hasattr(obj, "classes")}
+    on_save(checkpoint)
+    tensors = {name: checkpoint.pop(key) for key, name in DCP_KEYS.items() if key in checkpoint}
+    tensors[f"identity_{comm.get_rank()}"] = json.dumps(identity, sort_keys=True)  # in this rank's data file
+    extras = _lightning_extras(checkpoint) if lightning_file and is_writer else None
+    job = _Save(target, tmp, tensors, checkpoint if is_writer else None, extras)
+    if checkpointer is None:
+        _write(job, _stage(job, None), None)  # ends with every rank agreeing on the outcome: no barrier needed
+        if commit is not None and is_writer:
+            commit()
+        return
+    checkpointer.submit(
+        lambda: _stage(job, checkpointer),
+        lambda staged: _write(job, staged, checkpointer),
+        commit if is_writer else None,
+        what=str(target),
+    )
+
+
+class _Save:
+    """One save in progress: where it goes and what it holds."""
+
+    def __init__(
+        self, target: Path, tmp: Path, tensors: dict[str, Any], rest: dict[str, Any] | None, extras: Any
+    ) -> None:
+        self.target, self.tmp, self.tensors, self.rest, self.extras = target, tmp, tensors, rest, extras
+        self.nbytes = tensor_bytes(tensors)  # this rank's share, for the message of a failed write
+        self.writer = FileSystemWriter(tmp, sync_files=True)
+        self.fs = self.writer.fs = _HashingFileSystem()
+
+
+def _lightning_extras(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    loop = checkpoint.get(K_LOOP, {})
+    return {
+        "epoch": int(loop.get("epoch", 0)),
+        "global_step": int(loop.get("global_step", 0)),
+        K_HPARAMS: checkpoint.get(K_HPARAMS, {}),
+        "pytorch-lightning_version": f"keel-{KEEL_VERSION}",
+        K_FORMAT: FORMAT_VERSION,
+    }
+
+
+def _stage(job: _Save, checkpointer: AsyncCheckpointer | None) -> Any:
+    """Main thread. Synchronous: nothing (DCP reads the live tensors while it writes). Asynchronous: this
+    rank's tensors copied to CPU buffers reused across saves (``dcp.async_save``'s stager; the loop is
+    blocked only for that copy), the write started on DCP's thread on the checkpoint group, and a copy of
+    keel.pt's small state that later steps cannot change."""
+    if checkpointer is None:
+        return None
+    stager = checkpointer.__dict__.setdefault("dcp_stager", ReusedStaging())
+    with quiet_dcp():
+        future = dcp.async_save(
+            job.tensors, storage_writer=job.writer, process_group=comm.checkpoint_group(), async_stager=stager
+        )
+    if job.extras is not None:
+        job.extras[K_STATE_DICT] = stager.staged("model")
+    job.rest = cpu_copy(job.rest) if job.rest is not None else None
+    job.tensors = {}  # the staged copy is DCP's now; the live tensors are free to change
+    return future
+
+
+def _write(job: _Save, future: Any, checkpointer: AsyncCheckpointer | None) -> None:
+    """Write and commit (main thread, or the worker thread with ``checkpointer``). Every rank: its data
+    files; then a gather of every rank's checksums and errors; then rank 0 writes keel.pt, the Lightning
+    file and the manifest and renames the folder into place; then every rank agrees on the outcome (with
+    ``checkpointer``, a vote: all ranks raise a failure at the same step boundary)."""
+    group = comm.checkpoint_group() if checkpointer is not None else None
+    error: BaseException | None = None
+    try:
+        if future is None:
+            if job.extras is not None:
+                job.extras[K_STATE_DICT] = job.tensors.get("model", {})
+            with quiet_dcp():
+                dcp.save(job.tensors, storage_writer=job.writer)
+        else:
+            future.result()
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        error = exc
+    parts: list[tuple[dict[str, list[int]], str]] = comm.all_gather_object(
+        (dict(job.fs.written), _describe(error)), group=group
+    )
+    failed = [text for _, text in parts if text]
+    if not failed and job.rest is not None:  # rank 0
+        try:
+            _finish(job, {name: size_crc for files, _ in parts for name, size_crc in files.items()})
+        except BaseException as exc:
+            error, failed = exc, [_describe(exc)]
+    mine = failed[0] if failed else ""
+    if checkpointer is None:
+        failed = [text for text in comm.all_gather_object(mine, group=group) if text]
+    else:
+        outcome: list[str] = []
+
+        def agree(polls: int) -> tuple[bool, int]:
+            gathered: list[tuple[str, int]] = comm.all_gather_object((mine, polls), group=group)
+            outcome.extend(text for text, _ in gathered if text)
+            return not outcome, max(p for _, p in gathered)
+
+        checkpointer.vote(agree)
+        failed = outcome
+    if failed:
+        if job.rest is not None:
+            shutil.rmtree(job.tmp, ignore_errors=True)
+        raise _save_error(job, error, failed[0])
+
+
+def _describe(error: BaseException | None) -> str:
+    if error is None:
+        return ""
+    cause = os_error(error)
+    if cause is not None:
+        return f"OSError:{cause.errno}:{cause.strerror or cause}"
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}"
+
+
+def _save_error(job: _Save, error: BaseException | None, text: str) -> BaseException:
+    """A failed save, explained: this rank's OSError, or another rank's (rebuilt from its description)."""
+    cause = os_error(error) if error is not None else None
+    if cause is None and text.startswith("OSError:"):
+        _, code, reason = text.split(":", 2)
+        cause = OSError(int(code) if code.isdigit() else None, reason)
+    if cause is not None:
+        return CheckpointSaveError.for_file(job.target, job.nbytes, cause)
+    return RuntimeError(
+        f"Writing checkpoint {str(job.target)!r} failed ({text}); nothing was committed and the previous "
+        "checkpoint is intact."
+    )
+
+
+def _finish(job: _Save, files: dict[str, list[int]]) -> None:
+    """Rank 0, once every rank's data files are durable: keel.pt, the Lightning file, the manifest (each
+    fsynced), then the folder is renamed into place."""
+    assert job.rest is not None
+    identity = job.rest[K_IDENTITY]
+    rest = job.rest
+    files[KEEL_FILE] = _checksum(write_atomic(job.tmp / KEEL_FILE, lambda h: torch.save(rest, h)), job.tmp / KEEL_FILE)
+    if job.extras is not None and any(hasattr(v, "device_mesh") for v in job.extras[K_STATE_DICT].values()):
+        log.warning(
+            "ModelCheckpoint(lightning_file=True): %s holds sharded (FSDP) weights, so no %s is written; "
+            "best_model_path names the folder (export_weights writes one plain file).",
+            job.target,
+            LIGHTNING_FILE,
+        )
+    elif job.extras is not None:
+        extras = job.extras
+        path = job.tmp / LIGHTNING_FILE
+        files[LIGHTNING_FILE] = _checksum(write_atomic(path, lambda h: torch.save(extras, h)), path)
+    body = json.dumps(manifest_body(identity, files), sort_keys=True, indent=1).encode()
+    write_atomic(job.tmp / MANIFEST_FILE, lambda h: h.write(body))
+    fsync_dir(job.tmp)
+    commit_folder(job.tmp, job.target)
+
+
+def _checksum(crc: int, path: Path) -> list[int]:
+    return [path.stat().st_size, crc]
+
+
+def commit_folder(tmp: Path, target: Path) -> None:
+    """Rename the finished folder into place (a re-save of the same name swaps the old one out first),
+    then remove what killed saves left in the folder (temporary folders and files)."""
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(target, old)
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+    for entry in target.parent.iterdir():
+        if _LEFTOVER.match(entry.name):
+            remove_save(entry)
+
+
+def remove_save(path: str | os.PathLike) -> None:
+    """Delete a save (a folder, or a file of an older release); a failure is logged, not raised."""
+    path = Path(path)
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+    except OSError as exc:
+        log.warning("Could not remove old checkpoint %s: %s", path, exc)
