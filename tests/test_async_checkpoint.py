@@ -344,7 +344,7 @@ class Gate(Callback):
         if step == 4:
             time.sleep(self.HOLD)
             self.release.set()
-            assert cb._checkpointer._job.done.wait(10)  # written and renamed now; committed at step 5's poll
+            assert cb._checkpointer._job.done.wait(10)  # written, renamed and the pointer swapped; done at step 5
         self.seen[step] = (
             (read_pointer(ck) or [None])[0],
             cb._checkpointer.in_flight,
@@ -361,8 +361,9 @@ def test_the_loop_is_blocked_only_for_staging_and_the_pointer_swaps_after_the_fo
     _, cb, _ = async_fit(tmp_path, [gate], every_n_train_steps=3, max_steps=7)
     assert gate.held == (False, [".metadata", "__0_0.distcp"])  # the worker thread: data files, nothing else yet
     assert gate.seen[3] == (None, True, False)  # being written: no folder, no pointer, and step 4 runs
-    assert gate.seen[4] == (None, True, True)  # renamed into place; the pointer waits for a step boundary
-    assert gate.seen[5] == ("epoch=0-step=3.ckpt", False, True)  # committed by step 5's poll
+    # Renamed into place and the pointer swapped on the worker thread; reported done at step 5's poll.
+    assert gate.seen[4] == ("epoch=0-step=3.ckpt", True, True)
+    assert gate.seen[5] == ("epoch=0-step=3.ckpt", False, True)
     for name, value in gate.weights_at_3.items():  # steps 4 and 5 ran meanwhile; the save holds step 3
         assert torch.equal(gate.saved_3[name], value), name
     assert gate.loop_3["global_step"] == 3

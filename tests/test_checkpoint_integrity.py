@@ -840,3 +840,31 @@ def test_two_ranks_fall_back_from_a_damaged_rank1_file(tmp_path: Path) -> None:
     assert_same_weights(ranks[0]["resumed"], ranks[1]["resumed"])
     fallbacks = [w for w in ranks[0]["warnings"] if "Falling back" in w]
     assert len(fallbacks) == 1 and "__1_0.distcp" in fallbacks[0] and save_name(3) in fallbacks[0], ranks[0]["warnings"]
+
+
+# ---------------------------------------------------------------------- a folder not every rank sees
+def test_a_save_rank_0_cannot_see_whole_is_refused_naming_the_files(tmp_path: Path, monkeypatch) -> None:
+    """On node-local disks rank 0's folder lacks the other nodes' data files: never committed as a save."""
+    from trainer.checkpoint import store
+
+    finish = store._finish
+    monkeypatch.setattr(store, "_finish", lambda job, files: finish(job, dict(files, **{"__1_0.distcp": [8, 0]})))
+    trainer = Trainer(**quiet(max_steps=2))
+    trainer.fit(Regression(), data())
+    with pytest.raises(RuntimeError, match=r"not shared by every rank: rank 0 cannot see \['__1_0.distcp'\]"):
+        trainer.save_checkpoint(tmp_path / "x.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing committed, the temporary folder removed
+
+
+def test_a_save_of_a_newer_format_stops_the_resume_instead_of_falling_back(tmp_path: Path) -> None:
+    """A newer keel wrote the newest save: resuming an older save would silently lose the newer steps."""
+    cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    Trainer(**quiet(max_steps=4, callbacks=[cb], enable_checkpointing=True)).fit(Regression(), data())
+    manifest_path = tmp_path / save_name(4) / MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text())
+    body = {k: manifest[k] for k in ("format", "keel_version", "identity", "files")} | {"format": 3}
+    manifest_path.write_text(json.dumps(dict(body, crc32=zlib.crc32(json.dumps(body, sort_keys=True).encode()))))
+    resumed = Trainer(**quiet(max_steps=6, callbacks=[ModelCheckpoint(dirpath=tmp_path)], enable_checkpointing=True))
+    with pytest.raises(CheckpointError, match="format version 3, newer than this keel"):
+        resumed.fit(Regression(), data(), ckpt_path="last")
+    assert resumed.global_step == 0

@@ -10,13 +10,14 @@
 ``write(staged)``
     On the checkpointer's worker thread: the same write as a synchronous save (trainer/checkpoint/store.py):
     data files, checksums gathered, rank 0 writes keel.pt and the manifest and renames the folder into
-    place. Its collectives run on a gloo group of their own (:func:`trainer.distributed.comm.checkpoint_group`),
-    never on the training group.
+    place, then (rank 0) ModelCheckpoint's commit: the ``last`` pointer swap and pruning. Its collectives run
+    on a gloo group of their own (:func:`trainer.distributed.comm.checkpoint_group`), never on the training
+    group.
 ``commit()`` (optional)
     On the main thread again, at a later step boundary (:meth:`AsyncCheckpointer.poll`, called from
     ``ModelCheckpoint.on_train_batch_end``: no collective, no host-device sync) or when waited on
-    (:meth:`AsyncCheckpointer.wait`), after ``write`` returned, and never when it raised: the ``last``
-    pointer swap and pruning.
+    (:meth:`AsyncCheckpointer.wait`), after ``write`` returned, and never when it raised: for what must run
+    on the training thread (keel's saves need nothing there).
 
 At most one save is in flight: :meth:`AsyncCheckpointer.submit` first waits for (and finishes) the
 previous one. An error raised by ``write`` or ``commit`` is re-raised on the main thread at the next

@@ -56,7 +56,6 @@ from trainer.checkpoint.store import (
     LIGHTNING_FILE,
     MANIFEST_FILE,
     METADATA_FILE,
-    manifest_body,
     quiet_dcp,
 )
 from trainer.distributed import comm
@@ -149,11 +148,11 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     """The manifest of a committed save. Raises :class:`CheckpointError` naming what is wrong."""
     path = folder / MANIFEST_FILE
     if not path.is_file():
-        raise CheckpointError(f"Checkpoint {str(folder)!r} has no {MANIFEST_FILE}: it was never committed.")
+        raise CorruptCheckpointError(f"Checkpoint {str(folder)!r} has no {MANIFEST_FILE}: it was never committed.")
     try:
         manifest = json.loads(path.read_text())
         body = {k: manifest[k] for k in ("format", "keel_version", "identity", "files")}
-        intact = manifest_body(body["identity"], body["files"]) == dict(body, crc32=manifest["crc32"])
+        intact = zlib.crc32(json.dumps(body, sort_keys=True).encode()) == manifest["crc32"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(
             f"Checkpoint manifest {str(path)!r} is unreadable ({type(exc).__name__}: {exc})."
@@ -203,7 +202,7 @@ def _verified(folder: Path, *, collective: bool) -> tuple[dict[str, Any] | None,
         if manifest is not None:
             rank, world = (comm.get_rank(), comm.get_world_size()) if collective else (0, 1)
             problems = verify(folder, manifest, rank=rank, world_size=world)
-    except CheckpointError as exc:
+    except CorruptCheckpointError as exc:  # a newer format is a CheckpointError: raised, never skipped
         problems = [str(exc)]
     if collective:
         problems = [p for rank_problems in comm.all_gather_object(problems) for p in rank_problems]
@@ -355,8 +354,10 @@ def committed(directory: str | os.PathLike) -> list[str]:
                 found.append((-1, entry.stat().st_mtime, entry.name))  # a folder of the previous release
             elif entry.is_file() and entry.suffix == ".ckpt":
                 found.append((-1, entry.stat().st_mtime, entry.name))
-        except (CheckpointError, OSError, ValueError):
+        except (CorruptCheckpointError, OSError, ValueError):
             continue  # not committed, or damaged: never a candidate (the pointer's newest is reported)
+        except CheckpointError:  # a newer format: the newest candidate, refused when loaded ("upgrade keel")
+            found.append((1 << 62, entry.stat().st_mtime, entry.name))
     return [name for _, _, name in sorted(found, reverse=True)]
 
 

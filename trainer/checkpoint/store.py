@@ -18,7 +18,7 @@ Layout of ``epoch=0-step=4.ckpt/`` (a folder; the name keeps ModelCheckpoint's s
 Commit protocol: every file is written under a temporary folder name beside the target and fsynced; once
 every rank's data files are durable (a gather of their checksums on the checkpoint group), rank 0 writes
 keel.pt and the manifest, fsyncs the folder, renames it into place and fsyncs the parent. The ``last``
-pointer is swapped after that (ModelCheckpoint). A crash at any point leaves the previous save and the
+pointer is swapped after that (ModelCheckpoint's commit). A crash at any point leaves the previous save and the
 pointer untouched; the temporary folder it leaves is removed by the next successful save.
 
 Synchronous and asynchronous saves run the same two functions, :func:`_stage` on the main thread and
@@ -140,8 +140,8 @@ def save(
     every rank calls it at the same point. ``identity``: the save's run, step, epoch, world size (a fresh
     save id is added); ``on_save(checkpoint)``: the ``on_save_checkpoint`` hooks; ``finite()``: whether the
     weights are finite (one reduction, the same on every rank); ``commit`` (rank 0): runs once the folder
-    is committed (the pointer swap and pruning). With ``checkpointer`` the write runs on its worker thread
-    and ``commit`` at a later step boundary.
+    is committed (the pointer swap and pruning). With ``checkpointer`` the write and ``commit`` run on its
+    worker thread, and the save is reported done (or its error raised) at a later step boundary.
 
     Raises:
         FloatingPointError: the weights hold NaN or inf; nothing is written.
@@ -174,12 +174,13 @@ def save(
         if commit is not None and is_writer:
             commit()
         return
-    checkpointer.submit(
-        lambda: _stage(job, checkpointer),
-        lambda staged: _write(job, staged, checkpointer),
-        commit if is_writer else None,
-        what=str(target),
-    )
+
+    def write(staged: Any) -> None:
+        _write(job, staged, checkpointer)
+        if commit is not None and is_writer:
+            commit()  # the pointer swap and pruning (removing a GiB folder takes ~0.3 s): off the training thread
+
+    checkpointer.submit(lambda: _stage(job, checkpointer), write, what=str(target))
 
 
 class _Save:
@@ -297,6 +298,12 @@ def _finish(job: _Save, files: dict[str, list[int]]) -> None:
     """Rank 0, once every rank's data files are durable: keel.pt, the Lightning file, the manifest (each
     fsynced), then the folder is renamed into place."""
     assert job.rest is not None
+    unseen = sorted(name for name in files if not (job.tmp / name).is_file())
+    if unseen:
+        raise RuntimeError(
+            f"Checkpoint folder {str(job.tmp.parent)!r} is not shared by every rank: rank 0 cannot see {unseen}, "
+            "which other ranks wrote. Put ModelCheckpoint(dirpath=...) on storage every node mounts."
+        )
     identity = job.rest[K_IDENTITY]
     rest = job.rest
     files[KEEL_FILE] = _checksum(write_atomic(job.tmp / KEEL_FILE, lambda h: torch.save(rest, h)), job.tmp / KEEL_FILE)
