@@ -10,8 +10,8 @@ under ``strategy="ddp"`` and then ``strategy="fsdp"``, each under ``torchrun --n
 * bytes of parameters + gradients + optimizer state this rank holds (DTensors count their local shard),
   read in ``on_before_optimizer_step`` (gradients exist, Adam state after the first step);
 * median wall time per optimizer step (``on_train_batch_end`` to ``on_train_batch_end``, after warm-up);
-* the time the loop is blocked by one checkpoint save, synchronous (``Trainer.save_checkpoint``: one file
-  from rank 0 under DDP, every rank's shards under FSDP) and asynchronous (``ModelCheckpoint(async_save=
+* the time the loop is blocked by one checkpoint save, synchronous (``Trainer.save_checkpoint``: a folder to
+  which every rank writes its part, its shards under FSDP) and asynchronous (``ModelCheckpoint(async_save=
   True)``: the state is staged to CPU memory and written in the background; blocked = until ``save``
   returns), each the median of ``--saves`` saves at step boundaries (the JSON also lists each save: the
   first async save allocates the CPU buffers that the later ones reuse).
