@@ -868,3 +868,9 @@ def test_a_save_of_a_newer_format_stops_the_resume_instead_of_falling_back(tmp_p
     with pytest.raises(CheckpointError, match="format version 3, newer than this keel"):
         resumed.fit(Regression(), data(), ckpt_path="last")
     assert resumed.global_step == 0
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_lightning_file_must_be_a_bool(value: Any) -> None:
+    with pytest.raises(ValueError, match=r"ModelCheckpoint\(lightning_file=.*\): expected True or False"):
+        ModelCheckpoint(lightning_file=value)

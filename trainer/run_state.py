@@ -30,6 +30,7 @@ from trainer.checkpoint.files import (
     KEEL_VERSION,
     CheckpointError,
     CorruptCheckpointError,
+    refuse_non_finite,
     save_file,
 )
 from trainer.checkpoint.reader import resolve_best, resolve_last
@@ -171,11 +172,7 @@ def save(
             lightning_file=lightning_file,
         )
         return
-    if not trainer.strategy.weights_finite(task):
-        raise FloatingPointError(
-            f"Refusing to write checkpoint {os.fspath(path)!r} at step {trainer.global_step}: the weights hold NaN "
-            "or inf (a non-finite step got through). The last good checkpoint is kept."
-        )
+    refuse_non_finite(trainer.strategy.weights_finite(task), path, trainer.global_step)
     checkpoint: dict[str, Any] = {
         K_FORMAT: FORMAT_VERSION,
         K_KEEL_VERSION: KEEL_VERSION,

@@ -108,6 +108,15 @@ class CheckpointSaveError(OSError):
         return error
 
 
+def refuse_non_finite(finite: bool, path: str | os.PathLike, step: Any) -> None:
+    """Raise ``FloatingPointError`` for a save of non-finite weights (nothing is written then)."""
+    if not finite:
+        raise FloatingPointError(
+            f"Refusing to write checkpoint {os.fspath(path)!r} at step {step}: the weights hold NaN or inf (a "
+            "non-finite step got through). The last good checkpoint is kept."
+        )
+
+
 def tensor_bytes(obj: Any) -> int:
     """Sum of ``nbytes`` of the tensors in a (nested) state: the size estimate of its files."""
     if isinstance(obj, torch.Tensor):

@@ -62,6 +62,7 @@ from trainer.checkpoint.files import (
     HashingWriter,
     fsync_dir,
     os_error,
+    refuse_non_finite,
     tensor_bytes,
     write_atomic,
 )
@@ -150,11 +151,7 @@ def save(
     """
     target = Path(path)
     is_writer = comm.get_rank() == 0
-    if not finite():
-        raise FloatingPointError(
-            f"Refusing to write checkpoint {str(target)!r} at step {identity.get('step')}: the weights hold NaN "
-            "or inf (a non-finite step got through). The last good checkpoint is kept."
-        )
+    refuse_non_finite(finite(), target, identity.get("step"))
     if checkpointer is not None:
         checkpointer.wait()  # the save in flight first: its collectives come before this one's
     identity = dict(identity, save_id=comm.broadcast_object(uuid.uuid4().hex))
