@@ -263,14 +263,24 @@ def test_forced_save_before_the_monitored_metric_exists(tmp_path: Path) -> None:
 
 
 class _FailsAtFirstStep(Regression):
+    """Fails at the second batch it trains on: one optimizer step after the resume, so the state differs from
+    the save it resumed from (a failure with nothing new to save saves nothing)."""
+
+    def on_train_start(self):
+        self.batches = 0
+
     def training_step(self, batch, batch_idx):
-        raise RuntimeError("boom at the first step")
+        self.batches += 1
+        if self.batches == 2:
+            raise RuntimeError("boom at the first step")
+        return super().training_step(batch, batch_idx)
 
 
 def test_forced_save_without_the_monitored_value_when_top_k_is_full(tmp_path: Path) -> None:
-    """A resumed run that fails before its first validation (no ``val/loss`` yet) while top-k is full still
-    saves on exception, as ``last``, outside the top-k; the run's own error is what the caller sees (before
-    the fix, comparing the missing score with the worst kept one raised TypeError inside the save)."""
+    """A resumed run that fails after one step, before its first validation (no ``val/loss`` yet), while top-k
+    is full still saves on exception, as ``last``, outside the top-k; the run's own error is what the caller
+    sees (before the fix, comparing the missing score with the worst kept one raised TypeError inside the
+    save)."""
     _, cb = fit_with_checkpoints(tmp_path, monitor="val/loss", save_top_k=1)
     assert len(cb.best_k_models) == 1
     kept = dict(cb.best_k_models)
@@ -283,3 +293,45 @@ def test_forced_save_without_the_monitored_value_when_top_k_is_full(tmp_path: Pa
     assert cb2.best_k_models == kept  # the failed run's save is not ranked
     assert "-exception" in cb2.last_model_path and Path(cb2.last_model_path).exists()
     assert read_pointer(tmp_path)[0] == Path(cb2.last_model_path).name  # what ckpt_path="last" resumes from
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_save_last_leaves_the_final_state_whatever_the_periodic_triggers(tmp_path: Path, save_last) -> None:
+    """every_n_epochs larger than the run: no periodic save fires, yet the fit ends with last.ckpt of its final
+    state (Lightning's on_train_end does the same). With every_n_epochs=2 of 3 epochs the epoch-2 save stays in the
+    top-k and the final state is saved as `last` beside it. A resume of the finished run saves nothing again."""
+    ckpt_dir = tmp_path / "never"
+    trainer = Trainer(
+        **quiet(
+            max_epochs=3,
+            enable_checkpointing=True,
+            callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=10, save_last=save_last)],
+        )
+    )
+    trainer.fit(Regression(), loader(regression_data(), 16))
+    final = {k: v.clone() for k, v in trainer.task.state_dict().items()}
+    # Named at the end of fit, when current_epoch is 3 (epochs done), as Lightning's trainer reports it then.
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=3-step=12.ckpt", "last", "last.ckpt"]
+    assert os.path.islink(ckpt_dir / "last.ckpt") and read_pointer(ckpt_dir) == ["epoch=3-step=12.ckpt"]
+    restored = load_weights(str(ckpt_dir / "last.ckpt"))["state_dict"]
+    assert all(torch.equal(restored[k], final[k]) for k in final)
+
+    ckpt_dir = tmp_path / "every2"
+    cb = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=2, save_last=save_last)
+    Trainer(**quiet(max_epochs=3, enable_checkpointing=True, callbacks=[cb])).fit(
+        Regression(), loader(regression_data(), 16)
+    )
+    names = sorted(p.name for p in ckpt_dir.iterdir())
+    assert names == ["epoch=1-step=8.ckpt", "epoch=3-step=12.ckpt", "last", "last.ckpt"]
+    assert cb.best_model_path.endswith("epoch=1-step=8.ckpt") and cb.last_model_path.endswith("epoch=3-step=12.ckpt")
+
+    again = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=2, save_last=save_last)
+    Trainer(**quiet(max_epochs=3, enable_checkpointing=True, callbacks=[again])).fit(
+        Regression(), loader(regression_data(), 16), ckpt_path="last"
+    )
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == names  # nothing saved twice, nothing pruned
+
+
+def test_save_last_rejects_unknown_modes() -> None:
+    with pytest.raises(ValueError, match="save_last='copy'"):
+        ModelCheckpoint(save_last="copy")

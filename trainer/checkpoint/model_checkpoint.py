@@ -17,7 +17,7 @@ import os
 import re
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.callback import Callback
 from trainer.checkpoint.async_save import AsyncCheckpointer
@@ -108,8 +108,10 @@ class ModelCheckpoint(Callback):
         mode: ``"min"`` or ``"max"``.
         save_top_k: how many to keep (-1: all, 0: none except ``last``).
         save_last: always keep the most recent checkpoint (``last_model_path``) besides the top-k; True
-            also leaves ``last.ckpt`` in ``dirpath`` (a symlink to the save folder, or to its ``lightning.ckpt``),
-            the file Lightning users and their scripts look for, beside keel's ``last`` pointer.
+            (or Lightning's ``"link"``, the same here) also leaves ``last.ckpt`` in ``dirpath`` (a symlink to the
+            save folder, or to its ``lightning.ckpt``), the file Lightning users and their scripts look for,
+            beside keel's ``last`` pointer. Either way the end of ``fit`` saves the final state when no periodic
+            save already holds it (kept as ``last``, outside the top-k).
         every_n_train_steps: save every n optimizer steps.
         every_n_epochs: save every n epochs (default 1 when no other trigger is given).
         train_time_interval: save when this many seconds passed since the last save (checked at steps).
@@ -147,7 +149,7 @@ class ModelCheckpoint(Callback):
         *,
         mode: str = "min",
         save_top_k: int = 1,
-        save_last: bool | None = None,
+        save_last: bool | Literal["link"] | None = None,
         every_n_train_steps: int | None = None,
         every_n_epochs: int | None = None,
         train_time_interval: float | None = None,
@@ -179,11 +181,8 @@ class ModelCheckpoint(Callback):
             raise ValueError(
                 f"ModelCheckpoint(save_on_train_epoch_end={save_on_train_epoch_end!r}): expected True, False or None."
             )
-        if save_last not in (None, True, False):
-            raise ValueError(
-                f"ModelCheckpoint(save_last={save_last!r}): expected True, False or None (keel has no "
-                "'link' mode: save_last=True already leaves last.ckpt as a link)."
-            )
+        if save_last not in (None, True, False, "link"):
+            raise ValueError(f"ModelCheckpoint(save_last={save_last!r}): expected True, 'link', False or None.")
         if async_save and save_weights_only:
             raise ValueError(
                 "ModelCheckpoint(async_save=True, save_weights_only=True): pick one (async saves "
@@ -293,6 +292,9 @@ class ModelCheckpoint(Callback):
                 self.save(trainer)
 
     def on_train_end(self, trainer: Trainer, task: TaskModule) -> None:
+        # save_last: the fit ends with its final state saved, whatever the periodic triggers did.
+        if self.save_last and trainer.optimizers and trainer.global_step != self._last_saved_step:
+            self.save(trainer, last_only=True)
         self._checkpointer.wait()  # the end of fit never leaves a save in flight
 
     def teardown(self, trainer: Trainer, task: TaskModule, stage: str) -> None:
@@ -317,6 +319,7 @@ class ModelCheckpoint(Callback):
             "dirpath": self.dirpath,
             "monitor": self.monitor,
             "mode": self.mode,
+            "last_saved_step": self._last_saved_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -324,6 +327,7 @@ class ModelCheckpoint(Callback):
         self._best_path = state.get("best_model_path", "")
         self.best_model_score = state.get("best_model_score")
         self._last_path = state.get("last_model_path", "")
+        self._last_saved_step = int(state.get("last_saved_step", -1))
 
     # ------------------------------------------------------------------ saving
     def format_name(
@@ -347,11 +351,12 @@ class ModelCheckpoint(Callback):
 
         return _FIELD.sub(render, self.filename).replace("/", "_") + suffix + ".ckpt"
 
-    def save(self, trainer: Trainer, suffix: str = "", *, force: bool = False) -> str | None:
+    def save(self, trainer: Trainer, suffix: str = "", *, force: bool = False, last_only: bool = False) -> str | None:
         """Save now (collective: every rank calls it). Returns the path, or None if top-k rejected it.
 
         ``force`` (preemption, exceptions) always writes and records the file as ``last``, whatever top-k
-        decides; it is pruned like any other ``last`` once a newer checkpoint exists.
+        decides; it is pruned like any other ``last`` once a newer checkpoint exists. ``last_only`` (the end
+        of fit with ``save_last``) writes it as ``last`` outside the top-k.
         """
         assert self.dirpath is not None
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -363,15 +368,17 @@ class ModelCheckpoint(Callback):
         if self.monitor is not None:
             if self.monitor in metrics:
                 score = metrics[self.monitor]
-            elif not force:
+            elif not (force or last_only):
                 raise KeyError(
                     f"ModelCheckpoint(monitor={self.monitor!r}): no such metric was logged; available: "
                     f"{sorted(metrics)}."
                 )
-        name = self.format_name(metrics, trainer.current_epoch, trainer.global_step, suffix, missing_ok=force)
+        name = self.format_name(
+            metrics, trainer.current_epoch, trainer.global_step, suffix, missing_ok=force or last_only
+        )
         path = self._versioned(os.path.join(self.dirpath, name))
         # A forced save without the monitored value is kept as `last` only, outside the top-k.
-        keep = self._admits(score) and (self.monitor is None or score is not None)
+        keep = not last_only and self._admits(score) and (self.monitor is None or score is not None)
         if not keep and not self.save_last and not force:
             return None
         self._checkpointer.wait()  # the previous (background) save is committed before this one's bookkeeping
@@ -384,6 +391,7 @@ class ModelCheckpoint(Callback):
             removed = self._prune_top_k()
         victims = removed + ([old_last] if old_last and old_last != path else [])
         background = self.async_save and not force  # forced saves (preemption, exception) are synchronous
+        self._last_saved_step = trainer.global_step  # before the save: its own callback state records it
         trainer.save_checkpoint(
             path,
             weights_only=self.save_weights_only,
@@ -391,14 +399,13 @@ class ModelCheckpoint(Callback):
             on_commit=lambda: self._commit(trainer, path, victims),
             lightning_file=self.lightning_file,
         )
-        self._last_saved_step = trainer.global_step
         self._last_time = time.monotonic()
         return path
 
     def _commit(self, trainer: Trainer, path: str, victims: list[str]) -> None:
         """Rank 0, only after ``path`` is committed: point `last` at it, then prune what it replaces."""
         write_pointer(path)
-        if self.save_last is True:
+        if self.save_last:
             link_last(path, lightning_file=self.lightning_file)
         if self.verbose:
             score = self.best_k_models.get(path)
