@@ -4,12 +4,15 @@
 last two by default and never imports this package) and re-exported here.
 
 The others live here, one per module: ``EarlyStopping``, ``GradientAccumulationScheduler``,
-``LambdaCallback``, ``LearningRateMonitor``, ``ModelSummary``, ``ThroughputMonitor`` and ``Timer``. Every
+``LambdaCallback``, ``LearningRateMonitor``, ``ModelSummary``, ``ThroughputMonitor``, ``Timer`` and the
+fine-tuning callbacks ``BaseFinetuning`` / ``BackboneFinetuning``. ``callbacks.lightning`` (Lightning's names
+and module paths) and ``callbacks.lightning_cli`` (``LightningCLI`` on jsonargparse) serve ported programs. Every
 rank runs every hook; only side effects are gated to rank 0, and a decision that stops training is taken
 from reduced metrics or broadcast from rank 0 (docs/design.md section 7).
 """
 
 from callbacks.early_stopping import EarlyStopping
+from callbacks.finetuning import BackboneFinetuning, BaseFinetuning
 from callbacks.gradient_accumulation import GradientAccumulationScheduler
 from callbacks.lambda_function import LambdaCallback
 from callbacks.lr_monitor import LearningRateMonitor
@@ -21,6 +24,8 @@ from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.observability.progress import ProgressBar
 
 __all__ = [
+    "BackboneFinetuning",
+    "BaseFinetuning",
     "Callback",
     "EarlyStopping",
     "GradientAccumulationScheduler",

@@ -119,12 +119,14 @@ def run(cfg: DictConfig, *, command: str = COMMAND) -> dict[str, Any]:
     monitor = getattr(checkpoint, "monitor", None)
     best_path = _abspath(getattr(checkpoint, "best_model_path", "")) if monitor else None
     tested_on = None
+    # Values callbacks logged themselves (learning rates, throughput), then the task's (self.log); each stage
+    # starts them afresh (as Lightning does), so fit's are kept before test runs.
+    metrics = {**trainer.logged_metrics, **{name: float(value) for name, value in trainer.callback_metrics.items()}}
     if cfg.get("test"):
         # "best" needs a monitored save; without one, test the weights fit ended with.
         trainer.test(task, datamodule=datamodule, ckpt_path="best" if best_path else None)
         tested_on = "best checkpoint" if best_path else "final weights"
-    # Values callbacks logged themselves (learning rates, throughput), then the task's (self.log).
-    metrics = {**trainer.logged_metrics, **{name: float(value) for name, value in trainer.callback_metrics.items()}}
+        metrics.update(trainer.logged_metrics, **{k: float(v) for k, v in trainer.callback_metrics.items()})
     summary = {
         "metrics": dict(sorted(metrics.items())),
         "run_dir": os.path.abspath(trainer.log_dir),

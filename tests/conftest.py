@@ -161,6 +161,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip_slow)
 
 
+@pytest.fixture(autouse=True)
+def _no_global_seed_between_tests():  # type: ignore[no-untyped-def]
+    """``seed_everything(n)`` sets ``PL_GLOBAL_SEED`` (and ``workers=True`` ``PL_SEED_WORKERS``), which a Trainer
+    built without ``seed=`` then uses: every test starts without them and leaves the environment as it was."""
+    saved = {name: os.environ.pop(name, None) for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     """The repository root (the parent of tests/)."""

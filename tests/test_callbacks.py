@@ -54,20 +54,22 @@ def test_lr_monitor_follows_step_lr_at_logging_steps(tmp_path: Path) -> None:
     )
     rows = read_csv(logger)
     lrs = column(rows, "lr-SGD")
-    # After s optimizer steps the scheduler has stepped s times: the rate the next step uses.
-    assert lrs == [(s, pytest.approx(0.1 * 0.5 ** (s // 3), rel=1e-12)) for s in range(2, 17, 2)]
-    assert column(rows, "lr-SGD-momentum") == [(s, 0.9) for s in range(2, 17, 2)]
+    # Lightning 2.6.6: at the start of the batch of each logging step (the 2nd, 4th, ... step), at the step that
+    # step is logged at (1, 3, ..., 15: s steps done), the rate it uses: the scheduler has stepped s times.
+    assert lrs == [(s, pytest.approx(0.1 * 0.5 ** (s // 3), rel=1e-12)) for s in range(1, 16, 2)]
+    assert column(rows, "lr-SGD-momentum") == [(s, 0.9) for s in range(1, 16, 2)]
 
 
 def test_lr_monitor_epoch_interval(tmp_path: Path) -> None:
     logger = CSVLogger(tmp_path)
     monitor = LearningRateMonitor(logging_interval="epoch")
-    # 2 steps per epoch; StepLR(step_size=3) stepped per epoch, before the callbacks' on_train_epoch_end.
+    # 2 steps per epoch; StepLR(step_size=3) stepped per epoch, before the next epoch starts.
     Trainer(**quiet(max_epochs=4, log_every_n_steps=1, logger=logger, callbacks=[monitor])).fit(
         Regression(lr=0.1, scheduler="epoch"), loader(regression_data(16), 8)
     )
     lrs = column(read_csv(logger), "lr-SGD")
-    assert lrs == [(2 * (e + 1), pytest.approx(0.1 * 0.5 ** ((e + 1) // 3))) for e in range(4)]
+    # Lightning 2.6.6: at the start of each epoch e (at step 2e), the rate that epoch uses.
+    assert lrs == [(2 * e, pytest.approx(0.1 * 0.5 ** (e // 3))) for e in range(4)]
 
 
 def test_lr_metric_names_for_groups_and_repeated_classes() -> None:
@@ -75,7 +77,8 @@ def test_lr_metric_names_for_groups_and_repeated_classes() -> None:
     sgd = torch.optim.SGD([a], lr=0.1)
     sgd2 = torch.optim.SGD([b], lr=0.2)
     adam = torch.optim.Adam([{"params": [c]}, {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.5}])
-    assert lr_metric_names([sgd, sgd2, adam]) == [["lr-SGD"], ["lr-SGD-1"], ["lr-Adam/pg0", "lr-Adam/pg1"]]
+    # Lightning 2.6.6's names: param groups count from 1 (more in tests/test_lightning_logging.py).
+    assert lr_metric_names([sgd, sgd2, adam]) == [["lr-SGD"], ["lr-SGD-1"], ["lr-Adam/pg1", "lr-Adam/pg2"]]
     with pytest.raises(ValueError, match="logging_interval='batch'"):
         LearningRateMonitor(logging_interval="batch")  # type: ignore[arg-type]
 
@@ -130,7 +133,8 @@ class ItemsTask(Regression):
 def test_throughput_keys_only_at_logging_steps(tmp_path: Path) -> None:
     logger = CSVLogger(tmp_path)
     monitor = ThroughputMonitor(window=4)
-    # 8 steps per epoch x 2 epochs, logging every 3 steps; the epoch LR monitor adds rows at steps 8 and 16.
+    # 8 steps per epoch x 2 epochs, logging every 3 steps: steps 3, 6, ... logged at 2, 5, ... (Lightning's axis,
+    # docs/tracking.md); the epoch LR monitor adds rows at the epoch starts, steps 0 and 8.
     Trainer(
         **quiet(
             max_epochs=2,
@@ -147,8 +151,8 @@ def test_throughput_keys_only_at_logging_steps(tmp_path: Path) -> None:
         "throughput/data_wait_fraction",
     ]
     for key in keys:
-        assert [s for s, _ in column(rows, key)] == [3, 6, 9, 12, 15], key
-    assert {s for s, _ in column(rows, "lr-SGD")} == {8, 16}  # rows without throughput exist
+        assert [s for s, _ in column(rows, key)] == [2, 5, 8, 11, 14], key
+    assert {s for s, _ in column(rows, "lr-SGD")} == {0, 8}  # rows without throughput exist
     for row in rows:
         if row["throughput/samples_per_sec"]:
             samples = float(row["throughput/samples_per_sec"])
@@ -464,9 +468,10 @@ def test_tensorboard_events_hold_logging_steps_and_values(tmp_path: Path) -> Non
     events = EventAccumulator(logger.log_dir)
     events.Reload()
     scalars = [(e.step, e.value) for e in events.Scalars("global_step_value")]
-    # 4 steps per epoch, 8 in all; logged at steps 2, 4, 6, 8 with the value logged during that step (s - 1).
-    assert scalars == [(s, float(s - 1)) for s in (2, 4, 6, 8)]
-    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
+    # 4 steps per epoch, 8 in all; the 2nd, 4th, ... are logging steps, logged at 1, 3, 5, 7 as in Lightning 2.6.6
+    # (the 0-based index of the step), with the value logged during that step: global_step before it, the same.
+    assert scalars == [(s, float(s)) for s in (1, 3, 5, 7)]
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 3, 5, 7]
 
 
 def test_logging_a_non_scalar_tensor_names_the_metric() -> None:

@@ -88,14 +88,14 @@ def assert_same_run(root: Path, reference: tuple[Path, dict], *, ranks: int, res
         for o in run["order"]:  # the derived accumulation: G / (world size x micro-batch), G on its schedule
             assert o["accumulate"] * o["world_size"] * MICRO == global_batch_at(o["step"]) == len(o["samples"])
     # The logged step axis continues from the resumed step (a lost step is logged again, by the survivor),
-    # and every step is logged with the reference's epoch.
+    # and every step is logged with the reference's epoch. Step N is logged at N - 1 (Lightning's axis).
     rows = logged_rows(root)
     steps = [step for step, _ in rows]
     back = [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
     assert len(back) <= 1, steps
     if back:
-        assert steps[back[0]] == resumed_at + 1, steps
-    assert steps[back[0] if back else 0 :] == list(range(steps[back[0]] if back else 1, STEPS + 1)), steps
+        assert steps[back[0]] == resumed_at, steps
+    assert steps[back[0] if back else 0 :] == list(range(steps[back[0]] if back else 0, STEPS)), steps
     assert dict(rows) == dict(logged_rows(ref_root))
 
 

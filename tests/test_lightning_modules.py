@@ -80,7 +80,8 @@ def test_hydra_template_mnist_port_with_its_yaml_callbacks(tmp_path: Path) -> No
     # filename "epoch_{epoch:03d}", auto_insert_metric_name=False, save_last=True: Lightning's file names
     assert "last.ckpt" in result["files"] and any(f.startswith("epoch_00") for f in result["files"])
     assert result["ckpt_path"].startswith("epoch_00") and {"test/loss", "test/acc"} <= set(result["tested"][0])
-    assert {"val/acc", "val/acc_best", "train/loss"} <= set(result["metrics"])
+    # read after test(): as in Lightning 2.6.6, callback_metrics then hold that stage's metrics only
+    assert set(result["metrics"]) == {"test/loss", "test/acc"}
     assert result["dm_hparams"]["batch_size"] == 16 and result["per_device"] == 16
 
 
@@ -374,11 +375,10 @@ def test_seed_everything_lightning_signature() -> None:
 
 # ---------------------------------------------------------------------------- the lightning module
 def test_lightning_names_and_what_keel_lacks() -> None:
-    assert L.LightningModule is TaskModule and L.LightningDataModule is DataModule and L.Trainer is Trainer
+    assert L.LightningModule is TaskModule and L.LightningDataModule is DataModule and issubclass(L.Trainer, Trainer)
     assert L.pytorch.callbacks.ModelCheckpoint is L.ModelCheckpoint and L.pytorch.LightningModule is TaskModule
     assert L.pytorch.utilities.rank_zero.rank_zero_only is L.rank_zero_only
-    with pytest.raises(NotImplementedError, match="keel-train"):
-        L.pytorch.cli.LightningCLI(Regression)
+    assert L.pytorch.cli.LightningCLI is L.LightningCLI and "LightningCLI" not in L.LACKING
     with pytest.raises(AttributeError, match="torch.optim.swa_utils"):
         L.pytorch.callbacks.StochasticWeightAveraging  # noqa: B018
     with pytest.raises(AttributeError, match="available"):

@@ -59,13 +59,15 @@ def test_rank_zero_logging_and_rank_local_metrics(tmp_path: Path) -> None:
         ]
     assert "Signaling Trainer to stop" in result.stdout
 
-    # Rank 0 alone wrote the logs: one row per logging step for each source.
+    # Rank 0 alone wrote the logs: one row per logging step for each source. Steps 2, 4, ..., 16 are logged at
+    # 1, 3, ..., 15 (Lightning's axis), each with the value logged during it (global_step before it: the same).
     with open(tmp_path / "logs" / "keel_logs" / "version_0" / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    steps = list(range(2, 17, 2))
+    steps = list(range(1, 16, 2))
     assert [int(r["step"]) for r in rows if r["only0"]] == steps
-    assert [float(r["only0"]) for r in rows if r["only0"]] == [s - 1.0 for s in steps]
-    assert [int(r["step"]) for r in rows if r["lr-SGD"]] == steps
+    assert [float(r["only0"]) for r in rows if r["only0"]] == [float(s) for s in steps]
+    # LearningRateMonitor() (no scheduler): at each epoch start (0, 4, 8, 12) and each logging step, as Lightning.
+    assert [int(r["step"]) for r in rows if r["lr-SGD"]] == sorted(steps + [0, 4, 8, 12])
     samples = [float(r["throughput/samples_per_sec"]) for r in rows if r["throughput/samples_per_sec"]]
     items = [float(r["throughput/items_per_sec"]) for r in rows if r["throughput/items_per_sec"]]
     assert len(samples) == len(steps)

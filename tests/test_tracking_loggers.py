@@ -287,7 +287,8 @@ def test_recipe_logs_config_and_metrics_to_both_trackers(tmp_path: Path) -> None
     run_dir = tmp_path / "digits" / "version_0"
     ml = MLFlowLogger(experiment_name="digits", save_dir=tmp_path, version=0)
     assert ml.experiment is not None  # opens the recipe's run again: found through <run dir>/mlflow_run.json
-    assert [s for s, _ in _history(ml, "train/loss")] == [1, 2, 3]
+    # Lightning's axis: steps 1, 2, 3 are logged at 0, 1, 2; the test after fit at global_step, 3.
+    assert [s for s, _ in _history(ml, "train/loss")] == [0, 1, 2]
     assert [s for s, _ in _history(ml, "test/acc")] == [3]
     run = _client(ml).get_run(ml.run_id)
     assert run.data.params["config/trainer/max_steps"] == "3" and run.data.params["trainer/max_steps"] == "3"
@@ -298,7 +299,7 @@ def test_recipe_logs_config_and_metrics_to_both_trackers(tmp_path: Path) -> None
     config = wandb_records.config(files[0])
     assert config["config"]["trainer"]["max_steps"] == 3 and config["trainer"]["max_steps"] == 3
     steps = sorted(row["_step"] for f in files for row in wandb_records.history(f) if "train/loss" in row)
-    assert steps == [1, 2, 3]
+    assert steps == [0, 1, 2]
 
 
 # ---------------------------------------------------------------------------------------------- W&B run file

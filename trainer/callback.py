@@ -53,6 +53,11 @@ class Callback:
     ``on_predict_start``, ``on_predict_epoch_start``, ``on_predict_batch_start`` / ``on_predict_batch_end``
     per batch, ``on_predict_epoch_end``, ``on_predict_end``.
 
+    The batch hooks of validation, test and predict get ``dataloader_idx`` (a last positional argument) only
+    when the stage has several dataloaders, as in Lightning: a hook written ``(trainer, task, outputs, batch,
+    batch_idx)`` works with one loader, one with ``dataloader_idx=0`` with any number. A hook that cannot take
+    the call it will get is named in a ``RuntimeError`` before the run starts.
+
     Precisely, one optimizer step with ``accumulate_grad_batches=k`` calls, per micro-batch,
     ``on_train_batch_start -> on_before_backward -> on_after_backward``, and then for the k-th
     micro-batch ``on_before_optimizer_step -> (optimizer.step) -> on_before_zero_grad -> on_train_batch_end``;

@@ -60,6 +60,84 @@ def takes_batch_idx(step: Callable[..., Any], *, extra: int = 0) -> bool:
     return len(positional) >= 2
 
 
+# ---------------------------------------------------------------------- dataloader_idx (evaluation and predict)
+# Lightning's name for each stage's loaders in its messages ("You provided multiple `val_dataloader`, ...").
+_DATALOADER_PREFIX = {"validation": "val", "test": "test", "predict": "predict"}
+
+
+def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    """``fn``'s parameters (``self`` already bound), or None when Python cannot tell (a builtin)."""
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
+def _names_dataloader_idx(fn: Callable[..., Any]) -> bool:
+    """Lightning's ``is_param_in_hook_signature(fn, "dataloader_idx")``: a parameter of that name, or ``*args``."""
+    params = _parameters(fn)
+    return params is None or any(p.name == "dataloader_idx" or p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def _requires_dataloader_idx(fn: Callable[..., Any]) -> bool:
+    params = _parameters(fn)
+    return params is not None and any(p.name == "dataloader_idx" and p.default is p.empty for p in params)
+
+
+def check_task_dataloader_idx(task: TaskModule, stage: str, names: Iterable[str], *, many: bool) -> None:
+    """Lightning's check of the task's step and batch hooks (``names``, those the task overrides) before an
+    evaluation or predict run (``stage``: "validation", "test" or "predict"), with Lightning's messages: with
+    several loaders each must take ``dataloader_idx``; with one, none may require it.
+
+    Raises:
+        RuntimeError: naming the method and the fix, as Lightning 2.6 does.
+    """
+    prefix = _DATALOADER_PREFIX[stage]
+    for name in names:
+        fn = getattr(task, name)
+        where = f"`{type(task).__name__}.{name}()`"
+        if many and not _names_dataloader_idx(fn):
+            raise RuntimeError(
+                f"You provided multiple `{prefix}_dataloader`, but no `dataloader_idx` argument in {where}. Try "
+                "adding `dataloader_idx=0` to its signature."
+            )
+        if not many and _requires_dataloader_idx(fn):
+            raise RuntimeError(
+                f"You provided only a single `{prefix}_dataloader`, but have included `dataloader_idx` in {where}. "
+                "Either remove the argument or give it a default value i.e. `dataloader_idx=0`."
+            )
+
+
+def check_callback_dataloader_idx(callback: Callback, name: str, stage: str, *, leading: int, many: bool) -> None:
+    """Whether ``callback.<name>`` accepts the call Lightning makes: ``(trainer, task, [outputs,] batch,
+    batch_idx)`` with one loader, ``dataloader_idx`` as one more positional argument with several
+    (``leading``: the positional arguments before ``dataloader_idx``). Lightning itself calls the hook and
+    fails with Python's TypeError; keel says so before the run starts, with the fix.
+
+    Raises:
+        RuntimeError: naming the callback, the hook and the fix.
+    """
+    fn = getattr(callback, name)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: let the call tell
+        return
+    try:
+        signature.bind(*range(leading + many))
+    except TypeError:
+        prefix, where = _DATALOADER_PREFIX[stage], f"{type(callback).__name__}.{name}{signature}"
+        if many:
+            raise RuntimeError(
+                f"You provided multiple `{prefix}_dataloader`: {where} is called with `dataloader_idx` as its last "
+                "positional argument (as Lightning does), but does not take it. Add `dataloader_idx=0` to its "
+                "signature."
+            ) from None
+        raise RuntimeError(
+            f"You provided only a single `{prefix}_dataloader`: {where} is called without `dataloader_idx` (as "
+            "Lightning does), but requires it. Give it a default value, `dataloader_idx=0`."
+        ) from None
+
+
 def keel_default(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a TaskModule hook whose default the loop replaces with its own behaviour unless overridden
     (``on_validation_model_train``: the loop restores each submodule's training mode itself)."""
@@ -189,6 +267,7 @@ class TrainerAttributes:
     _stop_requested: bool = False
     _ckpt_path: str | None = None
     _min_logged: bool = False
+    default_log_name: str = "keel_logs"  # the folder of the default logger (logger=True) under default_root_dir
 
     @property
     def estimated_stepping_batches(self) -> int | float:

@@ -14,28 +14,30 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from trainer.compat import is_keel_default, takes_batch_idx
+from trainer.callback import Callback
+from trainer.compat import check_callback_dataloader_idx, check_task_dataloader_idx, is_keel_default, takes_batch_idx
 from trainer.data.loaders import AdaptedLoader
 from trainer.data.transfer import move_to_device
 from trainer.distributed import comm
 from trainer.distributed import watchdog as wd
 from trainer.distributed.strategy import Strategy
+from trainer.hooks import overrides
 from trainer.metrics import MetricCollector
+from trainer.module import TaskModule
 from trainer.step.precision import Precision
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer.callback import Callback
-    from trainer.module import TaskModule
     from trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 # publish(values, to_logger, to_bar): where the reduced epoch metrics of one loader go.
-# The Trainer, the TaskModule and the Callback base are imported for types only (no import circle at run time).
+# The Trainer is imported for types only (no import circle at run time).
 Publish = Callable[[dict[str, float], dict[str, float], dict[str, float]], None]
 
 
@@ -47,6 +49,35 @@ def log_results(stage: str, results: list[dict[str, float]], *, verbose: bool) -
             shown = ", ".join(f"{name}={value:.6g}" for name, value in sorted(metrics.items())) or "(nothing logged)"
             log.info("%s results%s: %s", stage.capitalize(), f" (dataloader {idx})" if len(results) > 1 else "", shown)
     return results
+
+
+class BatchHooks:
+    """The ``on_<stage>_batch_start`` / ``_end`` hooks of one evaluation or predict run that something overrides
+    (the task's, then each callback's with ``(trainer, task)`` bound), resolved once per run, never per batch.
+
+    Lightning's call: ``(batch, batch_idx)`` with one loader, ``(batch, batch_idx, dataloader_idx)`` with several
+    (``on_*_batch_end`` takes ``outputs`` first); the loop builds that argument tuple once per batch. Checked here,
+    before any hook runs, with Lightning's messages: the task's ``<stage>_step`` and batch hooks (Lightning's own
+    check), and every callback's batch hooks against the call they will get (Lightning fails with a TypeError).
+    """
+
+    __slots__ = ("start", "end")
+
+    def __init__(
+        self, trainer: Trainer, task: TaskModule, callbacks: Sequence[Callback], stage: str, *, many: bool
+    ) -> None:
+        names = (f"on_{stage}_batch_start", f"on_{stage}_batch_end")
+        step = "validation_step" if stage == "validation" else f"{stage}_step"
+        check_task_dataloader_idx(task, stage, [n for n in (step, *names) if overrides(task, TaskModule, n)], many=many)
+        resolved: list[tuple[Callable[..., Any], ...]] = []
+        for name, leading in zip(names, (4, 5)):  # (trainer, task, [outputs,] batch, batch_idx)
+            calls: list[Callable[..., Any]] = [getattr(task, name)] if overrides(task, TaskModule, name) else []
+            for cb in callbacks:
+                if overrides(cb, Callback, name):
+                    check_callback_dataloader_idx(cb, name, stage, leading=leading, many=many)
+                    calls.append(partial(getattr(cb, name), trainer, task))
+            resolved.append(tuple(calls))
+        self.start, self.end = resolved
 
 
 class EvaluationLoop:
@@ -89,17 +120,20 @@ class EvaluationLoop:
         Hooks, in order (the task's, then the callbacks'): ``on_{validation,test}_model_eval`` (task only;
         default ``task.eval()``), ``on_*_start``, ``on_*_epoch_start``, per batch ``on_*_batch_start``, the
         step, ``on_*_batch_end``; then ``on_*_epoch_end``, ``on_*_end`` and ``on_*_model_train`` (task only;
-        unless overridden, every submodule gets back the training mode it had before).
+        unless overridden, every submodule gets back the training mode it had before). The step and the batch
+        hooks get ``dataloader_idx`` only with several loaders, as in Lightning (:class:`BatchHooks`).
         """
         validating = stage == "validate"
         if sanity:
             for cb in callbacks:
                 cb.on_sanity_check_start(trainer, task)
+        # Resolved (and checked against Lightning's dataloader_idx rules) before any hook of the run.
+        hooks = BatchHooks(trainer, task, callbacks, "validation" if validating else "test", many=len(loaders) > 1)
         was_training = task.training
         modes = [(m, m.training) for m in task.modules()]
         self._start(trainer, task, callbacks, validating=validating)
         self.metrics.stage = stage
-        results = self._run_loaders(trainer, task, callbacks, loaders, limits, validating=validating, publish=publish)
+        results = self._run_loaders(task, hooks, loaders, limits, validating=validating, publish=publish)
         results.append(self._end(trainer, task, callbacks, len(loaders), validating=validating, publish=publish))
         if is_keel_default(task.on_validation_model_train if validating else task.on_test_model_train):
             for module, mode in modes:  # each submodule as it was (a frozen, eval-mode backbone stays so)
@@ -108,6 +142,7 @@ class EvaluationLoop:
             task.on_validation_model_train()
         else:
             task.on_test_model_train()
+        self.metrics.batch = None  # none in flight: self.log's defaults (trainer/metrics.py)
         if was_training:
             self.metrics.stage = "train"
         if sanity:
@@ -135,9 +170,8 @@ class EvaluationLoop:
 
     def _run_loaders(
         self,
-        trainer: Trainer,
         task: TaskModule,
-        callbacks: Sequence[Callback],
+        hooks: BatchHooks,
         loaders: list[AdaptedLoader],
         limits: list[int | None],
         *,
@@ -150,7 +184,7 @@ class EvaluationLoop:
         step: Callable[..., Any] = task.validation_step if validating else task.test_step
         with_idx = takes_batch_idx(step)  # Lightning calls validation_step(batch) when it takes no batch_idx
         phase = wd.PHASE_VALIDATION_STEP if validating else wd.PHASE_TEST_STEP
-        many = len(loaders) > 1
+        many, starts, ends = len(loaders) > 1, hooks.start, hooks.end
         with torch.no_grad(), self.strategy.eval_context(task):
             for loader_idx, (adapted, limit) in enumerate(zip(loaders, limits)):
                 for batch_idx, batch in enumerate(adapted.loader):
@@ -159,27 +193,13 @@ class EvaluationLoop:
                     self.beat(phase)
                     batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
                     self.metrics.batch = batch
-                    if validating:
-                        task.on_validation_batch_start(batch, batch_idx, loader_idx)
-                        for cb in callbacks:
-                            cb.on_validation_batch_start(trainer, task, batch, batch_idx, loader_idx)
-                    else:
-                        task.on_test_batch_start(batch, batch_idx, loader_idx)
-                        for cb in callbacks:
-                            cb.on_test_batch_start(trainer, task, batch, batch_idx, loader_idx)
+                    args = (batch, batch_idx, loader_idx) if many else (batch, batch_idx)  # Lightning's call
+                    for hook in starts:
+                        hook(*args)
                     with self.precision.autocast():
-                        if many:
-                            outputs = step(batch, batch_idx, loader_idx)
-                        else:
-                            outputs = step(batch, batch_idx) if with_idx else step(batch)
-                    if validating:
-                        task.on_validation_batch_end(outputs, batch, batch_idx, loader_idx)
-                        for cb in callbacks:
-                            cb.on_validation_batch_end(trainer, task, outputs, batch, batch_idx, loader_idx)
-                    else:
-                        task.on_test_batch_end(outputs, batch, batch_idx, loader_idx)
-                        for cb in callbacks:
-                            cb.on_test_batch_end(trainer, task, outputs, batch, batch_idx, loader_idx)
+                        outputs = step(*args) if many or with_idx else step(batch)
+                    for hook in ends:
+                        hook(outputs, *args)
                 if loader_idx < len(loaders) - 1:
                     results.append(self._reduce(loader_idx, len(loaders), publish))
         return results
@@ -241,7 +261,11 @@ class EvaluationLoop:
         Hooks, in order (the task's, then the callbacks'): ``on_predict_model_eval`` (task only; default
         ``task.eval()``), ``on_predict_start``, ``on_predict_epoch_start``, per batch
         ``on_predict_batch_start``, ``predict_step``, ``on_predict_batch_end``; then ``on_predict_epoch_end``
-        and ``on_predict_end``. The task stays in eval mode afterwards, as in Lightning."""
+        and ``on_predict_end``. The task stays in eval mode afterwards, as in Lightning. ``predict_step`` and the
+        batch hooks get ``dataloader_idx`` only with several loaders (:class:`BatchHooks`)."""
+        many = len(loaders) > 1
+        hooks = BatchHooks(trainer, task, callbacks, "predict", many=many)  # checked before any hook runs
+        starts, ends = hooks.start, hooks.end
         task.on_predict_model_eval()
         task.on_predict_start()
         for cb in callbacks:
@@ -251,7 +275,11 @@ class EvaluationLoop:
             cb.on_predict_epoch_start(trainer, task)
         self.metrics.stage = "predict"
         results: list[list[Any] | None] = []
-        with_idx = takes_batch_idx(task.predict_step)
+        # The user's predict_step takes dataloader_idx with several loaders, and may take no batch_idx (Lightning's
+        # calls); keel's default, self(batch), takes neither.
+        step: Callable[..., Any] = task.predict_step
+        step_idx = many and not is_keel_default(step)
+        with_idx = takes_batch_idx(step)
         with torch.no_grad(), self.strategy.eval_context(task):
             for loader_idx, (adapted, limit) in enumerate(zip(loaders, limits)):
                 local: list[Any] = []
@@ -259,19 +287,13 @@ class EvaluationLoop:
                     if limit is not None and batch_idx >= limit:
                         break
                     batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
-                    task.on_predict_batch_start(batch, batch_idx, loader_idx)
-                    for cb in callbacks:
-                        cb.on_predict_batch_start(trainer, task, batch, batch_idx, loader_idx)
+                    args = (batch, batch_idx, loader_idx) if many else (batch, batch_idx)  # Lightning's call
+                    for hook in starts:
+                        hook(*args)
                     with self.precision.autocast():
-                        # The user's predict_step takes dataloader_idx with several loaders, and may take no
-                        # batch_idx (Lightning's calls); the base class declares (batch, batch_idx).
-                        if len(loaders) > 1:
-                            out = task.predict_step(batch, batch_idx, loader_idx)  # type: ignore[call-arg]
-                        else:
-                            out = task.predict_step(batch, batch_idx) if with_idx else task.predict_step(batch)  # type: ignore[call-arg]
-                    task.on_predict_batch_end(out, batch, batch_idx, loader_idx)
-                    for cb in callbacks:
-                        cb.on_predict_batch_end(trainer, task, out, batch, batch_idx, loader_idx)
+                        out = step(*args) if step_idx else step(batch, batch_idx) if with_idx else step(batch)
+                    for hook in ends:
+                        hook(out, *args)
                     local.append(move_to_device(out, torch.device("cpu")))
                 gathered = comm.all_gather_object(local) if comm.get_world_size() > 1 else [local]  # collective
                 merged = [item for rank_items in gathered for item in rank_items]

@@ -13,7 +13,7 @@ import logging
 import os
 import random
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,7 @@ from trainer.compat import warn_uncalled_hooks
 from trainer.distributed import comm
 from trainer.distributed.watchdog import Watchdog, nccl_flight_recorder_env_defaults, start_for_run
 from trainer.observability.rank_zero import rank_zero_only
+from trainer.options import SEED_DEFAULT, resolve_seed
 
 if TYPE_CHECKING:
     from trainer.callback import Callback
@@ -33,7 +34,9 @@ log = logging.getLogger(__name__)
 def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
     """Seed Python's, NumPy's (when installed) and torch's global generators (CPU and CUDA); returns the seed.
 
-    Lightning's signature. ``seed=None`` reads ``PL_GLOBAL_SEED`` from the environment, else uses 0.
+    Lightning's signature. ``seed=None`` reads ``PL_GLOBAL_SEED`` from the environment, else uses 0. Sets
+    ``PL_GLOBAL_SEED``, as Lightning does: a Trainer built without ``seed=`` then uses this seed at every stage
+    (``seed + global_rank``, and the training sampler's shuffle); ``Trainer(seed=...)`` wins over it.
     ``workers`` is accepted for Lightning compatibility: keel always seeds DataLoader workers per
     (seed, rank, worker, epoch) for the loaders it adapts (trainer/data/loaders.py), which is what Lightning's
     ``workers=True`` asks for.
@@ -69,13 +72,15 @@ def _seed_generators(seed: int) -> None:
 
 
 def setup_stage(trainer: Trainer, stage: str) -> None:
-    """Seed (``seed + global_rank`` per rank), agree on the run directory's version (a collective), set up
-    the profiler (it knows the run directory then), prepare and set up the data (``prepare_data`` on local
-    rank 0, the others wait at a barrier), then ``task.setup``, the callbacks' ``setup`` and
-    ``task.configure_model``, in that order. Reads the Trainer's public attributes only."""
+    """Seed (``seed + global_rank`` per rank; :func:`stage_seed`), agree on the run directory's version (a
+    collective), set up the profiler (it knows the run directory then), prepare and set up the data
+    (``prepare_data`` on local rank 0, the others wait at a barrier), then ``task.setup``, the callbacks'
+    ``setup`` and ``task.configure_model``, in that order; last, the previous stage's ``callback_metrics``,
+    ``logged_metrics`` and ``progress_bar_metrics`` are emptied (Lightning's reset, at the same point). Reads the
+    Trainer's public attributes only."""
     task, datamodule, callbacks, profiler = trainer.task, trainer.datamodule, trainer.callbacks, trainer.profiler
     assert task is not None
-    seed, deterministic = trainer.options.seed, trainer.options.deterministic
+    seed, deterministic = stage_seed(trainer, stage), trainer.options.deterministic
     if seed is not None:
         _seed_generators(seed + trainer.global_rank)
     if deterministic:
@@ -100,6 +105,60 @@ def setup_stage(trainer: Trainer, stage: str) -> None:
     for cb in callbacks:
         cb.setup(trainer, task, stage)
     task.configure_model()  # build large layers late; the strategy wraps or shards what exists after it
+    # Each stage's metrics only, as in Lightning (after fit: fit's; after test: test's; after predict: none).
+    for metrics in (trainer.callback_metrics, trainer.logged_metrics, trainer.progress_bar_metrics):
+        metrics.clear()
+
+
+def stage_seed(trainer: Trainer, stage: str) -> int | None:
+    """The seed this stage uses (``trainer.options.seed``, resolved again now: ``Trainer(seed=...)``, else the
+    program's ``seed_everything(n)``, else 0; :func:`trainer.options.resolve_seed`), logged on rank 0 with where
+    it came from. The training sampler's shuffle and a resumed rank's fallback RNG read the same option."""
+    source = resolve_seed(trainer.options)
+    seed = trainer.options.seed
+    if trainer.is_global_zero:
+        if seed is None:
+            log.info("Seed: none for %s (Trainer(seed=None)): the global generators are not seeded.", stage)
+        else:
+            log.info("Seed %d for %s, from %s: each rank seeds %d + its global rank.", seed, stage, source, seed)
+    return seed
+
+
+def resume_seed(trainer: Trainer, saved_options: Any, sampler: Any) -> None:
+    """A full restore read the interrupted run's options (``saved_options``): resume with its seed. The training
+    ``sampler`` (keel's, or None) was built with this run's seed before the checkpoint was read, and its shuffle
+    is what the seed still decides (the generators come back from the checkpoint).
+
+    When this run got no seed (no ``Trainer(seed=...)``, no ``seed_everything``) it takes the checkpoint's, so a
+    run started with ``seed_everything(42)`` resumes exactly from a script that does not call it; when it got
+    another one, that one is kept with a warning: the data order from here on differs from the interrupted run's.
+    """
+    recorded = saved_options.get("seed") if isinstance(saved_options, dict) else None
+    options = trainer.options
+    if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded == (options.seed or 0):
+        return
+    source = resolve_seed(options)
+    if source != SEED_DEFAULT:
+        if trainer.is_global_zero:
+            log.warning(
+                "The checkpoint was written by a run with seed %d; this run uses seed %s (from %s), so its data "
+                "order differs from the interrupted run's. Pass Trainer(seed=%d) or call seed_everything(%d) to "
+                "resume it exactly.",
+                recorded,
+                options.seed,
+                source,
+                recorded,
+                recorded,
+            )
+        return
+    options.seed = recorded
+    if sampler is not None and hasattr(sampler, "load_state_dict"):
+        sampler.load_state_dict({**sampler.state_dict(), "seed": recorded})
+    if trainer.is_global_zero:
+        log.info(
+            "Seed %d from the checkpoint (this run got no seed): the resumed run shuffles as the interrupted one.",
+            recorded,
+        )
 
 
 def teardown_stage(trainer: Trainer, stage: str, *, failed: bool) -> None:

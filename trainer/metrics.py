@@ -66,6 +66,28 @@ _REDUCE_FX_ALIASES: dict[Any, str] = {
 Mode = Literal["reduce", "rank_zero", "global"]
 
 
+def logged_step(global_step: int, *, in_fit_step: bool) -> int:
+    """The ``step`` the loggers receive: Lightning 2.6's axis (its ``fit_loop.epoch_loop._batches_that_stepped``).
+
+    ``in_fit_step``: the values were measured in ``fit`` after the N-th optimizer step and before the next batch
+    (its step metrics, a validation it triggers) or are the epoch's aggregates; they are logged at step N - 1,
+    the 0-based index of that step. Otherwise (``validate`` / ``test``, the hooks between batches) the step is
+    ``global_step``, the number of optimizer steps done. Never negative.
+    """
+    return global_step - 1 if in_fit_step and global_step > 0 else global_step
+
+
+def logger_row(metrics: dict[str, float], epoch: int, global_step: int, fitting: bool) -> tuple[dict[str, float], int]:
+    """The row and step that ``self.log`` values go to the loggers with, as in Lightning 2.6: at
+    :func:`logged_step` (every row ``fit`` logs is ``in_fit_step``), with ``epoch`` added unless the task logged
+    one; a logged ``step`` value is the row's step instead (removed from the row, and no ``epoch`` added)."""
+    row = dict(metrics)
+    if "step" in row:
+        return row, int(row.pop("step"))
+    row.setdefault("epoch", epoch)
+    return row, logged_step(global_step, in_fit_step=fitting)
+
+
 def is_metric_object(value: Any) -> bool:
     """True for a torchmetrics ``Metric`` or any object with callable ``compute`` and ``reset``."""
     return (
@@ -213,8 +235,8 @@ class MetricCollector:
 
     def __init__(self) -> None:
         self.stage: str = "train"
-        # The loop stores the current batch; its size (a shape read, no sync) is inferred only when a
-        # self.log call needs it, so steps that log nothing never walk the batch.
+        # The loop stores the current batch (None between batches); its size (a shape read, no sync) is inferred
+        # only when a self.log call needs it, so steps that log nothing never walk the batch.
         self.batch: Any = None
         self._batch_size: tuple[Any, int | None] | None = None  # (batch, its size) of the last inference
         self._step: dict[str, _StepValue] = {}
@@ -224,6 +246,11 @@ class MetricCollector:
         # (device tensors, this rank's value: no sync, as in Lightning); logging steps and epoch ends
         # then overwrite them with the values reduced over ranks.
         self.live: dict[str, torch.Tensor] = {}
+        self._in_stage = False  # reset() ran: a Trainer stage drives this collector (see log's defaults)
+        # A training value logged with on_step=True and on_epoch=True is "<name>_step" / "<name>_epoch" for the
+        # loggers and the progress bar; callback_metrics (live) also holds "<name>" (Lightning's): the latest step
+        # value during the epoch, the epoch value after it (reduced over ranks like the others). Forked -> name.
+        self._forks: dict[str, str] = {}
 
     @property
     def batch_size(self) -> int | None:
@@ -268,13 +295,18 @@ class MetricCollector:
             raise ValueError(f"self.log: metric name must be a non-empty str, got {name!r}.")
         reduce_fx = normalise_reduce_fx(name, reduce_fx)
         training = self.stage == "train"
-        on_step = training if on_step is None else on_step
-        on_epoch = (not training) if on_epoch is None else on_epoch
+        # Lightning's defaults: step values in the training step and the batch hooks; epoch values in evaluation
+        # and in the training hooks between batches (on_train_start, on_train_epoch_start / _end: no batch).
+        in_batch = training and not (self.batch is None and self._in_stage)
+        on_step = in_batch if on_step is None else on_step
+        on_epoch = (not in_batch) if on_epoch is None else on_epoch
         if not training:
             on_step = False  # evaluation metrics are epoch aggregates (per-batch values: use a callback)
             on_epoch = True
         epoch = self._epoch
         step_name = f"{name}_step" if on_epoch else name
+        if on_step and on_epoch and step_name not in self._forks:
+            self._forks[step_name] = self._forks[f"{name}_epoch"] = name
         if is_metric_object(value):
             mode: Mode = "rank_zero" if rank_zero_only else "global"
             ref = epoch.get(name)
@@ -294,9 +326,10 @@ class MetricCollector:
         scalar = _to_scalar(name, value)
         if on_step:
             self._step[step_name] = _StepValue(scalar, reduce_fx, prog_bar, logger, mode)
-            self.live[step_name] = (
-                scalar if isinstance(scalar, torch.Tensor) else torch.tensor(scalar, dtype=torch.float64)
-            )
+            live = scalar if isinstance(scalar, torch.Tensor) else torch.tensor(scalar, dtype=torch.float64)
+            self.live[step_name] = live
+            if on_epoch:
+                self.live[name] = live
         if on_epoch:
             weight = float(batch_size if batch_size is not None else (self.batch_size or 1))
             if isinstance(scalar, torch.Tensor):
@@ -445,6 +478,9 @@ class MetricCollector:
                 logger[name] = value
             if to_bar:
                 bar[name] = value
+        for forked, name in self._forks.items():  # Lightning's un-suffixed name: callback_metrics (live) only
+            if forked in reduced:
+                self.live[name] = torch.scalar_tensor(reduced[forked], dtype=torch.float64)
         return reduced, logger, bar
 
     def _warn_once(self, name: str, message: str) -> None:
@@ -454,7 +490,10 @@ class MetricCollector:
                 log.warning(message)
 
     def reset(self) -> None:
-        """Forget every value and metric-object reference (the objects themselves are not reset)."""
+        """Forget every value and metric-object reference (the objects themselves are not reset). The Trainer
+        calls it at the start of every stage: from then on ``batch`` None means no batch in flight."""
+        self._in_stage = True
         self._step.clear()
+        self._forks.clear()
         for state in self._epochs.values():
             state.clear()

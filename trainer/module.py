@@ -8,6 +8,9 @@ Contract (docs/design.md sections 2 and 3):
   each optional hook as a no-op, so the Trainer simply calls them; required hooks raise
   ``NotImplementedError`` with a message that names the hook.
 * Module hooks run before the callbacks' hook of the same name.
+* As in Lightning, ``validation_step`` / ``test_step`` / ``predict_step`` and their batch hooks get
+  ``dataloader_idx`` only when the stage has several dataloaders; then they must take it (with one loader
+  they must not require it). Both are checked before the run, with Lightning's messages.
 """
 
 from __future__ import annotations
@@ -367,6 +370,7 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
             f"{type(self).__name__} got test data but does not implement test_step(batch, batch_idx)."
         )
 
+    @keel_default  # with several loaders the loop calls it without dataloader_idx
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
         """Default: ``self(batch)``."""
         return self(batch)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeGuard
@@ -106,7 +107,9 @@ class TrainerOptions:
         log_every_n_steps: Logging steps: the only steps that read metrics to the host and reduce them across
             ranks.
         seed: Seeds Python, NumPy and torch at the start of each stage with ``seed + global_rank``; the training
-            sampler's shuffle uses ``seed``. None: the global generators are not seeded.
+            sampler's shuffle uses ``seed``. None: the global generators are not seeded. Not given: the seed of the
+            program's ``seed_everything(n)`` (Lightning's ``PL_GLOBAL_SEED``, read at each stage start), else 0.
+            Each stage logs (rank 0) the seed it uses and where it came from.
         deterministic: ``torch.use_deterministic_algorithms(True)`` (and ``cudnn.benchmark`` off).
         benchmark: True / False: set ``torch.backends.cudnn.benchmark`` when the Trainer is built (Lightning's
             option); None leaves it as it is.
@@ -183,6 +186,8 @@ class TrainerOptions:
     fast_dev_run: bool | int = False
     log_every_n_steps: int = 50
     seed: int | None = 0
+    # Not a field: False when Trainer() got no seed, so each stage resolves it (resolve_seed); True otherwise.
+    seed_given = True
     deterministic: bool = False
     benchmark: bool | None = None  # torch.backends.cudnn.benchmark, set when the Trainer is built (None: leave)
     accelerator: str = "auto"
@@ -378,7 +383,10 @@ class TrainerOptions:
             lines.append(f"Unknown Trainer option(s) {unknown}. Valid options: {sorted(known)}.")
         if lines:
             raise ValueError("\n".join(lines))
-        return cls(**options)
+        built = cls(**options)
+        built.seed_given = "seed" in options
+        resolve_seed(built)
+        return built
 
     def resolved(self) -> dict[str, Any]:
         """The options as plain values, for the start-of-run log line and the checkpoint."""
@@ -393,6 +401,36 @@ class TrainerOptions:
                 value = [type(lg).__name__ for lg in (value if isinstance(value, (list, tuple)) else [value])]
             out[f.name] = value
         return out
+
+
+SEED_GIVEN = "Trainer(seed=...)"
+SEED_FROM_ENV = "seed_everything (PL_GLOBAL_SEED)"
+SEED_DEFAULT = "keel's default: no Trainer(seed=...), no seed_everything"
+
+
+def resolve_seed(options: TrainerOptions) -> str:
+    """Set ``options.seed`` to the seed the run uses and return where it came from: the ``seed`` option when
+    ``Trainer(seed=...)`` got one (None included); else the program's ``seed_everything(n)``, which sets
+    ``PL_GLOBAL_SEED`` (read now, so a call after ``Trainer()`` counts at the next stage), as Lightning's samplers
+    read it; else 0.
+
+    Raises:
+        ValueError: ``PL_GLOBAL_SEED`` is set but not an integer.
+    """
+    if options.seed_given:
+        return SEED_GIVEN
+    env = os.environ.get("PL_GLOBAL_SEED")
+    if env is None:
+        options.seed = 0
+        return SEED_DEFAULT
+    try:
+        options.seed = int(env)
+    except ValueError:
+        raise ValueError(
+            f"PL_GLOBAL_SEED={env!r} in the environment is not an integer (seed_everything(n) sets it); unset it, "
+            "call seed_everything(n) with an int, or pass Trainer(seed=n)."
+        ) from None
+    return SEED_FROM_ENV
 
 
 _GLOBAL_BATCH_EXPECTED = (

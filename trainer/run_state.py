@@ -47,6 +47,7 @@ from trainer.checkpoint.stateful import (
 from trainer.data import global_batch as elastic
 from trainer.distributed import comm
 from trainer.distributed import watchdog as wd
+from trainer.lifecycle import resume_seed
 from trainer.loggers.logger import run_identity
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -128,7 +129,8 @@ def checkpoint_state(trainer: Trainer, *, full: bool = True) -> dict[str, Any]:
         state[K_DATAMODULE] = trainer.datamodule
     state[K_LOOP] = TrainState(trainer)
     state[K_RNG] = RNGStates(trainer.device, trainer.global_rank, fallback_seed)
-    state[K_OPTIONS] = Value(plain(trainer.options.resolved()))
+    sampler = trainer._train.sampler if trainer._train is not None else None  # resumes with the saved seed
+    state[K_OPTIONS] = Value(plain(trainer.options.resolved()), lambda saved: resume_seed(trainer, saved, sampler))
     if task.hparams:
         state[K_HPARAMS] = Value(plain_hparams(dict(task.hparams)))
     return state

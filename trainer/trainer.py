@@ -34,7 +34,7 @@ from trainer.evaluation import EvaluationLoop, log_results
 from trainer.hooks import TrainHooks
 from trainer.loggers.local import default_loggers, log_fit_start
 from trainer.loggers.logger import Logger
-from trainer.metrics import MetricCollector
+from trainer.metrics import MetricCollector, logged_step, logger_row
 from trainer.module import DataModule, TaskModule, check_stage_inputs
 from trainer.observability.progress import ProgressBar
 from trainer.observability.rank_zero import configure_logging
@@ -92,7 +92,7 @@ class Trainer(TrainerAttributes):
                 checkpoint=ModelCheckpoint if opts.enable_checkpointing else None,
             )
         )
-        self.loggers: list[Logger] = default_loggers(opts.logger, opts.default_root_dir)
+        self.loggers: list[Logger] = default_loggers(opts.logger, opts.default_root_dir, name=self.default_log_name)
         # A trainer.observability.profiler.Profiler; PassThroughProfiler (disabled) when off.
         self.profiler = opts.profiler
         # Run state: the step clock, the epoch, the data cursor.
@@ -102,6 +102,7 @@ class Trainer(TrainerAttributes):
         self._epoch_samples = 0  # global sample cursor of current_epoch (all ranks together)
         self._epoch_finished = False  # True while on_train_epoch_end runs (a checkpoint then resumes next epoch)
         self.optimizer_stepped = False  # True during on_train_batch_end right after an optimizer step
+        self._step_open = False  # from an optimizer step to the end of its batch, validation included (log_metrics)
         self._step_loss: torch.Tensor | None = None  # optimised loss of the last step (on device)
         self.should_stop = False
         self.state_stage: str | None = None
@@ -167,15 +168,14 @@ class Trainer(TrainerAttributes):
         return schedule.k(epoch=self.current_epoch, global_step=self.global_step)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        """Send host-side scalars (already agreed across ranks) to every logger; rank 0 writes.
-
-        For callbacks that measure something themselves (learning rates, throughput). Values logged by
-        the task go through ``self.log`` instead.
-        """
+        """Send host-side scalars (already agreed across ranks) to every logger; rank 0 writes. For callbacks that
+        measure something themselves (the task uses ``self.log``). ``step`` defaults to Lightning's axis
+        (:func:`trainer.metrics.logged_step`): ``global_step - 1`` from an optimizer step to the end of its batch."""
         self.logged_metrics.update(metrics)
         if self.is_global_zero:
+            at = logged_step(self.global_step, in_fit_step=self._step_open) if step is None else step
             for logger in self.loggers:
-                logger.log_metrics(dict(metrics), step=self.global_step if step is None else step)
+                logger.log_metrics(dict(metrics), step=at)
 
     # ------------------------------------------------------------------ public entry points
     def fit(
@@ -328,7 +328,7 @@ class Trainer(TrainerAttributes):
         self._check_sharding = self.world_size > 1 and self._train.sampler is None
         self._configure_model_and_optimizers()
         self.global_step = self.current_epoch = self._epoch_batches_done = self._epoch_samples = 0
-        self.should_stop = False
+        self.should_stop = self._step_open = False
         self._nonfinite.reset()
         if ckpt_path is not None:
             run_state.restore(self, ckpt_path, full=True)
@@ -416,6 +416,7 @@ class Trainer(TrainerAttributes):
         task.on_train_epoch_start()
         for cb in self.callbacks:
             cb.on_train_epoch_start(self, task)
+        self._params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]  # + groups hooks added
         self._hooks = hooks = TrainHooks(self, task, self.callbacks)  # the overridden per-batch hooks, in order
         return plan, hooks
 
@@ -441,6 +442,7 @@ class Trainer(TrainerAttributes):
             drop_incomplete=drop_incomplete,
             agree=plan.agree,
         ):
+            self._step_open = False  # a new batch: Lightning's logging counter has moved on
             if self._check_sharding:
                 self._check_sharding = False
                 warn_if_unsharded(micro.batch, train.loader)
@@ -450,9 +452,9 @@ class Trainer(TrainerAttributes):
             stepped = False
             if micro.is_step_end:
                 stepped = self._end_unusual_window(micro, normaliser) if unusual else self._optimizer_step(normaliser)
+            self.optimizer_stepped = self._step_open = stepped
             if stepped and self.global_step % log_every == 0:
                 self._log_step_metrics()  # a logging step: the only place step metrics are read
-            self.optimizer_stepped = stepped
             if beating:
                 self._beat(wd.PHASE_CALLBACKS)
             for hook in batch_end_hooks:
@@ -625,8 +627,8 @@ class Trainer(TrainerAttributes):
     def _publish(self, values: dict[str, float], to_logger: dict[str, float], to_bar: dict[str, float]) -> None:
         self.callback_metrics.update({k: torch.scalar_tensor(v, dtype=torch.float64) for k, v in values.items()})
         self.progress_bar_metrics.update(to_bar)
-        if to_logger and not self.sanity_checking:
-            self.log_metrics(dict(to_logger, epoch=self.current_epoch))
+        if to_logger and not self.sanity_checking:  # Lightning's step axis and keys (trainer/metrics.py)
+            self.log_metrics(*logger_row(to_logger, self.current_epoch, self.global_step, self.state_stage == "fit"))
 
     def _epoch_end(self, val_loaders: list[AdaptedLoader], *, completed: bool) -> None:
         """End of an epoch, or of training in the middle of one (``completed=False``: max_steps or
@@ -640,7 +642,7 @@ class Trainer(TrainerAttributes):
             self._evaluate("validate", val_loaders)
         task = self.task
         assert task is not None
-        self._epoch_finished = completed
+        self._epoch_finished, self._step_open, self._metrics.batch = completed, False, None  # no batch in flight
         task.on_train_epoch_end()
         # Training metrics logged with on_epoch=True (and in the hook above), reduced over ranks.
         self._publish(*self._metrics.reduce_epoch())

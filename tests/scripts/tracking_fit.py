@@ -5,10 +5,10 @@ step and always starting with ckpt_path="last".
 
 Writes runs under ROOT/runs (run directory ROOT/runs/exp/version_N, MLflow store ROOT/runs/mlflow.db).
 --kill-at S SIGKILLs rank R at step S on the first attempt (TORCHELASTIC_RESTART_COUNT 0), after that step
-was logged and before its checkpoint, so the restart re-runs step S. It first waits (at most --kill-delay
-seconds, default 30) until W&B's run file holds step S-1 (W&B flushes it every
-trainer.loggers.wandb.FLUSH_INTERVAL seconds), as it would in a run killed mid-training; step S itself is
-still in W&B's memory (a row is written once a later step is logged) and dies with the process.
+was logged (at S-1, Lightning's axis) and before its checkpoint, so the restart re-runs step S. It first waits
+(at most --kill-delay seconds, default 30) until W&B's run file holds step S-1's row (logged at S-2; W&B flushes
+it every trainer.loggers.wandb.FLUSH_INTERVAL seconds), as it would in a run killed mid-training; step S's row
+itself is still in W&B's memory (a row is written once a later step is logged) and dies with the process.
 --kill-signal TERM sends SIGTERM instead: keel's preemption path saves at the step boundary and exits 75.
 At the end rank 0 writes ROOT/result-attempt<K>.json: the run ids and the run directory.
 """
@@ -46,7 +46,7 @@ class KillAt(Callback):
             and trainer.global_step == self.step
             and trainer.global_rank == self.rank
         ):
-            self._wait_for_wandb(trainer, self.step - 1)
+            self._wait_for_wandb(trainer, self.step - 2)  # step S - 1, logged at S - 2
             os.kill(os.getpid(), self.sig)
 
     def _wait_for_wandb(self, trainer, step: int) -> None:

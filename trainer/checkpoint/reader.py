@@ -254,8 +254,9 @@ def load(
     """Load the save ``path`` into ``state`` (key -> object with ``load_state_dict``). A collective under a
     process group. Verifies the save first (the ranks share the files), checks the classes, reads the
     tensors into this run's layout (DCP reshards: any world size, any strategy), calls ``on_load`` (the
-    ``on_load_checkpoint`` hooks) with the whole checkpoint dict, then loads every object. ``required``:
-    checkpoint keys that must be present (a fit needs the optimizer and loop state). Returns the dict.
+    ``on_load_checkpoint`` hooks) with the whole checkpoint dict, then loads every object; the callbacks' states
+    load first, before the tensors are read. ``required``: checkpoint keys that must be present (a fit needs the
+    optimizer and loop state). Returns the dict.
 
     Raises:
         CheckpointError: naming the damaged or unsafe part, a missing key, or the mismatched classes.
@@ -264,6 +265,9 @@ def load(
     if folder.is_dir():
         _, checkpoint = _verified(folder, collective=True)
         _check(str(folder), checkpoint, state, tuple(k for k in required if k not in DCP_KEYS))
+        if K_CALLBACKS in state and K_CALLBACKS in checkpoint:  # first, as in Lightning: a callback may rebuild the
+            state[K_CALLBACKS].load_state_dict(checkpoint[K_CALLBACKS])  # param groups the read fills (BaseFinetuning)
+            state = {k: v for k, v in state.items() if k != K_CALLBACKS}
         targets = {name: state[key].state_dict() for key, name in DCP_KEYS.items() if key in state}
         try:
             with quiet_dcp():

@@ -18,8 +18,11 @@ import logging
 import os
 from typing import IO, TYPE_CHECKING, Any
 
+import torch
+
 from trainer.distributed import comm
 from trainer.loggers.logger import DummyExperiment, Logger, _to_plain, _yaml_safe, flatten_params
+from trainer.loggers.tracking import with_prefix
 from trainer.observability.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,6 +48,8 @@ class CSVLogger(Logger):
         save_dir: Root folder of the logs.
         name: Experiment name (sub-folder); None or ``""`` for none.
         version: See :class:`Logger`.
+        prefix: Put before every metric name with ``-`` (Lightning's): ``prefix="a"`` logs ``loss`` as ``a-loss``.
+        flush_logs_every_n_steps: Lightning's; accepted, no effect: every row is flushed as it is written.
     """
 
     METRICS_FILE = "metrics.csv"
@@ -55,8 +60,11 @@ class CSVLogger(Logger):
         save_dir: str | os.PathLike,
         name: str | None = "keel_logs",
         version: int | str | None = None,
+        prefix: str = "",
+        flush_logs_every_n_steps: int = 100,
     ) -> None:
         super().__init__(save_dir, name, version)
+        self.prefix = prefix
         self._keys: list[str] | None = None  # metric columns (without "step"); None until the file is read
         self._file: IO[str] | None = None
         self._writer: csv.DictWriter[str] | None = None  # bound to self._file
@@ -67,6 +75,7 @@ class CSVLogger(Logger):
         return os.path.join(self.log_dir, self.METRICS_FILE)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        metrics = with_prefix(metrics, self.prefix)
         path = os.path.join(self._ensure_log_dir(), self.METRICS_FILE)
         if self._keys is None:
             self._keys = self._read_header(path)
@@ -113,12 +122,7 @@ class CSVLogger(Logger):
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         """Merges ``params`` into the hyperparameters logged so far and rewrites ``hparams.yaml``."""
-        from omegaconf import OmegaConf
-
-        self._hparams.update(_yaml_safe(_to_plain(params)))
-        path = os.path.join(self._ensure_log_dir(), self.HPARAMS_FILE)
-        with open(path, "w") as f:
-            f.write(OmegaConf.to_yaml(OmegaConf.create(self._hparams)))
+        _write_hparams(self._ensure_log_dir(), self._hparams, params)
 
     def _close(self) -> None:
         if self._file is not None:
@@ -134,12 +138,19 @@ class TensorBoardLogger(Logger):
 
     The writer is created on the first write (so nothing touches the disk before the version is
     resolved and something is logged), and closed by :meth:`finalize`; a later write opens a new one
-    in the same folder.
+    in the same folder. The options after ``version`` are Lightning 2.6's and do what they do there.
 
     Args:
         save_dir: Root folder of the logs.
         name: Experiment name (sub-folder); None or ``""`` for none.
         version: See :class:`Logger`.
+        log_graph: Write the model's graph at the start of ``fit`` (:meth:`log_graph`), traced with the task's
+            ``example_input_array``; a warning instead when it has none.
+        default_hp_metric: :meth:`log_hyperparams` without metrics also writes ``hp_metric`` = -1 at step 0 and
+            names it in the HPARAMS tab's metrics (Lightning's placeholder, for a task that logs
+            ``self.log("hp_metric", value)`` later). False: no ``hp_metric``.
+        prefix: Put before every metric name with ``-``: ``prefix="a"`` logs ``loss`` as ``a-loss``.
+        sub_dir: A folder inside the run folder for the event files, which then become the ``log_dir``.
         **writer_kwargs: Passed to ``SummaryWriter`` (e.g. ``flush_secs``, ``max_queue``).
     """
 
@@ -148,11 +159,26 @@ class TensorBoardLogger(Logger):
         save_dir: str | os.PathLike,
         name: str | None = "keel_logs",
         version: int | str | None = None,
+        log_graph: bool = False,
+        default_hp_metric: bool = True,
+        prefix: str = "",
+        sub_dir: str | os.PathLike | None = None,
         **writer_kwargs: Any,
     ) -> None:
         super().__init__(save_dir, name, version)
+        self._log_graph = log_graph
+        self._default_hp_metric = default_hp_metric
+        self.prefix = prefix
+        self.sub_dir = None if sub_dir is None else os.fspath(sub_dir)
         self._writer_kwargs = writer_kwargs
         self._writer: SummaryWriter | None = None
+        self._hparams: dict[str, Any] = {}
+
+    @property
+    def log_dir(self) -> str:
+        """The run folder (:attr:`Logger.log_dir`), joined with ``sub_dir`` when one was given."""
+        run_dir = super().log_dir
+        return os.path.join(run_dir, self.sub_dir) if self.sub_dir else run_dir
 
     @property
     def experiment(self) -> SummaryWriter:
@@ -172,36 +198,94 @@ class TensorBoardLogger(Logger):
             self._writer = SummaryWriter(log_dir=log_dir, **self._writer_kwargs)
         return self._writer
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int | None) -> None:
         writer = self.experiment
-        for name, value in metrics.items():
+        for name, value in with_prefix(metrics, self.prefix).items():
             writer.add_scalar(name, value, global_step=step)
 
-    def log_hyperparams(self, params: dict[str, Any]) -> None:
-        """Writes ``params`` for the HPARAMS tab (flattened with ``/``) and as a text summary.
+    def log_hyperparams(self, params: dict[str, Any], metrics: Any = None, step: int | None = None) -> None:
+        """Writes ``params`` for the HPARAMS tab (flattened with ``/``), as a text summary and, merged with the
+        earlier ones, to ``log_dir/hparams.yaml`` (as Lightning's TensorBoardLogger and keel's CSVLogger do).
 
         The hparams plugin's three summaries (experiment, session start, session end) go into this
         run's own event file, so the HPARAMS tab lists this run next to its scalars.
+
+        Args:
+            params: A possibly nested mapping (a dict or an omegaconf ``DictConfig``).
+            metrics: Lightning's: metric name to value, written as scalars at ``step`` and named in the HPARAMS
+                tab (a number alone is ``hp_metric``). None: ``{"hp_metric": -1}`` with ``default_hp_metric``.
+            step: The step of those scalars (None: 0).
         """
+        if comm.get_rank() != 0:  # a task's own call in a hook that runs on every rank (Lightning: rank 0 only)
+            return
         flat = flatten_params(params)
-        if not flat:
+        if flat:
+            _write_hparams(self._ensure_log_dir(), self._hparams, params)
+        if metrics is None:
+            metrics = {"hp_metric": -1} if self._default_hp_metric else {}
+        elif not isinstance(metrics, dict):
+            metrics = {"hp_metric": metrics}
+        if not flat and not metrics:
             return
         from torch.utils.tensorboard.summary import hparams
 
         writer = self.experiment
-        experiment, session_start, session_end = hparams(flat, {})
+        if metrics:
+            self.log_metrics(metrics, step)
+        experiment, session_start, session_end = hparams(flat, metrics)
         file_writer = writer._get_file_writer()  # what SummaryWriter.add_hparams uses, minus its sub-run
         for summary in (experiment, session_start, session_end):
-            file_writer.add_summary(summary)
+            file_writer.add_summary(summary, step)
+        if not flat:
+            return
         lines = ["| name | value |", "|---|---|"]
         lines += ["| {} | {} |".format(key, str(value).replace("|", r"\|")) for key, value in flat.items()]
         writer.add_text("hparams", "\n".join(lines), global_step=0)
+
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        """With ``log_graph=True``: the graph of ``model`` traced on ``input_array`` (None: the model's
+        ``example_input_array``, a tensor or a tuple of the forward's arguments, moved to the model's device).
+
+        Not under FSDP with several ranks: tracing on rank 0 alone would wait for the others (a warning instead).
+        """
+        if not self._log_graph:
+            return
+        input_array = getattr(model, "example_input_array", None) if input_array is None else input_array
+        if input_array is None:
+            rank_zero_warn(
+                "Could not log computational graph to TensorBoard: The `model.example_input_array` attribute"
+                " is not set or `input_array` was not given."
+            )
+        elif not isinstance(input_array, (torch.Tensor, tuple)):
+            rank_zero_warn(
+                "Could not log computational graph to TensorBoard: The `input_array` or `model.example_input_array`"
+                f" has type {type(input_array)} which can't be traced by TensorBoard. Make the input array a tuple"
+                " representing the positional arguments to the model's `forward()` implementation."
+            )
+        elif comm.get_world_size() > 1 and any(type(m).__name__.startswith("FSDP") for m in model.modules()):
+            rank_zero_warn("TensorBoardLogger(log_graph=True): no graph under FSDP with several ranks.")
+        else:
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            if isinstance(input_array, torch.Tensor):
+                input_array = input_array.to(device)
+            else:
+                input_array = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in input_array)
+            self.experiment.add_graph(model, input_array)
 
     def finalize(self, status: str) -> None:
         if self._writer is not None:
             self._writer.flush()
             self._writer.close()
             self._writer = None
+
+
+def _write_hparams(log_dir: str, merged: dict[str, Any], params: Any) -> None:
+    """Merges ``params`` into ``merged`` and rewrites ``log_dir/hparams.yaml`` with it."""
+    from omegaconf import OmegaConf
+
+    merged.update(_yaml_safe(_to_plain(params)))
+    with open(os.path.join(log_dir, CSVLogger.HPARAMS_FILE), "w") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.create(merged)))
 
 
 def _tensorboard_available() -> bool:
@@ -225,16 +309,19 @@ def log_fit_start(loggers: list[Logger], task: TaskModule, options: dict[str, An
         hparams["task"] = dict(task.hparams)
     for logger in loggers:
         logger.log_hyperparams(hparams)
+        logger.log_graph(task)  # Lightning's order: the hyperparameters, then the graph
 
 
-def default_loggers(option: Any, default_root_dir: str | None) -> list[Logger]:
+def default_loggers(option: Any, default_root_dir: str | None, *, name: str = "keel_logs") -> list[Logger]:
     """Turns the Trainer's ``logger`` option into a list of loggers.
 
     Args:
-        option: ``True`` for the default logger (TensorBoard in ``default_root_dir/keel_logs``, or CSV
+        option: ``True`` for the default logger (TensorBoard in ``default_root_dir/<name>``, or CSV
             when tensorboard is not installed, with a warning once); ``False`` or None for none; a
             :class:`Logger`; or a list / tuple of them.
         default_root_dir: Root folder of the default logger; the current directory when None.
+        name: The default logger's folder: the Trainer's ``default_log_name`` (``keel_logs``; ``lightning_logs``
+            under ``callbacks.lightning``).
 
     Returns:
         The loggers, in order (the first one's folder is the run directory).
@@ -246,14 +333,14 @@ def default_loggers(option: Any, default_root_dir: str | None) -> list[Logger]:
     if option is True:
         save_dir = default_root_dir or os.getcwd()
         if _tensorboard_available():
-            return [TensorBoardLogger(save_dir=save_dir, name="keel_logs")]
+            return [TensorBoardLogger(save_dir=save_dir, name=name)]
         if not _warned_no_tensorboard:
             _warned_no_tensorboard = True
             rank_zero_warn(
                 "logger=True but tensorboard is not installed: logging to CSV instead "
                 "(`pip install tensorboard` for TensorBoard)."
             )
-        return [CSVLogger(save_dir=save_dir, name="keel_logs")]
+        return [CSVLogger(save_dir=save_dir, name=name)]
     if option is False or option is None:
         return []
     if isinstance(option, Logger):

@@ -198,6 +198,16 @@ class Logger:
         """
         raise NotImplementedError
 
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        """Records the model's graph (Lightning's hook; only :class:`~trainer.loggers.TensorBoardLogger` with
+        ``log_graph=True`` writes one). The Trainer calls it on global rank 0 at the start of ``fit``, after
+        :meth:`log_hyperparams`. The default does nothing.
+
+        Args:
+            model: The task (a ``torch.nn.Module``) on its device.
+            input_array: The forward's input; None: ``model.example_input_array``.
+        """
+
     def log_config(self, config: dict[str, Any]) -> None:
         """Records the run's resolved config once (``recipes.train`` calls it at the start of ``fit``, rank 0).
 

@@ -1,0 +1,164 @@
+"""Small pieces of Lightning's API that keel provides only under Lightning's names: type aliases, exception and
+warning classes, ``grad_norm``, the strategy classes as Lightning programs name them, ``cli_lightning_logo``.
+
+Nothing in keel uses them; they exist so that a Lightning program that imports them runs unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn, TypeVar
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from typing_extensions import NotRequired, Required, TypedDict
+
+from trainer.distributed import strategy as _strategy
+from trainer.loggers.logger import DummyExperiment
+from trainer.observability.rank_zero import rank_zero_only
+from trainer.step.optim import ManualOptimizer
+
+T = TypeVar("T")
+
+# ------------------------------------------------------------------ lightning.pytorch.utilities.types
+STEP_OUTPUT = torch.Tensor | Mapping[str, Any] | None
+TRAIN_DATALOADERS = Any  # any iterable or collection of iterables
+EVAL_DATALOADERS = Any
+LRSchedulerTypeUnion = LRScheduler | ReduceLROnPlateau
+LRSchedulerType = type[LRScheduler] | type[ReduceLROnPlateau]
+LRSchedulerPLType = LRScheduler | ReduceLROnPlateau
+MODULE_OPTIMIZERS = Optimizer | ManualOptimizer | list[Optimizer] | list[ManualOptimizer]
+
+
+class LRSchedulerConfigType(TypedDict, total=False):
+    """The ``"lr_scheduler"`` dict of ``configure_optimizers``."""
+
+    scheduler: Required[LRSchedulerTypeUnion]
+    name: str | None
+    interval: str
+    frequency: int
+    reduce_on_plateau: bool
+    monitor: str | None
+    strict: bool
+
+
+class OptimizerConfig(TypedDict):
+    """``configure_optimizers`` returning ``{"optimizer": ...}``."""
+
+    optimizer: Optimizer
+
+
+class OptimizerLRSchedulerConfig(TypedDict):
+    """``configure_optimizers`` returning ``{"optimizer": ..., "lr_scheduler": ...}``."""
+
+    optimizer: Optimizer
+    lr_scheduler: LRSchedulerTypeUnion | LRSchedulerConfigType
+    monitor: NotRequired[str]
+
+
+OptimizerLRScheduler = (
+    Optimizer
+    | Sequence[Optimizer]
+    | tuple[Sequence[Optimizer], Sequence[LRSchedulerTypeUnion | LRSchedulerConfigType]]
+    | OptimizerConfig
+    | OptimizerLRSchedulerConfig
+    | Sequence[OptimizerConfig]
+    | Sequence[OptimizerLRSchedulerConfig]
+    | None
+)
+
+
+# ------------------------------------------------------------------ exceptions and warnings
+class MisconfigurationException(Exception):
+    """Lightning's exception for misuse, for programs that raise it themselves. keel raises ``ValueError`` /
+    ``TypeError`` for a wrong option, never this: ``except MisconfigurationException`` does not catch keel's."""
+
+
+class PossibleUserWarning(UserWarning):
+    """Lightning's category for warnings that may be false positives. keel never emits it; filtering it (as
+    Lightning programs do) is harmless."""
+
+
+# ------------------------------------------------------------------ lightning.pytorch.utilities.grad_norm
+def grad_norm(module: torch.nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, Any]:
+    """Lightning's ``grad_norm``: each parameter's gradient ``norm_type``-norm, keyed
+    ``grad_{norm}_norm{sep}{name}``, and their overall norm ``grad_{norm}_norm_total`` (0-dim tensors, ready
+    for ``self.log_dict``). Parameters without a gradient are left out; no gradient at all gives ``{}``."""
+    norm = float(norm_type)
+    if norm <= 0:
+        raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm}")
+    norms = {
+        f"grad_{norm}_norm{group_separator}{name}": p.grad.data.norm(norm)
+        for name, p in module.named_parameters()
+        if p.grad is not None
+    }
+    if norms:
+        norms[f"grad_{norm}_norm_total"] = torch.tensor(list(norms.values())).norm(norm)
+    return norms
+
+
+# ------------------------------------------------------------------ lightning.pytorch.loggers.logger
+_on_rank_zero = rank_zero_only(lambda: True)
+
+
+def rank_zero_experiment(fn: Callable[[Any], T]) -> Callable[[Any], T | DummyExperiment]:
+    """Lightning's decorator for a custom logger's ``experiment`` property: the experiment on global rank 0,
+    a do-nothing stand-in on the other ranks (keel itself calls loggers on rank 0 only)."""
+
+    @functools.wraps(fn)
+    def experiment(self: Any) -> T | DummyExperiment:
+        return fn(self) if _on_rank_zero() else DummyExperiment()
+
+    return experiment
+
+
+# ------------------------------------------------------------------ lightning.pytorch.strategies
+class _StrategyName(type):
+    """A Lightning strategy class as keel sees it: ``isinstance(trainer.strategy, DDPStrategy)`` tests keel's
+    strategy of that kind; building one raises, saying which Trainer options choose and configure it."""
+
+    keel: type
+    option: str
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, cls.keel)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, cls.keel)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(
+            f"keel builds the strategy itself: pass Trainer(strategy={cls.option!r}) instead of {cls.__name__}(...), "
+            "and its settings as Trainer options (find_unused_parameters, static_graph, bucket_cap_mb, "
+            "fsdp_units, ...; docs/options.md)."
+        )
+
+
+def _strategy_name(name: str, keel: type, option: str, doc: str) -> type:
+    return _StrategyName(name, (), {"keel": keel, "option": option, "__doc__": doc, "__module__": __name__})
+
+
+DDPStrategy = _strategy_name(
+    "DDPStrategy", _strategy.DDPStrategy, "ddp", "Lightning's ``DDPStrategy``: keel's DDP, chosen with strategy='ddp'."
+)
+FSDPStrategy = _strategy_name(
+    "FSDPStrategy", _strategy.FSDPStrategy, "fsdp", "Lightning's ``FSDPStrategy``: keel's FSDP2 (strategy='fsdp')."
+)
+SingleDeviceStrategy = _strategy_name(
+    "SingleDeviceStrategy",
+    _strategy.SingleDeviceStrategy,
+    "auto",
+    "Lightning's ``SingleDeviceStrategy``: keel's, chosen for a one-process launch (strategy='auto').",
+)
+
+
+# ------------------------------------------------------------------ lightning.pytorch.cli_lightning_logo
+BANNER = "keel: a Lightning-style trainer (Lightning's names from callbacks.lightning)"
+
+
+def cli_lightning_logo() -> None:
+    """What Lightning's example scripts call first: keel prints a one-line banner (Lightning prints its logo)."""
+    sys.stdout.write(BANNER + "\n")
