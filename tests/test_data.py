@@ -270,11 +270,21 @@ def test_rebuilt_keeps_worker_settings() -> None:
         np.random.set_state(state[1])
 
 
+def test_a_stream_without_position_is_used_as_is_and_says_what_a_resume_does() -> None:
+    """An IterableDataset without state_dict: the warning says a resume restarts the epoch, how to make it exact,
+    and (on several ranks) that keel does not shard it (tests/test_streams.py covers the stateful kinds)."""
+    loader = DataLoader(_Stream(), batch_size=2)
+    with pytest.warns(
+        UserWarning, match="saves no position, so a resume starts the epoch again.*state_dict.*not shard"
+    ):
+        out = adapt_train_loader(loader, num_replicas=2, rank=0, seed=0)
+    assert out.loader is loader and out.stream is None
+
+
 @pytest.mark.parametrize(
     "make,reason",
     [
         (lambda: _MyLoader(_Range(6), batch_size=2), "DataLoader subclass"),
-        (lambda: DataLoader(_Stream(), batch_size=2), "shard it yourself by rank and worker"),
         (lambda: DataLoader(_Range(6), batch_size=2, sampler=_EveryOther(6)), "custom sampler"),
         (
             lambda: DataLoader(_Range(6), batch_sampler=_batches(SequentialSampler(_Range(6)))),

@@ -67,6 +67,7 @@ INVALID = [
     ("min_steps", 1.5),
     ("benchmark", "yes"),
     ("uneven_batches", "pad"),
+    ("stream_reshard", "skip"),
     ("devices", 0),
     ("num_nodes", 0),
     ("strategy", "deepspeed"),

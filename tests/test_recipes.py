@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("sklearn", reason="the digits recipe needs scikit-learn (pip install -e '.[dev]')")
 
@@ -444,12 +445,45 @@ def test_charlm_recipe_end_to_end(tmp_path: Path) -> None:
     fields, metrics = _summary(proc.stdout)
     assert metrics["train/loss"] == pytest.approx(PINNED_CHARLM_TRAIN_LOSS, abs=CHARLM_TOLERANCE), proc.stdout
     assert metrics["val/loss"] == pytest.approx(PINNED_CHARLM_VAL_LOSS, abs=CHARLM_TOLERANCE), proc.stdout
-    assert {"test/loss", "test/bpc", "throughput/items_per_sec", "lr-AdamW/pg0"} <= set(metrics)
+    assert {"test/loss", "test/bpc", "throughput/items_per_sec", "lr-AdamW/pg1", "lr-AdamW/pg2"} <= set(metrics)
     run_dir = tmp_path / "out" / "charlm" / "version_0"
     assert Path(fields["run dir"]) == run_dir
     assert Path(fields["best checkpoint"]).parent == run_dir / "checkpoints"
     assert "val_loss=" in Path(fields["best checkpoint"]).name
     assert "charlm sample after 4 steps" in proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_charlm_streaming_recipe_trains_from_shards(tmp_path: Path) -> None:
+    """data=charlm_stream: the training split written once into shards and streamed through Hugging Face
+    datasets; keel adapts the stream (its position is in the checkpoint) and the run trains, validates and tests."""
+    pytest.importorskip("datasets")
+    pytest.importorskip("torchdata")
+    corpus = _charlm_corpus(tmp_path / "corpus")
+    args = [
+        "+experiment=charlm",
+        "data=charlm_stream",
+        f"data.root={corpus}",
+        "data.max_chars=60000",
+        "data.block_size=32",
+        "data.batch_size=8",
+        "data.num_shards=4",
+        "task.n_layer=1",
+        "task.n_embd=32",
+        "task.sample_chars=20",
+        "trainer.max_steps=4",
+        *E2E_ARGS,
+        f"output_dir={tmp_path / 'out'}",
+    ]
+    proc = _run(args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    shards = sorted((tmp_path / "out" / "charlm_shards").glob("part-*.jsonl"))
+    assert len(shards) == 4 and len({len(p.read_text().splitlines()) for p in shards}) == 1  # equal shards
+    _, metrics = _summary(proc.stdout)
+    assert {"train/loss", "val/loss", "test/loss"} <= set(metrics)
+    best = next((tmp_path / "out" / "charlm" / "version_0" / "checkpoints").glob("*.ckpt"))
+    saved = torch.load(best / "keel.pt", weights_only=True)["stream_positions"]
+    assert saved[0]["kind"] == "huggingface" and saved[0]["state"] is not None  # a mid-epoch position
 
 
 # ---------------------------------------------------------------------------------------------- user task

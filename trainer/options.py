@@ -157,8 +157,11 @@ class TrainerOptions:
             at epoch ends, before every checkpoint and at the end of ``fit``; every rank stops with the first bad
             step named) or ``"skip"`` (the step is skipped on every rank; one host read and, in DDP, one
             all-reduce per step).
-        uneven_batches: Loaders keel does not shard, with different batch counts per rank: run the common number
-            (``"truncate"``) or raise (``"error"``).
+        uneven_batches: Loaders keel does not shard (and streams), with different batch counts per rank: run the
+            common number (``"truncate"``, with a warning naming the counts) or raise (``"error"``).
+        stream_reshard: Resuming a stream (a training loader that saves its own position, trainer/data/streams.py)
+            mid-epoch at another world size, which only LitData can continue: ``"error"`` refuses the resume with
+            the reason; ``"restart_epoch"`` warns and starts that epoch again from its first batch.
         predict_return: ``"all_ranks"`` (every rank gets the predictions) or ``"rank_zero"`` (other ranks get
             None).
         preemption_check_interval: In a distributed run, check for SIGTERM/SIGUSR1 every N optimizer steps (one
@@ -225,6 +228,7 @@ class TrainerOptions:
     uneven_batches: str = "truncate"
     predict_return: str = "all_ranks"
     preemption_check_interval: int | None = None
+    stream_reshard: str = "error"
 
     def __post_init__(self) -> None:
         # Always in this order, so that with several bad values the same one is reported first.
@@ -362,6 +366,8 @@ class TrainerOptions:
             raise _fail("on_nonfinite", self.on_nonfinite, "'error' or 'skip'")
         if self.uneven_batches not in ("truncate", "error"):
             raise _fail("uneven_batches", self.uneven_batches, "'truncate' or 'error'")
+        if self.stream_reshard not in ("error", "restart_epoch"):
+            raise _fail("stream_reshard", self.stream_reshard, "'error' or 'restart_epoch'")
         _check_int("preemption_check_interval", self.preemption_check_interval, minimum=1, allow_none=True)
         if self.predict_return not in ("all_ranks", "rank_zero"):
             raise _fail("predict_return", self.predict_return, "'all_ranks' or 'rank_zero'")

@@ -26,6 +26,7 @@ from trainer.checkpoint.files import (
     K_SCALER,
     K_SCHEDULERS,
     K_STATE_DICT,
+    K_STREAMS,
     K_WORLD_SIZE,
     KEEL_VERSION,
     CheckpointError,
@@ -105,6 +106,50 @@ class TrainState:
         elastic.check_resume(t, loop.get("global_batch"), path=str(t.ckpt_path))
 
 
+class StreamPositions:
+    """Every rank's position in a training stream (trainer/data/streams.py), gathered like the RNG states: a
+    list indexed by rank, None where the loader saves no position. Loaded after :class:`TrainState`."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> list[Any]:
+        t = self.trainer
+        stream = t._train.stream if t._train is not None else None
+        mine = stream.state_dict(t._epoch_batches_done, t._epoch_finished) if stream is not None else None
+        return comm.all_gather_object(mine)
+
+    def load_state_dict(self, positions: list[Any]) -> None:
+        t = self.trainer
+        stream = t._train.stream if t._train is not None else None
+        saved = [p for p in positions or [] if p is not None]
+        if stream is None:
+            if saved:
+                raise ValueError(
+                    f"{t.ckpt_path} was saved while training from a stream ({saved[0]['loader']}), but this run's "
+                    "training loader saves no position: resume with the loader the run was saved with."
+                )
+            return
+        if not saved:
+            return  # a save without positions (map-style data then, or an older keel): plan_epoch warns
+        mid_epoch = t._epoch_batches_done > 0
+        if len(positions) == t.world_size:
+            stream.load_state_dict(positions[t.global_rank])
+        elif stream.reshardable:
+            stream.load_state_dict(saved[0])  # LitData re-splits the remaining samples of rank 0's position
+        elif mid_epoch:
+            why = (
+                f"{t.ckpt_path} was saved mid-epoch at world size {len(positions)} by {saved[0]['loader']}, which "
+                f"cannot continue its stream at world size {t.world_size}"
+            )
+            if t.options.stream_reshard == "error":
+                raise ValueError(
+                    f"{why}. Resume at world size {len(positions)}, or pass stream_reshard='restart_epoch' to start "
+                    f"epoch {t.current_epoch} again (its samples are seen twice)."
+                )
+            log.warning("%s: epoch %d starts again (stream_reshard='restart_epoch').", why, t.current_epoch)
+
+
 def checkpoint_state(trainer: Trainer, *, full: bool = True) -> dict[str, Any]:
     """Checkpoint key -> object with ``state_dict()`` / ``load_state_dict()``. ``full=False``: the weights
     only (validate / test / predict from a checkpoint)."""
@@ -128,6 +173,7 @@ def checkpoint_state(trainer: Trainer, *, full: bool = True) -> dict[str, Any]:
     if trainer.datamodule is not None:
         state[K_DATAMODULE] = trainer.datamodule
     state[K_LOOP] = TrainState(trainer)
+    state[K_STREAMS] = StreamPositions(trainer)  # after the loop: it reads where the loop resumes
     state[K_RNG] = RNGStates(trainer.device, trainer.global_rank, fallback_seed)
     sampler = trainer._train.sampler if trainer._train is not None else None  # resumes with the saved seed
     state[K_OPTIONS] = Value(plain(trainer.options.resolved()), lambda saved: resume_seed(trainer, saved, sampler))

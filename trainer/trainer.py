@@ -435,7 +435,7 @@ class Trainer(TrainerAttributes):
         unusual = drop_incomplete or self._manual_mode  # a window may end without an automatic optimizer step
         samples_per_batch, batch_end_hooks = plan.samples_per_batch, hooks.on_train_batch_end
         for micro in micro_batches(
-            train.loader,
+            plan.batches,
             start_idx=plan.start,
             num_batches=plan.num_batches,
             accumulate=self._window_k,

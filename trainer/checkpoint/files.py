@@ -39,6 +39,7 @@ K_SCALER = "grad_scaler"
 K_LOOP = "loop"
 K_CALLBACKS = "callbacks"
 K_RNG = "rng_states"
+K_STREAMS = "stream_positions"  # per rank: where a training loader that saves its own position stands
 K_OPTIONS = "trainer_options"
 K_DATAMODULE = "datamodule"
 K_HPARAMS = "hyper_parameters"

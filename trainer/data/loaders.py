@@ -1,10 +1,11 @@
 """Samplers and DataLoader adaptation: resumable sharded training, padding-free evaluation.
 
 Only a plain ``torch.utils.data.DataLoader`` with the stock samplers is rebuilt, from its
-documented public attributes (no constructor introspection); anything else is used as-is
+documented public attributes (no constructor introspection); a training loader that saves its own
+position is a stream (:mod:`trainer.data.streams`); anything else is used as-is
 with a warning saying what is lost and what to pass instead. Rank and world size are
 arguments: this module never imports ``torch.distributed``; the few agreements between ranks about
-data a loader keel does not shard (:func:`agree_on_batches`, :func:`all_ranks_have_data`,
+data a loader keel does not shard (:func:`agree_on_batches`, :class:`~trainer.data.streams.AllRanksHaveData`,
 :func:`warn_if_unsharded`) are collectives through :mod:`trainer.distributed.comm`.
 """
 
@@ -29,6 +30,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from trainer.data.streams import AllRanksHaveData, Stream, adapt_stream, not_stateful_reason
 from trainer.data.transfer import tensors_in
 from trainer.distributed import comm
 
@@ -277,7 +279,7 @@ class AdaptedLoader:
     """A loader ready for the Trainer.
 
     Attributes:
-        loader: The DataLoader to iterate: rebuilt, or the user's own object as-is.
+        loader: The DataLoader to iterate: rebuilt, the stream's loader, or the user's own object as-is.
         sampler: keel's sampler in the rebuilt loader; ``None`` when used as-is.
         shuffle: The user's shuffle choice; ``None`` when used as-is.
         reason: Why the loader is used as-is; ``None`` when adapted.
@@ -287,6 +289,8 @@ class AdaptedLoader:
     sampler: ResumableDistributedSampler | EvalShardSampler | None
     shuffle: bool | None
     reason: str | None
+    stream: Stream | None = None  # a training loader that carries its own position (trainer/data/streams.py)
+    agree: AllRanksHaveData | None = None  # made by the first epoch that needs it, kept for the fit
 
 
 def _unadaptable_reason(loader: Iterable[Any]) -> tuple[str | None, bool | None]:
@@ -356,6 +360,10 @@ def _adapt(
     if not hasattr(type(loader), "__iter__"):
         raise TypeError(f"the {kind} dataloader must be iterable, got {type(loader).__qualname__}")
     _check_replicas(0, num_replicas, rank)
+    stream = adapt_stream(loader, num_replicas=num_replicas, rank=rank, seed=seed) if kind == "train" else None
+    if stream is not None:
+        logger.debug("train loader %s resumes itself: rank %d/%d", stream.describe(), rank, num_replicas)
+        return AdaptedLoader(stream.loader, None, None, None, stream=stream)
     reason, shuffle = _unadaptable_reason(loader)
     if reason is not None:
         _warn_as_is(loader, kind, reason, num_replicas)
@@ -384,6 +392,14 @@ def _adapt(
 
 
 def _warn_as_is(loader: Iterable[Any], kind: str, reason: str, num_replicas: int) -> None:
+    if kind == "train" and (stream := not_stateful_reason(loader)) is not None:
+        shard = (
+            f" keel does not shard it across the {num_replicas} ranks either: each rank trains on whatever it yields."
+            if num_replicas > 1
+            else ""
+        )
+        warnings.warn(f"keel uses the train loader ({type(loader).__qualname__}) as-is: {stream}.{shard}", stacklevel=4)
+        return
     if kind == "train":
         lost = (
             f"keel will not shard it across the {num_replicas} ranks (each rank sees "
@@ -555,13 +571,6 @@ def agree_on_batches(num_batches: int, device: torch.device, *, uneven: Literal[
     return low
 
 
-def all_ranks_have_data(has_data: bool, device: torch.device) -> bool:
-    """Loader without len() in DDP: one tiny all-reduce per optimizer step (documented cost)."""
-    flag = torch.tensor([1.0 if has_data else 0.0], device=device)
-    comm.all_reduce(flag, "min")
-    return bool(flag.item() > 0)
-
-
 def batch_fingerprint(batch: Any) -> str | None:
     """A digest of a batch's tensors (dtype, shape and the bytes of the first 4096 elements of each) that is
     the same in every process: blake2b, not ``hash()``, whose value for bytes is salted per process
@@ -599,6 +608,7 @@ class EpochPlan:
     num_batches: int | None  # batches of the whole epoch after limits and agreement; None: unknown
     agree: Callable[[bool], bool] | None  # per-step "every rank still has data" (loader without len())
     samples_per_batch: int  # global samples one micro-batch consumes; 0 when keel does not shard
+    batches: Iterable[Any]  # what the epoch iterates: the loader, or the stream from its resume position
 
 
 def plan_epoch(
@@ -618,11 +628,14 @@ def plan_epoch(
     sampler is rewound to the epoch's start and before the cursor shortens it. A loader keel shards
     resumes at the global sample cursor, so nothing is re-read; one it cannot adapt restarts the epoch
     (with a warning). Collective when a loader keel does not shard runs on several ranks
-    (:func:`agree_on_batches` once, or :func:`all_ranks_have_data` per step).
+    (:func:`agree_on_batches` once, or :class:`~trainer.data.streams.AllRanksHaveData` per step).
     """
     sampler = train.sampler if isinstance(train.sampler, ResumableDistributedSampler) else None
+    stream = train.stream
     if sampler is not None:
         sampler.set_epoch(epoch)  # also rewinds the cursor to 0
+    elif stream is not None:
+        stream.set_epoch(epoch)
     num_batches = limit(train.loader)  # the whole epoch, before a resume cursor shortens the sampler
     agree = None
     if world_size > 1 and sampler is None:
@@ -630,18 +643,25 @@ def plan_epoch(
         if num_batches is not None:
             num_batches = agree_on_batches(num_batches, device, uneven=uneven)
         else:
-            agree = lambda has_data: all_ranks_have_data(has_data, device)  # noqa: E731
+            if train.agree is None:
+                what = stream.describe() if stream is not None else type(train.loader).__qualname__
+                train.agree = AllRanksHaveData(device, uneven, what)
+            agree = train.agree
     start = batches_done
     if start and sampler is not None:
         sampler.set_cursor(samples_done)  # resume at the global sample cursor: nothing is re-read
+    elif start and stream is not None and stream.take_resume():
+        pass  # the stream continues from the position its checkpoint saved for this rank
     elif start:
         logger.warning(
-            "Resuming mid-epoch with a loader keel cannot adapt (%s): the epoch restarts from its first batch.",
-            train.reason,
+            "Resuming mid-epoch with a loader that cannot continue where it was saved (%s): the epoch restarts "
+            "from its first batch.",
+            train.reason or "the checkpoint holds no position for it on this rank",
         )
         start = samples_done = 0
-    # With keel's sampler the loader is the DataLoader keel rebuilt.
-    samples_per_batch = (
-        (cast("DataLoader[Any]", train.loader).batch_size or 0) * world_size if sampler is not None else 0
-    )
-    return EpochPlan(start, samples_done, num_batches, agree, samples_per_batch)
+    batch_size = cast("DataLoader[Any]", train.loader).batch_size if sampler is not None else None
+    if stream is not None:
+        batch_size = stream.batch_size
+    samples_per_batch = (batch_size or 0) * world_size
+    batches = stream.batches(start) if stream is not None else train.loader
+    return EpochPlan(start, samples_done, num_batches, agree, samples_per_batch, batches)
