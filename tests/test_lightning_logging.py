@@ -497,3 +497,21 @@ def test_lr_monitor_without_logger_only_warns(tmp_path: Path) -> None:
         Trainer(**options(Recorder(tmp_path), logger=False, max_epochs=1, callbacks=[LearningRateMonitor()])).fit(
             Optimizers(), data(2)
         )
+
+
+def test_the_lightning_layer_logs_under_lightning_logs(tmp_path: Path) -> None:
+    """Under callbacks.lightning the default logger, TensorBoardLogger and CSVLogger write lightning_logs/ as
+    Lightning's do; keel's own Trainer keeps keel_logs/."""
+    from models import Regression, loader, quiet, regression_data
+
+    import callbacks.lightning as L
+    from trainer import Trainer
+
+    for trainer_class, folder in ((L.Trainer, "lightning_logs"), (Trainer, "keel_logs")):
+        root = tmp_path / folder
+        trainer_class(**quiet(max_steps=1, logger=True, default_root_dir=str(root))).fit(
+            Regression(), loader(regression_data(), 16)
+        )
+        assert (root / folder / "version_0").is_dir()
+    assert Path(L.CSVLogger(tmp_path / "csv", version=0).log_dir) == tmp_path / "csv" / "lightning_logs" / "version_0"
+    assert Path(L.TensorBoardLogger(tmp_path / "tb", version=0).log_dir).parent.name == "lightning_logs"
