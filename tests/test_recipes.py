@@ -453,6 +453,15 @@ def test_charlm_recipe_end_to_end(tmp_path: Path) -> None:
     assert "charlm sample after 4 steps" in proc.stderr
 
 
+def test_an_object_store_output_dir_is_refused_not_made_a_local_folder(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    from hydra.errors import InstantiationException
+
+    with pytest.raises((ValueError, InstantiationException), match=r"'s3://bucket/runs' is a s3:// URL"):
+        build(_compose(["output_dir=s3://bucket/runs"]))  # the logger refuses it, before anything is written
+    assert not (tmp_path / "s3:").exists()
+
+
 @pytest.mark.multiprocess
 def test_charlm_streaming_recipe_trains_from_shards(tmp_path: Path) -> None:
     """data=charlm_stream: the training split written once into shards and streamed through Hugging Face

@@ -10,6 +10,6 @@
 * :mod:`~trainer.checkpoint.model_checkpoint`: the ``ModelCheckpoint`` callback: when to save, what to keep.
 
 May import: torch (``torch.distributed.checkpoint`` included), :mod:`trainer.distributed`, :mod:`trainer.data`,
-:mod:`trainer.callback`. The Trainer is never imported or read: it hands in the state objects
+:mod:`trainer.callback`, :mod:`trainer.storage`. The Trainer is never imported or read: it hands in the state objects
 (trainer/run_state.py builds them).
 """

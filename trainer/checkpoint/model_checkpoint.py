@@ -23,6 +23,7 @@ from trainer.callback import Callback
 from trainer.checkpoint.async_save import AsyncCheckpointer
 from trainer.checkpoint.files import write_pointer
 from trainer.checkpoint.store import LIGHTNING_FILE, remove_save
+from trainer.storage import local_path
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.module import TaskModule
@@ -191,7 +192,7 @@ class ModelCheckpoint(Callback):
         check_filename(filename or "{epoch}-{step}")
         if train_time_interval is not None and not train_time_interval > 0:
             raise ValueError(f"ModelCheckpoint(train_time_interval={train_time_interval!r}): expected seconds > 0.")
-        self.dirpath = str(dirpath) if dirpath is not None else None
+        self.dirpath = local_path(dirpath, "ModelCheckpoint(dirpath=...)") if dirpath is not None else None
         self.filename = filename or "{epoch}-{step}"
         self.monitor = monitor
         self.mode = mode

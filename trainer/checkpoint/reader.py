@@ -59,6 +59,7 @@ from trainer.checkpoint.store import (
     quiet_dcp,
 )
 from trainer.distributed import comm
+from trainer.storage import local_path
 
 log = logging.getLogger(__name__)
 
@@ -433,7 +434,11 @@ def export_weights(ckpt_path: str | os.PathLike, out_path: str | os.PathLike) ->
 
     The result loads with bare PyTorch: ``model.load_state_dict(torch.load(out_path, weights_only=True))``.
     """
-    save_file(dict(load_weights(ckpt_path)[K_STATE_DICT]), out_path)
+    source, target = (
+        local_path(ckpt_path, "export_weights(ckpt_path)"),
+        local_path(out_path, "export_weights(out_path)"),
+    )
+    save_file(dict(load_weights(source)[K_STATE_DICT]), target)
 
 
 class CheckpointIO:

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trainer.distributed import comm
+from trainer.storage import local_path
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class Logger:
         name: str | None = "keel_logs",
         version: int | str | None = None,
     ) -> None:
-        self.save_dir: str = os.path.expanduser(os.fspath(save_dir))
+        self.save_dir: str = local_path(save_dir, f"{type(self).__name__}(save_dir=...)")
         self.name: str | None = name
         self.version: int | str | None = version
 
