@@ -5,6 +5,7 @@ bit-identical (tests/scripts/stream_fit.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -269,9 +270,9 @@ def launch(root: Path, work: Path, *args: str, nproc: int = 2, max_restarts: int
 @pytest.mark.multiprocess
 def test_hugging_face_stream_is_split_once_and_resumes_exactly(tmp_path: Path) -> None:
     """A `load_dataset("json", ..., streaming=True)` stream of 4 shards in a plain DataLoader on 2 ranks: keel splits
-    it by shard (each epoch every sample once over both ranks, nothing twice), and a SIGKILL of rank 1 mid-epoch 1
-    under --max-restarts ends equal to the uninterrupted run. Resuming that save at 1 rank is refused with the
-    reason by default, and restarts the epoch with a warning under stream_reshard='restart_epoch'."""
+    it by shard (each epoch every sample once over both ranks, nothing twice), and a crash mid-epoch 1 resumes equal
+    to the uninterrupted run. The same save resumed at 1 rank is refused with the reason by default, and restarts
+    the epoch with a warning under stream_reshard='restart_epoch'."""
     work = tmp_path
     prepare(work, "hf")
     common = ("--loader", "hf", "--workers", "0")
@@ -282,17 +283,16 @@ def test_hugging_face_stream_is_split_once_and_resumes_exactly(tmp_path: Path) -
         seen = [i for r in (0, 1) for e, ids in effective(work / "ref" / "out", r) if e == epoch for i in ids]
         assert sorted(seen) == list(range(96))
     run = work / "run"
-    launch(run, run, *common, "--kill-at", "18", max_restarts=1).check()
+    crashed = launch(run, run, *common, "--crash-at", "18")
+    assert crashed.returncode != 0
+    shutil.copytree(run / "ck", work / "mid" / "ck")  # the mid-epoch save, for the 1-rank resumes below
+    launch(run, run, *common, "--resumed").check()
     assert_same_run(work / "ref" / "out", run / "out", ranks=2, steps=24)
 
-    # The same stream's save at step 18 of the killed run's first attempt is gone (every step saves); take the
-    # reference run's folder, rewind its pointer to a mid-epoch save, and resume at 1 rank.
-    mid = work / "mid"
-    launch(mid, mid, *common, "--crash-at", "18").returncode  # noqa: B018 - the crash is the point
-    refused = launch(work / "one", mid, *common, "--resumed", nproc=1)
+    refused = launch(work / "one", work / "mid", *common, "--resumed", nproc=1)
     assert refused.returncode != 0
     assert "saved mid-epoch at world size 2" in refused.stdout and "stream_reshard='restart_epoch'" in refused.stdout
-    again = launch(work / "one", mid, *common, "--resumed", "--stream-reshard", "restart_epoch", nproc=1)
+    again = launch(work / "one", work / "mid", *common, "--resumed", "--stream-reshard", "restart_epoch", nproc=1)
     again.check()
     assert "epoch 1 starts again (stream_reshard='restart_epoch')" in again.stdout
 
@@ -351,13 +351,12 @@ def test_litdata_resumes_exactly_and_at_another_world_size_loses_nothing(tmp_pat
     run = tmp_path / "run"
     crashed = launch(run, run, *common, "--crash-at", "18")
     assert crashed.returncode != 0
+    before = [i for r in (0, 1) for e, ids in effective(run / "out", r) if e == 1 for i in ids]
+    shutil.copytree(run / "ck", tmp_path / "one" / "ck")  # the mid-epoch save, for the 1-rank resume below
     launch(run, run, *common, "--resumed").check()
     assert_same_run(tmp_path / "ref" / "out", run / "out", ranks=2, steps=24)
 
-    two_to_one = tmp_path / "one"
-    launch(two_to_one, two_to_one, *common, "--crash-at", "18").returncode  # noqa: B018 - the crash is the point
-    launch(tmp_path / "one-resumed", two_to_one, *common, "--resumed", nproc=1).check()
-    before = [i for r in (0, 1) for e, ids in effective(two_to_one / "out", r) if e == 1 for i in ids]
+    launch(tmp_path / "one-resumed", tmp_path / "one", *common, "--resumed", nproc=1).check()
     assert len(before) == (18 - 12) * 4 * 2  # the 6 steps of epoch 1 both ranks trained before the crash
     after = [i for e, ids in effective(tmp_path / "one-resumed" / "out") if e == 1 for i in ids]
     assert sorted(before + after) == list(range(96))
