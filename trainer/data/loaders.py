@@ -30,7 +30,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from trainer.data.streams import AllRanksHaveData, Stream, adapt_stream, not_stateful_reason
+from trainer.data.streams import AllRanksHaveData, Stream, adapt_stream, loader_settings, not_stateful_reason
 from trainer.data.transfer import tensors_in
 from trainer.distributed import comm
 
@@ -334,23 +334,7 @@ def _unadaptable_reason(loader: Iterable[Any]) -> tuple[str | None, bool | None]
 
 def _rebuild(loader: DataLoader, sampler: Sampler[int], generator: torch.Generator) -> DataLoader:
     """A new DataLoader with ``loader``'s settings, ``sampler`` and seeded workers."""
-    kwargs: dict[str, Any] = {
-        "batch_size": loader.batch_size,
-        "drop_last": loader.drop_last,
-        "collate_fn": loader.collate_fn,
-        "num_workers": loader.num_workers,
-        "pin_memory": loader.pin_memory,
-        "pin_memory_device": loader.pin_memory_device,
-        "timeout": loader.timeout,
-        "multiprocessing_context": loader.multiprocessing_context,
-        "persistent_workers": loader.persistent_workers,
-        "worker_init_fn": _WorkerInit(loader.worker_init_fn),
-        "generator": generator,
-    }
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
-    if hasattr(loader, "in_order"):
-        kwargs["in_order"] = loader.in_order
+    kwargs = dict(loader_settings(loader), worker_init_fn=_WorkerInit(loader.worker_init_fn), generator=generator)
     return DataLoader(loader.dataset, sampler=sampler, **kwargs)
 
 

@@ -15,7 +15,8 @@ when the library can re-split a position (LitData); otherwise ``Trainer(stream_r
 refuses the resume with the reason, ``"restart_epoch"`` warns and starts the epoch again.
 
 Libraries are imported only when the user's objects come from them (``sys.modules`` is checked first), so none is
-a dependency. Rank and world size are arguments: this module never imports ``torch.distributed``.
+a dependency. Rank and world size are arguments; the one agreement between ranks goes through
+:mod:`trainer.distributed.comm`.
 """
 
 from __future__ import annotations
@@ -214,18 +215,17 @@ def _stateful_loader_class() -> type | None:
     return StatefulDataLoader
 
 
-def _stateful_loader(loader: Any, dataset: Any) -> Any:
-    """``loader``'s settings around ``dataset``, as a torchdata ``StatefulDataLoader``."""
-    cls = _stateful_loader_class()
-    assert cls is not None  # checked by the caller
-    if type(loader) is cls and dataset is getattr(loader, "dataset", None):
-        return loader
-    kwargs: dict[str, Any] = {
+def loader_settings(loader: DataLoader[Any]) -> dict[str, Any]:
+    """A DataLoader's documented settings, to build another loader around another dataset or sampler: batch_size,
+    drop_last, collate_fn, num_workers, pin_memory(_device), timeout, worker_init_fn, multiprocessing_context,
+    generator, persistent_workers, prefetch_factor (with workers) and in_order (where torch has it)."""
+    settings: dict[str, Any] = {
         "batch_size": loader.batch_size,
         "drop_last": loader.drop_last,
         "collate_fn": loader.collate_fn,
         "num_workers": loader.num_workers,
         "pin_memory": loader.pin_memory,
+        "pin_memory_device": loader.pin_memory_device,
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
         "multiprocessing_context": loader.multiprocessing_context,
@@ -233,7 +233,19 @@ def _stateful_loader(loader: Any, dataset: Any) -> Any:
         "persistent_workers": loader.persistent_workers,
     }
     if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
+        settings["prefetch_factor"] = loader.prefetch_factor
+    if hasattr(loader, "in_order"):
+        settings["in_order"] = loader.in_order
+    return settings
+
+
+def _stateful_loader(loader: Any, dataset: Any) -> Any:
+    """``loader``'s settings around ``dataset``, as a torchdata ``StatefulDataLoader``."""
+    cls = _stateful_loader_class()
+    assert cls is not None  # checked by the caller
+    if type(loader) is cls and dataset is getattr(loader, "dataset", None):
+        return loader
+    kwargs = loader_settings(loader)
     logger.debug("training loader %s wrapped into a StatefulDataLoader", type(loader).__qualname__)
     return cls(dataset, **kwargs)
 
@@ -294,7 +306,7 @@ def _warn_hf_shuffle(dataset: Any, num_workers: int) -> None:
 
 
 def _agree_litdata(dataset: Any, num_replicas: int, rank: int) -> None:
-    """LitData reads rank and world size when the dataset is built, from torch.distributed or the environment
+    """LitData reads rank and world size when the dataset is built, from the process group or the environment
     (``WORLD_SIZE``, ``GLOBAL_RANK``): built before keel's process group, every rank of a torchrun job believes it
     is rank 0. keel tells the dataset where it runs."""
     env = getattr(dataset, "distributed_env", None)
