@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.callback import Callback
+from trainer.storage import is_url, join, local_dir, sync_mirrors
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.module import TaskModule
@@ -94,9 +95,11 @@ class SaveConfig(Callback):
         self._stage = stage
         if stage != "fit" or self.path is not None:
             return
-        self.path = os.path.join(trainer.log_dir, CONFIG_FILE)
-        if trainer.is_global_zero:
-            self._write(self.path)
+        self.path = join(trainer.log_dir, CONFIG_FILE)
+        if trainer.is_global_zero:  # a run directory on object storage: written to its local mirror, then uploaded
+            self._write(os.path.join(local_dir(trainer.log_dir, download=True), CONFIG_FILE))
+            if is_url(trainer.log_dir):
+                sync_mirrors()
             for logger in trainer.loggers:  # trackers outside the run directory (W&B, MLflow) record it too
                 logger.log_config(self.config)
 

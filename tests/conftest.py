@@ -197,3 +197,19 @@ def slurm_cluster():
         pytest.skip(reason)
     yield cluster
     cluster.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):
+    """One S3 server (SeaweedFS on 127.0.0.1, tests/s3server.py) for the whole run, started when a test first
+    asks for it and stopped at the end; skipped with the reason where weed or s3fs is not installed (a server
+    that is installed but fails to start is an error, with weed's log). Tests that kill or pause a server
+    start their own."""
+    from s3server import S3Server, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    server = S3Server.start(tmp_path_factory.mktemp("s3server"))
+    yield server
+    server.kill()  # its data is the run's scratch: no graceful stop (weed's takes ~15 s)

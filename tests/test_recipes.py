@@ -453,13 +453,19 @@ def test_charlm_recipe_end_to_end(tmp_path: Path) -> None:
     assert "charlm sample after 4 steps" in proc.stderr
 
 
-def test_an_object_store_output_dir_is_refused_not_made_a_local_folder(tmp_path: Path, monkeypatch) -> None:
+def test_an_object_store_output_dir_is_the_run_directory_never_a_local_folder(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
+    trainer, _, _ = build(_compose(["output_dir=memory://keel-recipes/runs"]))
+    trainer.loggers[0].resolve_version()
+    assert trainer.log_dir == "memory://keel-recipes/runs/digits/version_0"
+    assert trainer.checkpoint_callback is not None
     from hydra.errors import InstantiationException
 
-    with pytest.raises((ValueError, InstantiationException), match=r"'s3://bucket/runs' is a s3:// URL"):
-        build(_compose(["output_dir=s3://bucket/runs"]))  # the logger refuses it, before anything is written
-    assert not (tmp_path / "s3:").exists()
+    with pytest.raises(
+        (ValueError, InstantiationException), match=r"'nosuchscheme://bucket/runs' is a nosuchscheme://"
+    ):
+        build(_compose(["output_dir=nosuchscheme://bucket/runs"]))  # no filesystem for it: refused when built
+    assert not any(":" in p.name for p in tmp_path.rglob("*"))
 
 
 @pytest.mark.multiprocess

@@ -22,6 +22,7 @@ from trainer.distributed import comm
 from trainer.distributed.watchdog import Watchdog, nccl_flight_recorder_env_defaults, start_for_run
 from trainer.observability.rank_zero import rank_zero_only
 from trainer.options import SEED_DEFAULT, resolve_seed
+from trainer.storage import local_dir, sync_mirrors
 
 if TYPE_CHECKING:
     from trainer.callback import Callback
@@ -90,7 +91,7 @@ def setup_stage(trainer: Trainer, stage: str) -> None:
     for logger in trainer.loggers:
         logger.resolve_version()  # rank 0 picks, all ranks agree (broadcast)
     if profiler is not None:
-        profiler.setup(stage, run_dir=trainer.log_dir, rank=trainer.global_rank)
+        profiler.setup(stage, run_dir=local_dir(trainer.log_dir), rank=trainer.global_rank)
         if profiler.enabled:
             profiler.transition("setup")  # the phase clock starts: data and task setup count as "setup"
     warn_uncalled_hooks(task, callbacks)  # a Lightning hook keel never calls is named, never ignored
@@ -183,6 +184,7 @@ def teardown_stage(trainer: Trainer, stage: str, *, failed: bool) -> None:
     if trainer.is_global_zero:
         for logger in trainer.loggers:
             logger.finalize("failed" if failed else "success")
+    sync_mirrors()  # a run directory on object storage: its logs, config and traces uploaded
     if not failed:
         # Leave every stage together: no rank exits (and tears gloo down at interpreter exit) while a
         # peer is still inside the stage's last collective.
@@ -234,7 +236,7 @@ def init_process_group(trainer: Trainer) -> bool:
         timeout=datetime.timedelta(seconds=opts.process_group_timeout),
         init_timeout=datetime.timedelta(seconds=opts.init_timeout),
         # NCCL's flight recorder on by default, so a collective timeout leaves a trace to read.
-        backend_env=nccl_flight_recorder_env_defaults(trainer.default_root_dir),
+        backend_env=nccl_flight_recorder_env_defaults(local_dir(trainer.default_root_dir)),
         single_process=trainer.strategy.needs_process_group,
     )
 
@@ -248,7 +250,7 @@ def start_watchdog(trainer: Trainer) -> Watchdog | None:
         world_size=trainer.world_size,
         rank=trainer.global_rank,
         process_group_timeout=opts.process_group_timeout,
-        run_dir=trainer.log_dir,
+        run_dir=local_dir(trainer.log_dir),  # hang reports: local (a mirror of a run directory on object storage)
     )
 
 

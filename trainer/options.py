@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
-from trainer.storage import local_path
+from trainer.storage import location
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.distributed.launcher import DistEnv
@@ -327,8 +327,8 @@ class TrainerOptions:
                 self.default_root_dir = str(self.default_root_dir.__fspath__())
             except AttributeError:
                 raise _fail("default_root_dir", self.default_root_dir, "a path (str or os.PathLike) or None") from None
-        if isinstance(self.default_root_dir, str):  # a URL is refused here, never made a local folder "s3:"
-            self.default_root_dir = local_path(self.default_root_dir, "Trainer(default_root_dir=...)")
+        if isinstance(self.default_root_dir, str):  # a URL stays a URL, never a local folder "s3:"
+            self.default_root_dir = location(self.default_root_dir, "Trainer(default_root_dir=...)")
         if self.callbacks is None:
             self.callbacks = []
         if not isinstance(self.callbacks, (list, tuple)):

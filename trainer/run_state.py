@@ -50,7 +50,7 @@ from trainer.distributed import comm
 from trainer.distributed import watchdog as wd
 from trainer.lifecycle import resume_seed
 from trainer.loggers.logger import run_identity
-from trainer.storage import local_path
+from trainer.storage import location
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.checkpoint.async_save import AsyncCheckpointer
@@ -194,7 +194,7 @@ def save(
 ) -> None:
     """``Trainer.save_checkpoint``: the whole run as one save folder, or ``weights_only``: one plain file
     (weights, hyperparameters, step and epoch). A collective: every rank calls it."""
-    path = local_path(path, "save_checkpoint(path)")
+    path = location(path, "save_checkpoint(path)")
     task = trainer.task
     assert task is not None, "save_checkpoint needs a task (call it during or after fit)"
     trainer._beat(wd.PHASE_CHECKPOINT)
@@ -247,7 +247,7 @@ def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
     """Load ``ckpt_path`` (a path, ``"last"`` or ``"best"``) into the trainer: the whole run (``full``, fit)
     or the weights. ``"last"`` falls back to the previous committed save when the newest is damaged."""
     if ckpt_path not in ("last", "best"):
-        ckpt_path = local_path(ckpt_path, "ckpt_path")
+        ckpt_path = location(ckpt_path, "ckpt_path")
     candidates = _candidates(trainer, ckpt_path)
     if not candidates:
         log.info("ckpt_path='last': no checkpoint saved yet; starting from scratch.")

@@ -6,6 +6,8 @@ Faults on demand (first attempt only, TORCHELASTIC_RESTART_COUNT == 0 or unset):
   --sigterm-at S      SIGTERM to rank --kill-rank at step S (keel saves and exits 75)
   --check-on-logging-steps   preemption checked on the logging steps (every 3), not every 2 steps
   --kill-in-save-at S SIGKILL rank 0 halfway through committing the checkpoint of step S (a torn keel.pt)
+  --kill-mid-upload-at S  SIGKILL rank --kill-rank inside its first write of step S's save, its data file half
+                      written (on object storage: an upload that never completes)
 Writes OUT/rank{R}.pt with the final weights when the fit completes.
 """
 
@@ -87,6 +89,15 @@ class Faults(Callback):
                 os.kill(os.getpid(), signal.SIGKILL)
 
             store._finish = torn_finish
+        if step == self.args.kill_mid_upload_at and mine:
+            from trainer.checkpoint import files
+
+            def half_write(writer, data):  # the first bytes go out, then the process dies mid-file
+                writer.raw.write(bytes(memoryview(data).cast("B")[: max(1, len(data) // 2)]))
+                writer.raw.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            files.HashingWriter.write = half_write
 
 
 class CrashAfterSave(Callback):
@@ -113,6 +124,7 @@ def main() -> None:
         help="preemption_check_interval=None: ranks agree on the logging steps' collective",
     )
     parser.add_argument("--kill-in-save-at", type=int, default=-1)
+    parser.add_argument("--kill-mid-upload-at", type=int, default=-1)
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--resumed", action="store_true", help="a manual second run: inject no faults")
     parser.add_argument("--save-on-crash-dir", default=None, help="also write the seen samples when crashing")

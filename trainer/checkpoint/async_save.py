@@ -43,6 +43,8 @@ from trainer.data.transfer import tensors_in
 
 log = logging.getLogger(__name__)
 
+STILL_WRITING_S = 120.0  # a WARNING this often while a wait for the save in flight lasts
+
 
 @dataclass
 class SaveTimes:
@@ -173,7 +175,16 @@ class AsyncCheckpointer:
         job = self._job
         if job is None:
             return False
-        job.done.wait()
+        waited = 0.0
+        while not job.done.wait(STILL_WRITING_S):  # never silent: a store that stopped answering stalls this
+            waited += STILL_WRITING_S
+            log.warning(
+                "Waiting for the background save of %s, still writing after %.0f s: its storage is slow or does "
+                "not answer (an upload to a store that hangs has no deadline of its own). "
+                "Trainer(watchdog_timeout=...) ends a rank that stops making progress.",
+                job.what,
+                waited,
+            )
         try:
             self._finish(job)
         except BaseException as exc:

@@ -11,6 +11,7 @@ is fsynced, so a crash leaves either the old file or the new one, never a torn o
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import os
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainer.storage import AnyPath, RemotePath, as_path, describe_error
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ K_CLASSES = "state_classes"  # {key: [class names]} of the optimizers and schedu
 K_IDENTITY = "identity"  # {save_id, run, step, epoch, world_size}: the same in keel.pt and keel.json
 REQUIRED_KEYS = (K_FORMAT, K_STATE_DICT)
 
+MANIFEST_NAME = "keel.json"  # a save's commit marker (trainer/checkpoint/store.py)
 POINTER_NAME = "last"  # JSON in the checkpoint folder: {"last": name, "history": [names, newest first]}
 
 
@@ -69,9 +73,11 @@ class CheckpointSaveError(OSError):
         return str(self.args[0]) if self.args else ""
 
     @classmethod
-    def for_file(cls, target: Path, state: Any, cause: OSError, *, temporary: bool = True) -> CheckpointSaveError:
+    def for_file(cls, target: AnyPath, state: Any, cause: OSError, *, temporary: bool = True) -> CheckpointSaveError:
         """The error for ``target`` (a file or a folder) whose write of ``state`` failed with ``cause``."""
         needed = state if isinstance(state, int) else tensor_bytes(state)
+        if isinstance(target, RemotePath):
+            return cls.for_object(target, needed, cause)
         folder = target.parent
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent
@@ -106,6 +112,31 @@ class CheckpointSaveError(OSError):
             f"{'the temporary files were removed' if temporary else 'nothing was written'} and {kept}.{hint}"
         )
         error.errno, error.strerror, error.filename = cause.errno, cause.strerror, str(target)
+        return error
+
+    @classmethod
+    def for_object(cls, target: RemotePath, needed: int, cause: BaseException | str) -> CheckpointSaveError:
+        """The error for a save on object storage whose write failed with ``cause`` (any exception: the
+        store's client raises its own classes). The previous committed save is not touched by a failed one."""
+        try:
+            previous = read_pointer(target.parent) or []
+        except Exception:  # the store may be the thing that failed
+            previous = []
+        kept = (
+            f"the previous checkpoint {str(target.parent / previous[0])!r} is intact (ckpt_path='last' resumes from it)"
+            if previous
+            else "no earlier checkpoint was touched"
+        )
+        error = cls(
+            f"Could not write checkpoint {str(target)!r} ({human_bytes(needed)} of tensors) to object storage: "
+            f"{cause if isinstance(cause, str) else describe_error(cause)}. Nothing was committed (the save has no "
+            f"{MANIFEST_NAME}, so resume, pruning "
+            f"and 'best' ignore what was written) and {kept}. Check that the store answers and that the "
+            "credentials may write there."
+        )
+        error.errno = getattr(cause, "errno", None)
+        error.strerror = cause if isinstance(cause, str) else describe_error(cause)
+        error.filename = str(target)
         return error
 
 
@@ -182,13 +213,16 @@ def _read_umask() -> int:
 _UMASK = _read_umask()  # read once at import: os.umask is process-wide, so never toggle it while saving
 
 
-def write_atomic(target: Path, write: Any, *, state: Any = None) -> int:
+def write_atomic(target: AnyPath, write: Any, *, state: Any = None) -> int:
     """Write a file through ``write(handle)`` to a temporary name beside ``target``, fsync, rename it over
-    ``target``, fsync the folder. Returns the file's CRC32.
+    ``target``, fsync the folder. Returns the file's CRC32. On object storage the object is uploaded under its
+    name: it appears whole when the upload completes, or not at all.
 
     Raises:
         CheckpointSaveError: the write failed (disk full, no permission, ...); ``target`` is untouched.
     """
+    if isinstance(target, RemotePath):
+        return _write_object(target, write, state)
     tmp_name: str | None = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -209,6 +243,18 @@ def write_atomic(target: Path, write: Any, *, state: Any = None) -> int:
         # Raised from the OSError itself: torch's "enforce fail ... unexpected pos" after it is noise.
         raise CheckpointSaveError.for_file(target, state, cause, temporary=tmp_name is not None) from cause
     fsync_dir(target.parent)
+    return handle.crc
+
+
+def _write_object(target: RemotePath, write: Any, state: Any) -> int:
+    try:
+        with target.open("wb") as raw:
+            handle = HashingWriter(raw)
+            write(handle)
+    except BaseException as exc:
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointSaveError.for_file(target, state, exc) from exc  # type: ignore[arg-type]
     return handle.crc
 
 
@@ -236,17 +282,18 @@ class HashingWriter:
 def save_file(state: dict[str, Any], path: str | os.PathLike) -> None:
     """A plain ``torch.save`` file written atomically (a weights file, ``export_weights``). Raises
     :class:`CheckpointSaveError` naming the file, the bytes needed and free."""
-    write_atomic(Path(path), lambda handle: torch.save(state, handle), state=state)
+    write_atomic(as_path(path), lambda handle: torch.save(state, handle), state=state)
 
 
 def load_file(path: str | os.PathLike, *, required: tuple[str, ...] = REQUIRED_KEYS) -> dict[str, Any]:
     """A plain file with ``torch.load(weights_only=True)``: nothing in it can run code. Raises
     :class:`CheckpointError` naming the file and the cause. ``required``: the top-level keys it must hold."""
-    path = Path(path)
+    path = as_path(path)
     if not path.is_file():
         raise CheckpointError(f"Checkpoint {str(path)!r} does not exist.")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        source = io.BytesIO(path.read_bytes()) if isinstance(path, RemotePath) else path
+        state = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:
         text = str(exc)
         first = text.splitlines()[0] if text else type(exc).__name__
@@ -278,7 +325,7 @@ def remove_quietly(name: str | os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------------- the ``last`` pointer
-def check_entry(name: Any, pointer: Path) -> str:
+def check_entry(name: Any, pointer: AnyPath) -> str:
     """A pointer entry: a plain name of a save inside the pointer's folder. Anything else (a path, ``..``,
     an absolute path, a hidden temporary name) is refused: a pointer never leads out of its folder."""
     if (
@@ -306,7 +353,7 @@ def read_pointer(directory: str | os.PathLike) -> list[str] | None:
         CheckpointError: the pointer exists but cannot be read, is not keel's JSON, or names anything but
             a plain name inside ``directory``.
     """
-    pointer = Path(directory) / POINTER_NAME
+    pointer = as_path(directory) / POINTER_NAME
     if not pointer.exists() and not pointer.is_symlink():
         return None
     try:
@@ -323,7 +370,7 @@ def write_pointer(path: str | os.PathLike) -> None:
     """Record the committed save ``path`` as the newest in its folder's ``last`` pointer (kept history:
     20). Swapped atomically (temporary file, fsync, rename): a crash leaves the old pointer. A pointer
     that cannot be read is replaced (with a warning): the saves in the folder are the record."""
-    directory, name = Path(path).parent, Path(path).name
+    directory, name = as_path(path).parent, as_path(path).name
     try:
         previous = read_pointer(directory) or []
     except CheckpointError as exc:
@@ -331,7 +378,9 @@ def write_pointer(path: str | os.PathLike) -> None:
         previous = []
     history = [name] + [n for n in previous if n != name]
     pointer = directory / POINTER_NAME
-    if pointer.is_dir() and not pointer.is_symlink():  # not a pointer: moved aside (kept for a look), not deleted
+    if (
+        isinstance(pointer, Path) and pointer.is_dir() and not pointer.is_symlink()
+    ):  # not a pointer: moved aside (kept for a look), not deleted
         aside = directory / f"{POINTER_NAME}.not-a-pointer-{os.getpid()}"
         log.warning("%s is a folder, not keel's pointer; it is moved to %s.", pointer, aside)
         os.replace(pointer, aside)

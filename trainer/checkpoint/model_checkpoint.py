@@ -23,7 +23,7 @@ from trainer.callback import Callback
 from trainer.checkpoint.async_save import AsyncCheckpointer
 from trainer.checkpoint.files import write_pointer
 from trainer.checkpoint.store import LIGHTNING_FILE, remove_save
-from trainer.storage import local_path
+from trainer.storage import as_path, check_writable, is_url, join, location, sync_mirrors
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.module import TaskModule
@@ -99,7 +99,11 @@ class ModelCheckpoint(Callback):
     """Save checkpoints on the step clock or at epoch ends; keep the best ``save_top_k``.
 
     Args:
-        dirpath: folder for checkpoints; default ``<run dir>/checkpoints``.
+        dirpath: folder for checkpoints; default ``<run dir>/checkpoints``. A URL (``s3://bucket/prefix``, any
+            fsspec filesystem that is installed) puts them on object storage, committed without rename
+            (docs/storage.md); every rank's access is checked when fit starts. A save that cannot be written
+            (disk full, the store down) raises :class:`~trainer.checkpoint.files.CheckpointSaveError` and the run
+            stops (an async save: at the next step boundary, on every rank); the previous save stays loadable.
         filename: template such as ``"{epoch}-{step}-{val/loss:.3f}"`` or ``"epoch_{epoch:03d}"``; each field
             renders as ``name=value`` (just the value with ``auto_insert_metric_name=False``), with its
             format spec (``epoch`` and ``step`` are ints, metrics floats), and ``/`` becomes ``_``.
@@ -192,7 +196,7 @@ class ModelCheckpoint(Callback):
         check_filename(filename or "{epoch}-{step}")
         if train_time_interval is not None and not train_time_interval > 0:
             raise ValueError(f"ModelCheckpoint(train_time_interval={train_time_interval!r}): expected seconds > 0.")
-        self.dirpath = local_path(dirpath, "ModelCheckpoint(dirpath=...)") if dirpath is not None else None
+        self.dirpath = location(dirpath, "ModelCheckpoint(dirpath=...)") if dirpath is not None else None
         self.filename = filename or "{epoch}-{step}"
         self.monitor = monitor
         self.mode = mode
@@ -219,6 +223,7 @@ class ModelCheckpoint(Callback):
         self._last_saved_step = -1
         self._pending_after_validation = False
         self._last_time = time.monotonic()
+        self._names_in_store: set[str] | None = None  # a dirpath on object storage: the names there (setup)
 
     @property
     def best_model_path(self) -> str:
@@ -239,8 +244,10 @@ class ModelCheckpoint(Callback):
         self._last_path = _save_of(path)
 
     def _report(self, path: str) -> str:
+        if not path or not self.lightning_file or is_url(path):
+            return path
         inner = os.path.join(path, LIGHTNING_FILE)
-        return inner if path and self.lightning_file and os.path.isfile(inner) else path
+        return inner if os.path.isfile(inner) else path
 
     @property
     def state_key(self) -> str:
@@ -249,7 +256,13 @@ class ModelCheckpoint(Callback):
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Trainer, task: TaskModule, stage: str) -> None:
         if self.dirpath is None:
-            self.dirpath = os.path.join(trainer.log_dir, "checkpoints")
+            self.dirpath = join(trainer.log_dir, "checkpoints")
+        if stage == "fit" and is_url(self.dirpath):
+            _check_store(self.dirpath)
+            # Listed once, here: a save then asks the store nothing on the training thread, so a store that hangs
+            # stalls only the background upload.
+            folder = as_path(self.dirpath)
+            self._names_in_store = {e.name for e in folder.iterdir()} if folder.is_dir() else set()
         shared = _CHECKPOINTERS.setdefault(trainer, AsyncCheckpointer())
         if self._checkpointer is not shared:
             self._checkpointer.wait()
@@ -324,7 +337,7 @@ class ModelCheckpoint(Callback):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best_k_models = {k: float(v) for k, v in state.get("best_k_models", {}).items() if os.path.exists(k)}
+        self.best_k_models = {k: float(v) for k, v in state.get("best_k_models", {}).items() if as_path(k).exists()}
         self._best_path = state.get("best_model_path", "")
         self.best_model_score = state.get("best_model_score")
         self._last_path = state.get("last_model_path", "")
@@ -377,7 +390,7 @@ class ModelCheckpoint(Callback):
         name = self.format_name(
             metrics, trainer.current_epoch, trainer.global_step, suffix, missing_ok=force or last_only
         )
-        path = self._versioned(os.path.join(self.dirpath, name))
+        path = self._versioned(join(self.dirpath, name))
         # A forced save without the monitored value is kept as `last` only, outside the top-k.
         keep = not last_only and self._admits(score) and (self.monitor is None or score is not None)
         if not keep and not self.save_last and not force:
@@ -393,6 +406,8 @@ class ModelCheckpoint(Callback):
         victims = removed + ([old_last] if old_last and old_last != path else [])
         background = self.async_save and not force  # forced saves (preemption, exception) are synchronous
         self._last_saved_step = trainer.global_step  # before the save: its own callback state records it
+        if self._names_in_store is not None:
+            self._names_in_store.add(os.path.basename(path))
         trainer.save_checkpoint(
             path,
             weights_only=self.save_weights_only,
@@ -406,7 +421,7 @@ class ModelCheckpoint(Callback):
     def _commit(self, trainer: Trainer, path: str, victims: list[str]) -> None:
         """Rank 0, only after ``path`` is committed: point `last` at it, then prune what it replaces."""
         write_pointer(path)
-        if self.save_last:
+        if self.save_last and not is_url(path):  # object stores have no links: `last` and ckpt_path="last" remain
             link_last(path, lightning_file=self.lightning_file)
         if self.verbose:
             score = self.best_k_models.get(path)
@@ -419,6 +434,7 @@ class ModelCheckpoint(Callback):
         for victim in victims:
             if victim != path and victim not in self.best_k_models:
                 remove_save(victim)
+        sync_mirrors()  # a run directory on object storage: the logs up to this checkpoint go with it
 
     def _versioned(self, path: str) -> str:
         """``enable_version_counter``: ``name-vN.ckpt`` when ``path`` exists from another save."""
@@ -426,10 +442,15 @@ class ModelCheckpoint(Callback):
             return path
         stem, ext = os.path.splitext(path)
         version, candidate = 0, path
-        while os.path.exists(candidate) and candidate != self._last_path:
+        while self._exists(candidate) and candidate != self._last_path:
             version += 1
             candidate = f"{stem}-v{version}{ext}"
         return candidate
+
+    def _exists(self, path: str) -> bool:
+        if is_url(path) and self._names_in_store is not None:
+            return os.path.basename(path) in self._names_in_store
+        return as_path(path).exists()
 
     @property
     def _mode(self) -> str:
@@ -462,6 +483,23 @@ class ModelCheckpoint(Callback):
             self._best_path = best
             self.best_model_score = self.best_k_models[best] if self.monitor is not None else None
         return removed
+
+
+def _check_store(url: str) -> None:
+    """Every rank can write to ``url`` (its credentials, the endpoint, the bucket), checked when fit starts: a
+    collective, so that every rank raises the same error rather than one rank failing its first save an hour in."""
+    from trainer.distributed import comm
+
+    try:
+        check_writable(url, "ModelCheckpoint(dirpath=...)")
+        problem = ""
+    except PermissionError as exc:
+        problem = str(exc)
+    problems = comm.all_gather_object(problem) if comm.get_world_size() > 1 else [problem]
+    failed = [(rank, text) for rank, text in enumerate(problems) if text]
+    if failed:
+        rank, text = failed[0]
+        raise PermissionError(f"{text} (rank {rank}{' and others' if len(failed) > 1 else ''})")
 
 
 def _check_flags(**flags: Any) -> None:

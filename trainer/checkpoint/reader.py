@@ -22,7 +22,6 @@ import os
 import pickle
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,7 +58,7 @@ from trainer.checkpoint.store import (
     quiet_dcp,
 )
 from trainer.distributed import comm
-from trainer.storage import local_path
+from trainer.storage import AnyPath, RemotePath, as_path, location
 
 log = logging.getLogger(__name__)
 
@@ -104,19 +103,41 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-class _SafeReader(FileSystemReader):
-    """DCP's file reader, but ``.metadata`` is read through the allow-listed unpickler."""
+class _SafeMetadata:
+    """DCP's reader, but ``.metadata`` is read through the allow-listed unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as handle:
+        path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
+        with self.fs.create_stream(path, "rb") as handle:  # type: ignore[attr-defined]
             metadata = _MetadataUnpickler(handle, os.fspath(path)).load()
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[attr-defined]
         return metadata
+
+
+class _SafeReader(_SafeMetadata, FileSystemReader):
+    """DCP's file reader with the safe ``.metadata``."""
+
+
+def _reader(root: AnyPath) -> FileSystemReader:
+    """The safe DCP reader of the folder (or object storage prefix) that holds a save's data files."""
+    if not isinstance(root, RemotePath):
+        return _SafeReader(os.fspath(root))
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    class _SafeFsspecReader(_SafeMetadata, FsspecReader):
+        pass
+
+    return _SafeFsspecReader(str(root), use_listings_cache=False, skip_instance_cache=True)
+
+
+def data_root(folder: AnyPath, manifest: dict[str, Any] | None) -> AnyPath:
+    """Where a save's files are: the folder itself, or on object storage the prefix its manifest names."""
+    data = (manifest or {}).get("data") or ""
+    return folder / data if data else folder
 
 
 def _load_bytes_safely(planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -145,7 +166,7 @@ class _SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
 
 
 # ---------------------------------------------------------------------- one save
-def read_manifest(folder: Path) -> dict[str, Any]:
+def read_manifest(folder: AnyPath) -> dict[str, Any]:
     """The manifest of a committed save. Raises :class:`CheckpointError` naming what is wrong."""
     path = folder / MANIFEST_FILE
     if not path.is_file():
@@ -153,6 +174,8 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_text())
         body = {k: manifest[k] for k in ("format", "keel_version", "identity", "files")}
+        if "data" in manifest:
+            body["data"] = check_data(manifest["data"], path)
         intact = zlib.crc32(json.dumps(body, sort_keys=True).encode()) == manifest["crc32"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(
@@ -168,21 +191,29 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify(folder: Path, manifest: dict[str, Any], *, rank: int = 0, world_size: int = 1) -> list[str]:
+def check_data(data: Any, manifest: AnyPath) -> str:
+    """The manifest's ``data`` prefix: a plain name inside the save (never a path out of it)."""
+    if not isinstance(data, str) or not data or data.startswith(".") or "/" in data or "\\" in data:
+        raise CorruptCheckpointError(f"Checkpoint manifest {str(manifest)!r} names {data!r} as its data prefix.")
+    return data
+
+
+def verify(folder: AnyPath, manifest: dict[str, Any], *, rank: int = 0, world_size: int = 1) -> list[str]:
     """What is wrong with this rank's share of the save's files (every ``world_size``-th, from ``rank``):
     missing, another size, another checksum. Empty when intact."""
     problems = []
     names = sorted(manifest["files"])
+    root = data_root(folder, manifest)
     for name in names[rank::world_size]:
         size, crc = manifest["files"][name]
-        path = folder / name
+        path = root / name
         try:
             actual, actual_crc = path.stat().st_size, 0
-            with open(path, "rb") as handle:
+            with path.open("rb") as handle:
                 while chunk := handle.read(1 << 24):
                     actual_crc = zlib.crc32(chunk, actual_crc)
-        except OSError as exc:
-            problems.append(f"{name} cannot be read ({exc.strerror or exc})")
+        except Exception as exc:  # OSError, or an object store's own error
+            problems.append(f"{name} cannot be read ({getattr(exc, 'strerror', None) or exc})")
             continue
         if actual != size or actual_crc != crc:
             problems.append(
@@ -193,7 +224,7 @@ def verify(folder: Path, manifest: dict[str, Any], *, rank: int = 0, world_size:
     return problems
 
 
-def _verified(folder: Path, *, collective: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+def _verified(folder: AnyPath, *, collective: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """(manifest or None for an older release's folder, keel.pt) of an intact save, or a CheckpointError
     naming every bad part. ``collective``: the ranks share the checks and agree."""
     problems: list[str] = []
@@ -209,7 +240,7 @@ def _verified(folder: Path, *, collective: bool) -> tuple[dict[str, Any] | None,
         problems = [p for rank_problems in comm.all_gather_object(problems) for p in rank_problems]
     if problems:
         raise CorruptCheckpointError(f"Checkpoint {str(folder)!r} is damaged: {'; '.join(problems)}.")
-    rest = _read_keel(folder)
+    rest = _read_keel(data_root(folder, manifest))
     if manifest is None and int(rest.get(K_FORMAT, 1)) >= 2:
         raise CorruptCheckpointError(f"Checkpoint {str(folder)!r} has no {MANIFEST_FILE}: it was never committed.")
     if manifest is not None and rest.get(K_IDENTITY) != manifest["identity"]:
@@ -220,16 +251,16 @@ def _verified(folder: Path, *, collective: bool) -> tuple[dict[str, Any] | None,
     return manifest, rest
 
 
-def _is_v1(folder: Path) -> bool:
-    return (folder / KEEL_FILE).is_file() and (folder / METADATA_FILE).is_file()
+def _is_v1(folder: AnyPath) -> bool:
+    return not isinstance(folder, RemotePath) and (folder / KEEL_FILE).is_file() and (folder / METADATA_FILE).is_file()
 
 
-def _read_keel(folder: Path) -> dict[str, Any]:
+def _read_keel(folder: AnyPath) -> dict[str, Any]:
     metadata = folder / METADATA_FILE
     if not metadata.is_file():
         raise CheckpointError(f"Checkpoint {str(folder)!r} has no {METADATA_FILE}: it was never committed.")
     try:
-        with open(metadata, "rb") as handle:
+        with metadata.open("rb") as handle:
             _MetadataUnpickler(handle, str(metadata)).load()
     except CheckpointError:
         raise
@@ -238,10 +269,12 @@ def _read_keel(folder: Path) -> dict[str, Any]:
     return load_file(folder / KEEL_FILE, required=(K_FORMAT,))
 
 
-def save_folder(path: str | os.PathLike) -> Path:
+def save_folder(path: str | os.PathLike) -> AnyPath:
     """The save a path names: a folder; ``<folder>/lightning.ckpt`` (what ``callbacks.lightning`` reports)
     names its folder; a plain file (a weights file, or a save of the previous release) itself."""
-    path = Path(path)
+    path = as_path(path)
+    if isinstance(path, RemotePath):
+        return path.parent if path.name == LIGHTNING_FILE else path
     if path.is_symlink():  # last.ckpt -> a save folder, or its lightning.ckpt
         path = path.resolve()
     if path.name == LIGHTNING_FILE and (path.parent / MANIFEST_FILE).exists():
@@ -263,8 +296,8 @@ def load(
         CheckpointError: naming the damaged or unsafe part, a missing key, or the mismatched classes.
     """
     folder = save_folder(path)
-    if folder.is_dir():
-        _, checkpoint = _verified(folder, collective=True)
+    if _is_save_folder(folder):
+        manifest, checkpoint = _verified(folder, collective=True)
         _check(str(folder), checkpoint, state, tuple(k for k in required if k not in DCP_KEYS))
         if K_CALLBACKS in state and K_CALLBACKS in checkpoint:  # first, as in Lightning: a callback may rebuild the
             state[K_CALLBACKS].load_state_dict(checkpoint[K_CALLBACKS])  # param groups the read fills (BaseFinetuning)
@@ -272,7 +305,7 @@ def load(
         targets = {name: state[key].state_dict() for key, name in DCP_KEYS.items() if key in state}
         try:
             with quiet_dcp():
-                dcp.load(targets, storage_reader=_SafeReader(os.fspath(folder)), planner=_SafePlanner())
+                dcp.load(targets, storage_reader=_reader(data_root(folder, manifest)), planner=_SafePlanner())
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             raise _load_error(folder, exc, "could not be loaded into this run's model and optimizers") from exc
         checkpoint.update({key: targets[name] for key, name in DCP_KEYS.items() if name in targets})
@@ -290,7 +323,14 @@ def load(
     return checkpoint
 
 
-def _load_error(folder: Path, exc: BaseException, what: str) -> BaseException:
+def _is_save_folder(folder: AnyPath) -> bool:
+    """A save folder (this release's layout), not a plain file: on object storage, a prefix with a manifest."""
+    if isinstance(folder, RemotePath):
+        return (folder / MANIFEST_FILE).is_file() or not folder.is_file()
+    return folder.is_dir()
+
+
+def _load_error(folder: AnyPath, exc: BaseException, what: str) -> BaseException:
     """The error to raise for a failed DCP read: keel's own refusal (inside DCP's CheckpointException, which
     collects every rank's failures) as it is, anything else as a CheckpointError naming the folder."""
     if isinstance(exc, (KeyboardInterrupt, SystemExit, CheckpointError)):
@@ -318,9 +358,9 @@ def load_weights(path: str | os.PathLike) -> dict[str, Any]:
     strategy and world size it was written at; no process group needed (``export_weights``,
     ``load_from_checkpoint``). Every file is verified first."""
     folder = save_folder(path)
-    if not folder.is_dir():
+    if not _is_save_folder(folder):
         return load_file(folder)
-    _, checkpoint = _verified(folder, collective=False)
+    manifest, checkpoint = _verified(folder, collective=False)
     tensors: dict[str, Any] = {}
     try:
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -328,7 +368,7 @@ def load_weights(path: str | os.PathLike) -> dict[str, Any]:
         with quiet_dcp():
             _load_state_dict(
                 tensors,
-                storage_reader=_SafeReader(os.fspath(folder)),
+                storage_reader=_reader(data_root(folder, manifest)),
                 planner=_SafeEmptyPlanner(keys={"model"}),
                 no_dist=True,
             )
@@ -343,7 +383,7 @@ def committed(directory: str | os.PathLike) -> list[str]:
     """Names of the committed saves in ``directory``, newest first (by step, then time): folders with a
     manifest, and the previous release's saves (files, folders without a manifest). Reads manifests only."""
     found: list[tuple[int, float, str]] = []
-    root = Path(directory)
+    root = as_path(directory)
     if not root.is_dir():
         return []
     for entry in root.iterdir():
@@ -357,7 +397,7 @@ def committed(directory: str | os.PathLike) -> list[str]:
                 entry.is_dir() and _is_v1(entry) and int(load_file(entry / KEEL_FILE, required=()).get(K_FORMAT, 1)) < 2
             ):
                 found.append((-1, entry.stat().st_mtime, entry.name))  # a folder of the previous release
-            elif entry.is_file() and entry.suffix == ".ckpt":
+            elif entry.suffix == ".ckpt" and entry.is_file():
                 found.append((-1, entry.stat().st_mtime, entry.name))
         except (CorruptCheckpointError, OSError, ValueError):
             continue  # not committed, or damaged: never a candidate (the pointer's newest is reported)
@@ -375,7 +415,7 @@ def resolve_last(directory: str | os.PathLike) -> list[str]:
         CheckpointError: a pointer exists (the run saved before) but no committed save is left: starting
             over would silently lose the run.
     """
-    pointer = Path(directory) / POINTER_NAME
+    pointer = as_path(directory) / POINTER_NAME
     saves = committed(directory)
     try:
         names = read_pointer(directory)
@@ -412,7 +452,8 @@ def resolve_best(directory: str | os.PathLike, state_key: str, best_k: dict[str,
     saves = committed(directory)
     for name in saves if not best_k else []:  # a fresh process: the callback's state is in the newest save
         try:
-            saved = _read_keel(Path(directory, name)).get(K_CALLBACKS, {}).get(state_key, {})
+            folder = as_path(directory) / name
+            saved = _read_keel(data_root(folder, read_manifest(folder))).get(K_CALLBACKS, {}).get(state_key, {})
         except (CheckpointError, OSError) as exc:
             log.warning("ckpt_path='best': skipping %s for the callback's state: %s", name, exc)
             continue
@@ -421,7 +462,7 @@ def resolve_best(directory: str | os.PathLike, state_key: str, best_k: dict[str,
     out = []
     for path, _ in sorted((best_k or {}).items(), key=lambda kv: kv[1], reverse=mode == "max"):
         folder = save_folder(path)
-        if folder.parent.resolve() != Path(directory).resolve() or folder.name not in saves:
+        if folder.parent.resolve() != as_path(directory).resolve() or folder.name not in saves:
             log.warning("ckpt_path='best': skipping %s: it is not a committed save in %s.", path, directory)
         else:
             out.append(os.fspath(folder))
@@ -435,8 +476,8 @@ def export_weights(ckpt_path: str | os.PathLike, out_path: str | os.PathLike) ->
     The result loads with bare PyTorch: ``model.load_state_dict(torch.load(out_path, weights_only=True))``.
     """
     source, target = (
-        local_path(ckpt_path, "export_weights(ckpt_path)"),
-        local_path(out_path, "export_weights(out_path)"),
+        location(ckpt_path, "export_weights(ckpt_path)"),
+        location(out_path, "export_weights(out_path)"),
     )
     save_file(dict(load_weights(source)[K_STATE_DICT]), target)
 

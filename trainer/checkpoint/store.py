@@ -15,11 +15,20 @@ Layout of ``epoch=0-step=4.ckpt/`` (a folder; the name keeps ModelCheckpoint's s
     keel.json           the manifest, written last: format, identity (save id, run, step, epoch, world
                         size) and the size and CRC32 of every other file, computed while it was written
 
-Commit protocol: every file is written under a temporary folder name beside the target and fsynced; once
-every rank's data files are durable (a gather of their checksums on the checkpoint group), rank 0 writes
-keel.pt and the manifest, fsyncs the folder, renames it into place and fsyncs the parent. The ``last``
+Commit protocol on a filesystem: every file is written under a temporary folder name beside the target and
+fsynced; once every rank's data files are durable (a gather of their checksums on the checkpoint group), rank 0
+writes keel.pt and the manifest, fsyncs the folder, renames it into place and fsyncs the parent. The ``last``
 pointer is swapped after that (ModelCheckpoint's commit). A crash at any point leaves the previous save and the
 pointer untouched; the temporary folder it leaves is removed by the next successful save.
+
+On object storage (no rename: an s3fs "move" is a copy and a delete) the marker is the commit: every rank's data
+objects and keel.pt go under a prefix of their own inside the save, ``<save>/<save id>/``; once every object is
+written and confirmed (each upload completed, then one listing checks every size), rank 0 writes the manifest
+``<save>/keel.json`` last, naming that prefix (``"data"``). A save without its manifest does not exist for resume,
+pruning or ``best``; a re-save of the same name writes a new prefix and only its manifest switches to it, so the
+previous one stays loadable until then; the prefixes the manifest does not name are removed after it is written.
+Pruning removes the manifest first, then the rest. Filesystems keep the rename protocol: it is proven there, and it
+keeps the layout Lightning programs open (``<save>/lightning.ckpt``).
 
 Synchronous and asynchronous saves run the same two functions, :func:`_stage` on the main thread and
 :func:`_write` on the main thread or the checkpointer's worker thread; only the thread differs.
@@ -67,6 +76,7 @@ from trainer.checkpoint.files import (
     write_atomic,
 )
 from trainer.distributed import comm
+from trainer.storage import AnyPath, RemotePath, as_path
 
 log = logging.getLogger(__name__)
 
@@ -80,31 +90,60 @@ _LEFTOVER = re.compile(
 )  # what a killed save leaves behind
 
 
-class _HashingFileSystem(FileSystem):
-    """DCP's local file system, keeping the size and CRC32 of every file written (by any writer thread)."""
+class _Hashing:
+    """Keeps the size and CRC32 of every file a DCP file system writes (by any writer thread)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: dict[str, list[int]] = {}
-        self._lock = threading.Lock()
+    written: dict[str, list[int]]
+    _lock: threading.Lock
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
+            with super().create_stream(path, mode) as stream:  # type: ignore[misc]
                 yield stream
             return
-        with super().create_stream(path, mode) as raw:
+        with super().create_stream(path, mode) as raw:  # type: ignore[misc]
             handle = HashingWriter(raw)
             yield handle
         with self._lock:
-            self.written[Path(path).name] = [handle.size, handle.crc]
+            self.written[os.path.basename(os.fspath(path))] = [handle.size, handle.crc]
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        super().rename(path, new_path)
+        super().rename(path, new_path)  # type: ignore[misc]
+        old, new = os.path.basename(os.fspath(path)), os.path.basename(os.fspath(new_path))
         with self._lock:
-            if Path(path).name in self.written:
-                self.written[Path(new_path).name] = self.written.pop(Path(path).name)
+            if old in self.written:
+                self.written[new] = self.written.pop(old)
+
+
+class _HashingFileSystem(_Hashing, FileSystem):
+    """DCP's local file system, keeping the size and CRC32 of every file written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written, self._lock = {}, threading.Lock()
+
+
+def _writer(folder: AnyPath) -> tuple[FileSystemWriter, _Hashing]:
+    """DCP's writer for ``folder`` and its hashing file system: the local one, or fsspec's for object storage
+    (no fsync there: an upload is durable when it completes)."""
+    if not isinstance(folder, RemotePath):
+        writer = FileSystemWriter(folder, sync_files=True)
+        fs: _Hashing = _HashingFileSystem()
+    else:
+        from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        class _HashingFsspec(_Hashing, FsspecFileSystem):
+            def __init__(self) -> None:
+                super().__init__()
+                self.written, self._lock = {}, threading.Lock()
+
+        writer = FsspecWriter(str(folder), sync_files=False, use_listings_cache=False, skip_instance_cache=True)
+        fs = _HashingFsspec()
+        fs.init_path(str(folder), use_listings_cache=False, skip_instance_cache=True)
+    writer.fs = fs  # type: ignore[assignment]
+    return writer, fs
 
 
 _DCP_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
@@ -121,8 +160,17 @@ def quiet_dcp() -> Iterator[None]:
         yield
 
 
-def manifest_body(identity: dict[str, Any], files: dict[str, list[int]]) -> dict[str, Any]:
-    body = {"format": FORMAT_VERSION, "keel_version": KEEL_VERSION, "identity": identity, "files": files}
+def manifest_body(identity: dict[str, Any], files: dict[str, list[int]], data: str = "") -> dict[str, Any]:
+    """The manifest: format, identity, every file's [size, crc32], and on object storage ``data``, the prefix
+    inside the save that holds the files; its own checksum over all of that."""
+    body: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "keel_version": KEEL_VERSION,
+        "identity": identity,
+        "files": files,
+    }
+    if data:
+        body["data"] = data
     return dict(body, crc32=zlib.crc32(json.dumps(body, sort_keys=True).encode()))
 
 
@@ -149,13 +197,16 @@ def save(
         CheckpointSaveError: the folder could not be written (disk full, ...): an OSError naming it, the bytes
             needed and free, and that the previous save is intact.
     """
-    target = Path(path)
+    target = as_path(path)
     is_writer = comm.get_rank() == 0
     refuse_non_finite(finite(), target, identity.get("step"))
     if checkpointer is not None:
         checkpointer.wait()  # the save in flight first: its collectives come before this one's
     identity = dict(identity, save_id=comm.broadcast_object(uuid.uuid4().hex))
-    tmp = target.parent / f".{target.name}.tmp-{identity['save_id'][:8]}"
+    if isinstance(target, RemotePath):  # the save's own prefix inside it (see the module docstring)
+        tmp: AnyPath = target / identity["save_id"][:8]
+    else:
+        tmp = target.parent / f".{target.name}.tmp-{identity['save_id'][:8]}"
     if is_writer:
         target.parent.mkdir(parents=True, exist_ok=True)
     checkpoint = {key: obj.state_dict() for key, obj in state.items()}  # RNG: a gather, on every rank
@@ -184,12 +235,11 @@ class _Save:
     """One save in progress: where it goes and what it holds."""
 
     def __init__(
-        self, target: Path, tmp: Path, tensors: dict[str, Any], rest: dict[str, Any] | None, extras: Any
+        self, target: AnyPath, tmp: AnyPath, tensors: dict[str, Any], rest: dict[str, Any] | None, extras: Any
     ) -> None:
         self.target, self.tmp, self.tensors, self.rest, self.extras = target, tmp, tensors, rest, extras
         self.nbytes = tensor_bytes(tensors)  # this rank's share, for the message of a failed write
-        self.writer = FileSystemWriter(tmp, sync_files=True)
-        self.fs = self.writer.fs = _HashingFileSystem()
+        self.writer, self.fs = _writer(tmp)
 
 
 def _lightning_extras(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -263,7 +313,7 @@ def _write(job: _Save, future: Any, checkpointer: AsyncCheckpointer | None) -> N
         failed = outcome
     if failed:
         if job.rest is not None:
-            shutil.rmtree(job.tmp, ignore_errors=True)
+            _remove_quietly(job.tmp)
         raise _save_error(job, error, failed[0])
 
 
@@ -283,6 +333,8 @@ def _save_error(job: _Save, error: BaseException | None, text: str) -> BaseExcep
     if cause is None and text.startswith("OSError:"):
         _, code, reason = text.split(":", 2)
         cause = OSError(int(code) if code.isdigit() else None, reason)
+    if isinstance(job.target, RemotePath):
+        return CheckpointSaveError.for_object(job.target, job.nbytes, cause if cause is not None else text)
     if cause is not None:
         return CheckpointSaveError.for_file(job.target, job.nbytes, cause)
     return RuntimeError(
@@ -293,14 +345,9 @@ def _save_error(job: _Save, error: BaseException | None, text: str) -> BaseExcep
 
 def _finish(job: _Save, files: dict[str, list[int]]) -> None:
     """Rank 0, once every rank's data files are durable: keel.pt, the Lightning file, the manifest (each
-    fsynced), then the folder is renamed into place."""
+    fsynced), then the folder is renamed into place (on object storage: the manifest, written last, commits)."""
     assert job.rest is not None
-    unseen = sorted(name for name in files if not (job.tmp / name).is_file())
-    if unseen:
-        raise RuntimeError(
-            f"Checkpoint folder {str(job.tmp.parent)!r} is not shared by every rank: rank 0 cannot see {unseen}, "
-            "which other ranks wrote. Put ModelCheckpoint(dirpath=...) on storage every node mounts."
-        )
+    _check_shared(job, files)
     identity = job.rest[K_IDENTITY]
     rest = job.rest
     files[KEEL_FILE] = _checksum(write_atomic(job.tmp / KEEL_FILE, lambda h: torch.save(rest, h)), job.tmp / KEEL_FILE)
@@ -315,13 +362,42 @@ def _finish(job: _Save, files: dict[str, list[int]]) -> None:
         extras = job.extras
         path = job.tmp / LIGHTNING_FILE
         files[LIGHTNING_FILE] = _checksum(write_atomic(path, lambda h: torch.save(extras, h)), path)
+    if isinstance(job.target, RemotePath):
+        _check_shared(job, files)  # every object confirmed by one listing before the marker
+        body = json.dumps(manifest_body(identity, files, data=job.tmp.name), sort_keys=True, indent=1).encode()
+        write_atomic(job.target / MANIFEST_FILE, lambda h: h.write(body))
+        for entry in job.target.iterdir():  # what an earlier save of this name, or a killed one, left
+            if entry.name not in (MANIFEST_FILE, job.tmp.name):
+                _remove_quietly(entry)
+        return
     body = json.dumps(manifest_body(identity, files), sort_keys=True, indent=1).encode()
+    assert isinstance(job.tmp, Path) and isinstance(job.target, Path)
     write_atomic(job.tmp / MANIFEST_FILE, lambda h: h.write(body))
     fsync_dir(job.tmp)
     commit_folder(job.tmp, job.target)
 
 
-def _checksum(crc: int, path: Path) -> list[int]:
+def _check_shared(job: _Save, files: dict[str, list[int]]) -> None:
+    """Every file the ranks wrote is where rank 0 sees it (with its size, on object storage)."""
+    if isinstance(job.tmp, RemotePath):
+        listed = job.tmp.files()
+        unseen = sorted(name for name, (size, _) in files.items() if listed.get(name) != size)
+        if unseen:
+            raise RuntimeError(
+                f"Checkpoint {str(job.target)!r}: the store does not list {unseen} with the sizes written; nothing "
+                "was committed. (A store that lists objects late is not supported: keel needs read-after-write "
+                "consistency, which AWS S3 and most S3-compatible stores give.)"
+            )
+        return
+    unseen = sorted(name for name in files if not (job.tmp / name).is_file())
+    if unseen:
+        raise RuntimeError(
+            f"Checkpoint folder {str(job.tmp.parent)!r} is not shared by every rank: rank 0 cannot see {unseen}, "
+            "which other ranks wrote. Put ModelCheckpoint(dirpath=...) on storage every node mounts."
+        )
+
+
+def _checksum(crc: int, path: AnyPath) -> list[int]:
     return [path.stat().st_size, crc]
 
 
@@ -339,13 +415,29 @@ def commit_folder(tmp: Path, target: Path) -> None:
             remove_save(entry)
 
 
-def remove_save(path: str | os.PathLike) -> None:
-    """Delete a save (a folder, or a file of an older release); a failure is logged, not raised."""
-    path = Path(path)
+def _remove_quietly(path: AnyPath) -> None:
     try:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-    except OSError as exc:
-        log.warning("Could not remove old checkpoint %s: %s", path, exc)
+        if isinstance(path, RemotePath):
+            path.rmtree()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    except Exception as exc:  # the store may be what failed
+        log.warning("Could not remove %s: %s", path, exc)
+
+
+def remove_save(path: str | os.PathLike) -> None:
+    """Delete a save (a folder, or a file of an older release), its manifest first: a save half removed is
+    uncommitted, never a damaged candidate. A failure is logged, not raised."""
+    target = as_path(path)
+    try:
+        if isinstance(target, RemotePath):
+            if (target / MANIFEST_FILE).exists():
+                (target / MANIFEST_FILE).unlink()
+            target.rmtree()
+        elif target.is_dir() and not target.is_symlink():
+            (target / MANIFEST_FILE).unlink(missing_ok=True)
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+    except Exception as exc:
+        log.warning("Could not remove old checkpoint %s: %s", target, exc)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trainer.distributed import comm
-from trainer.storage import local_path
+from trainer.storage import RemotePath, is_url, join, local_dir, location
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +88,14 @@ class Logger:
         name: str | None = "keel_logs",
         version: int | str | None = None,
     ) -> None:
-        self.save_dir: str = local_path(save_dir, f"{type(self).__name__}(save_dir=...)")
+        self.save_dir: str = location(save_dir, f"{type(self).__name__}(save_dir=...)")
         self.name: str | None = name
         self.version: int | str | None = version
 
     @property
     def root_dir(self) -> str:
         """``save_dir/name``, or ``save_dir`` when ``name`` is None or empty: the folder of the versions."""
-        return os.path.join(self.save_dir, self.name) if self.name else self.save_dir
+        return join(self.save_dir, self.name) if self.name else self.save_dir
 
     @property
     def log_dir(self) -> str:
@@ -111,7 +111,7 @@ class Logger:
                 "or pass version=... to the constructor."
             )
         folder = f"version_{self.version}" if isinstance(self.version, int) else str(self.version)
-        return os.path.join(self.root_dir, folder)
+        return join(self.root_dir, folder)
 
     def resolve_version(self) -> None:
         """Picks the next free ``version_N`` on rank 0 and shares it with every rank.
@@ -133,6 +133,8 @@ class Logger:
         SLURM requeue of the same job lands in the same run directory and resumes from its checkpoints.
         """
         identity = run_identity()
+        if is_url(self.root_dir):
+            return self._pick_remote_version(identity)
         if identity is not None:
             for entry in sorted(os.listdir(self.root_dir)) if os.path.isdir(self.root_dir) else []:
                 marker = os.path.join(self.root_dir, entry, RUN_ID_MARKER)
@@ -154,6 +156,26 @@ class Logger:
                     version += 1
             with open(os.path.join(folder, RUN_ID_MARKER), "w") as handle:
                 handle.write(identity)
+        return version
+
+    def _pick_remote_version(self, identity: str | None) -> int:
+        """:meth:`_pick_version` on object storage: the marker object names the job; there is no exclusive
+        create, so two jobs that start in the same second under one prefix may share a version (give each its
+        own ``version=`` or ``save_dir`` there)."""
+        root = RemotePath(self.root_dir)
+        versions = sorted(
+            int(match.group(1))
+            for entry in (root.iterdir() if root.is_dir() else [])
+            if (match := _VERSION_DIR.fullmatch(entry.name))
+        )
+        if identity is not None:
+            for version in versions:
+                marker = root / f"version_{version}" / RUN_ID_MARKER
+                if marker.is_file() and marker.read_text().strip() == identity:
+                    return version
+        version = versions[-1] + 1 if versions else 0
+        if identity is not None:
+            (root / f"version_{version}" / RUN_ID_MARKER).write_bytes(identity.encode())
         return version
 
     def _next_version(self) -> int:
@@ -179,6 +201,8 @@ class Logger:
         if self.version is None and comm.get_world_size() == 1:
             self.resolve_version()
         path = self.log_dir
+        if is_url(path):  # a local mirror, uploaded after each checkpoint and at the end of each stage
+            return local_dir(path, download=True)
         os.makedirs(path, exist_ok=True)
         return path
 
