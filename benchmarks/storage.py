@@ -10,7 +10,8 @@ then per repeat:
 
 * sync: ``Trainer.save_checkpoint`` (blocked = the slowest rank's time in the call, until the save is committed);
 * async: the same call with a background checkpointer (blocked = the time until the call returns: the staging
-  copy), then the wait for the commit (total);
+  copy into CPU buffers, allocated by an untimed first async save and reused, as ``ModelCheckpoint`` does), then
+  the wait for the commit (total);
 * resume: a fresh Trainer and task ``fit(ckpt_path=<the sync save>)``; the time inside keel's restore (verify every
   file against the manifest, then read the tensors), the slowest rank.
 
@@ -68,6 +69,12 @@ def worker(args: argparse.Namespace) -> None:
         times["resume"].append(time.perf_counter() - start)
 
     run_state.restore = timed_restore
+    checkpointer = AsyncCheckpointer()  # one for the run, as ModelCheckpoint keeps: its CPU buffers are reused
+    trainer.save_checkpoint(f"{args.dir}/{args.label}-warmup.ckpt", checkpointer=checkpointer)  # allocates them
+    checkpointer.wait()
+    comm.barrier()
+    if trainer.is_global_zero:
+        remove_save(f"{args.dir}/{args.label}-warmup.ckpt")
     for i in range(args.repeats):
         path = f"{args.dir}/{args.label}-{i}.ckpt"
         comm.barrier()
@@ -75,7 +82,6 @@ def worker(args: argparse.Namespace) -> None:
         trainer.save_checkpoint(path)
         times["sync"].append(time.perf_counter() - start)
         comm.barrier()
-        checkpointer = AsyncCheckpointer()
         start = time.perf_counter()
         trainer.save_checkpoint(f"{path}-async", checkpointer=checkpointer)
         times["async_blocked"].append(time.perf_counter() - start)

@@ -40,8 +40,22 @@ from recipes.trainer_schema import check_overrides  # importing it registers tra
 from trainer import Callback, DataModule, TaskModule, Trainer, seed_everything
 from trainer.loggers import CSVLogger, Logger, TensorBoardLogger
 from trainer.loggers.logger import run_identity
+from trainer.storage import is_url
 
 log = logging.getLogger("recipes.train")  # also when run as __main__ (python -m recipes.train)
+
+
+def local_dir(path: str) -> str:
+    """``${keel_local:${output_dir}}`` in conf/: what Hydra and the data modules write as plain local files (a
+    sweep's folder, data shards) stays local when ``output_dir`` is on object storage: ``s3://bucket/runs`` maps
+    to ``outputs/s3/bucket/runs`` here; a path is itself. (A URL is never a local folder name.)"""
+    if not is_url(path):
+        return path
+    scheme, rest = path.split("://", 1)
+    return os.path.join("outputs", scheme, rest)
+
+
+OmegaConf.register_new_resolver("keel_local", local_dir, replace=True)
 
 COMMAND = "python -m recipes.train"
 

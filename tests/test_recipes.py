@@ -455,7 +455,11 @@ def test_charlm_recipe_end_to_end(tmp_path: Path) -> None:
 
 def test_an_object_store_output_dir_is_the_run_directory_never_a_local_folder(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    trainer, _, _ = build(_compose(["output_dir=memory://keel-recipes/runs"]))
+    cfg = _compose(["output_dir=memory://keel-recipes/runs"])
+    assert cfg.hydra.sweep.dir.startswith("outputs/memory/keel-recipes/runs/digits/multirun/")  # Hydra's own: local
+    stream = _compose(["output_dir=memory://keel-recipes/runs", "+experiment=charlm", "data=charlm_stream"])
+    assert stream.data.shards_dir == "outputs/memory/keel-recipes/runs/charlm_shards"  # written with open(): local
+    trainer, _, _ = build(cfg)
     trainer.loggers[0].resolve_version()
     assert trainer.log_dir == "memory://keel-recipes/runs/digits/version_0"
     assert trainer.checkpoint_callback is not None

@@ -23,6 +23,7 @@ from trainer import Callback, Trainer, storage
 from trainer.checkpoint.files import CheckpointSaveError
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.checkpoint.reader import committed, load_weights, resolve_last
+from trainer.loggers import CSVLogger
 
 pytestmark = pytest.mark.multiprocess
 SCRIPTS = REPO_ROOT / "tests" / "scripts"
@@ -270,6 +271,10 @@ def test_a_missing_bucket_or_bad_credentials_are_refused_when_fit_starts(
     bucket = s3.bucket("creds")
     with pytest.raises(PermissionError, match=r"cannot write to 's3://no-such-bucket-keel/ck': the bucket does not"):
         start("s3://no-such-bucket-keel/ck")
+    with pytest.raises(PermissionError, match=r"CSVLogger\(save_dir=...\): cannot write to 's3://no-such-bucket-keel"):
+        Trainer(**quiet(max_steps=1, logger=CSVLogger("s3://no-such-bucket-keel/runs"))).fit(
+            Regression(), loader(regression_data(), 16)
+        )  # a run directory in a missing bucket: refused when the version is picked, before anything runs
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
     storage._filesystem.cache_clear()
     with pytest.raises(

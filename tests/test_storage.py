@@ -109,6 +109,17 @@ def test_a_url_without_an_installed_filesystem_is_refused_naming_what_to_install
     assert_no_url_folder(in_tmp)
 
 
+def test_mlflow_on_object_storage_needs_a_tracking_uri(in_tmp: Path) -> None:
+    from trainer.loggers import MLFlowLogger
+
+    with pytest.raises(ValueError, match=r"MLFlowLogger\(save_dir='memory://bucket/runs'\) needs tracking_uri="):
+        MLFlowLogger(save_dir="memory://bucket/runs")
+    assert MLFlowLogger(save_dir="memory://bucket/runs", tracking_uri="http://127.0.0.1:1").save_dir.startswith(
+        "memory"
+    )
+    assert_no_url_folder(in_tmp)
+
+
 def test_a_url_ckpt_path_of_an_unknown_scheme_is_refused_before_anything_is_read(in_tmp: Path) -> None:
     trainer = Trainer(**quiet(max_steps=1))
     with pytest.raises(ValueError, match=r"ckpt_path: 'nosuchscheme://bucket/run/last' is a nosuchscheme:// URL"):

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trainer.distributed import comm
-from trainer.storage import RemotePath, is_url, join, local_dir, location
+from trainer.storage import RemotePath, check_writable, is_url, join, local_dir, location
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +122,21 @@ class Logger:
         """
         if self.version is not None:
             return
-        picked = self._pick_version() if comm.get_rank() == 0 else None
-        self.version = comm.broadcast_object(picked, src=0)
+        picked: int | str | None = None
+        failure: BaseException | None = None
+        if comm.get_rank() == 0:
+            try:
+                picked = self._pick_version()
+            except Exception as exc:  # every rank raises it: the others would wait in the broadcast for good
+                failure, picked = exc, f"error:{type(exc).__name__}: {exc}"
+        shared = comm.broadcast_object(picked, src=0)
+        if isinstance(shared, str) and shared.startswith("error:"):
+            if failure is not None:
+                raise failure
+            raise RuntimeError(
+                f"{type(self).__name__}: rank 0 could not pick the run directory's version: {shared[6:]}"
+            )
+        self.version = shared
         log.debug("%s resolved version %s under %s", type(self).__name__, self.version, self.root_dir)
 
     def _pick_version(self) -> int:
@@ -162,6 +175,7 @@ class Logger:
         """:meth:`_pick_version` on object storage: the marker object names the job; there is no exclusive
         create, so two jobs that start in the same second under one prefix may share a version (give each its
         own ``version=`` or ``save_dir`` there)."""
+        check_writable(self.root_dir, f"{type(self).__name__}(save_dir=...)")
         root = RemotePath(self.root_dir)
         versions = sorted(
             int(match.group(1))

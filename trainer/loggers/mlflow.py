@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from trainer.distributed import comm
 from trainer.loggers import tracking
 from trainer.loggers.logger import DummyExperiment, Logger
+from trainer.storage import is_url, local_dir
 
 if TYPE_CHECKING:  # pragma: no cover
     from mlflow.tracking import MlflowClient
@@ -78,6 +79,12 @@ class MLFlowLogger(Logger):
         version: int | str | None = None,
     ) -> None:
         super().__init__(save_dir, name=experiment_name, version=version)
+        if is_url(self.save_dir) and tracking_uri is None and not os.environ.get("MLFLOW_TRACKING_URI"):
+            raise ValueError(
+                f"MLFlowLogger(save_dir={self.save_dir!r}) needs tracking_uri=... (or $MLFLOW_TRACKING_URI): its "
+                "default store is a SQLite file under save_dir, and SQLite cannot live in a bucket. Give a tracking "
+                "server's URI, or a local save_dir."
+            )
         self.experiment_name = experiment_name
         self.run_name = run_name
         self._default_store = tracking_uri is None and not os.environ.get("MLFLOW_TRACKING_URI")
@@ -103,7 +110,7 @@ class MLFlowLogger(Logger):
     @property
     def state_path(self) -> str:
         """``<run dir>/mlflow_run.json``: the MLflow run id, experiment id and tracking URI."""
-        return os.path.join(self.log_dir, STATE_FILE)
+        return os.path.join(local_dir(self.log_dir, download=True), STATE_FILE)  # on object storage: the mirror
 
     @property
     def experiment(self) -> MlflowClient:
@@ -139,11 +146,15 @@ class MLFlowLogger(Logger):
         client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment_id = self._experiment(client)
         state = tracking.read_state(self.state_path)
-        run_id = self._requested_run_id or state.get("run_id") or self._find_run(client, experiment_id, log_dir)
+        run_id = (
+            self._requested_run_id
+            or state.get("run_id")
+            or self._find_run(client, experiment_id, self._run_dir_tag(log_dir))
+        )
         if run_id is None:
-            tags = {RUN_DIR_TAG: os.path.abspath(log_dir), **{k: str(v) for k, v in self.tags.items()}}
+            tags = {RUN_DIR_TAG: self._run_dir_tag(log_dir), **{k: str(v) for k, v in self.tags.items()}}
             run = client.create_run(
-                experiment_id, tags=tags, run_name=self.run_name or os.path.relpath(log_dir, self.save_dir)
+                experiment_id, tags=tags, run_name=self.run_name or os.path.relpath(self.log_dir, self.save_dir)
             )
             run_id = run.info.run_id
             steps: dict[str, int] = {}
@@ -178,12 +189,14 @@ class MLFlowLogger(Logger):
                 raise
             return found.experiment_id
 
+    def _run_dir_tag(self, log_dir: str) -> str:
+        """The run directory as the run's tag: its URL on object storage (the same from every node)."""
+        return self.log_dir if is_url(self.log_dir) else os.path.abspath(log_dir)
+
     @staticmethod
-    def _find_run(client: MlflowClient, experiment_id: str, log_dir: str) -> str | None:
+    def _find_run(client: MlflowClient, experiment_id: str, run_dir: str) -> str | None:
         """The run tagged with this run directory (its state file was not written: killed right after)."""
-        runs = client.search_runs(
-            [experiment_id], filter_string=f"tags.`{RUN_DIR_TAG}` = '{os.path.abspath(log_dir)}'", max_results=1
-        )
+        runs = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_DIR_TAG}` = '{run_dir}'", max_results=1)
         return runs[0].info.run_id if runs else None
 
     @staticmethod

@@ -17,6 +17,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from trainer.storage import is_url
+
 log = logging.getLogger(__name__)
 
 CHECKPOINT_SUFFIXES = (".ckpt", ".pt")
@@ -86,6 +88,13 @@ def checkpoint_files(log_dir: str) -> list[str]:
     unfinished save (names starting with ``.``) are left out.
     """
     folder = os.path.join(log_dir, "checkpoints")
+    if is_url(log_dir):
+        log.warning(
+            "log_model: the checkpoints of %s are on object storage already; the tracker gets none of them (they "
+            "stay in the bucket, where ckpt_path='last' finds them).",
+            log_dir,
+        )
+        return []
     if not os.path.isdir(folder):
         return []
     return sorted(

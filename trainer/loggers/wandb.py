@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 from trainer.distributed import comm
 from trainer.loggers import tracking, wandb_records
 from trainer.loggers.logger import DummyExperiment, Logger, _to_plain, _yaml_safe
+from trainer.storage import local_dir
 
 if TYPE_CHECKING:  # pragma: no cover
     from wandb.sdk.wandb_run import Run
@@ -114,7 +115,7 @@ class WandbLogger(Logger):
     @property
     def state_path(self) -> str:
         """``<run dir>/wandb_run.json``: the W&B run id, written before the run is opened."""
-        return os.path.join(self.log_dir, STATE_FILE)
+        return os.path.join(local_dir(self.log_dir, download=True), STATE_FILE)  # on object storage: the mirror
 
     @property
     def run_id(self) -> str | None:
@@ -158,7 +159,7 @@ class WandbLogger(Logger):
         self._marks = tracking.StepWatermarks(wandb_records.last_steps(earlier))
         init: dict[str, Any] = {
             "project": self.project,
-            "name": self.display_name or os.path.relpath(log_dir, self.save_dir),
+            "name": self.display_name or os.path.relpath(self.log_dir, self.save_dir),
             "id": run_id,
             "dir": wandb_dir,
             "resume": "allow",
