@@ -132,7 +132,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
     config.addinivalue_line("markers", "multiprocess: launches processes (enforced: see tests/conftest.py)")
     config.addinivalue_line("markers", "slurm: runs jobs on the one-node SLURM cluster of tests/slurm/start.sh")
-    config.addinivalue_line("markers", "slow: over a minute each; skipped unless --run-slow (or KEEL_RUN_SLOW=1)")
+    config.addinivalue_line(
+        "markers",
+        "slow: over a minute each, or a variant of a scenario the default run covers; skipped unless --run-slow "
+        "(or KEEL_RUN_SLOW=1)",
+    )
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -155,7 +159,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in gpu_items:
             item.add_marker(skip)
     if not (config.getoption("--run-slow") or os.environ.get("KEEL_RUN_SLOW") == "1"):
-        skip_slow = pytest.mark.skip(reason="slow (over a minute): run with --run-slow or KEEL_RUN_SLOW=1")
+        skip_slow = pytest.mark.skip(
+            reason="slow (over a minute, or a variant): run with --run-slow or KEEL_RUN_SLOW=1"
+        )
         for item in items:
             if item.get_closest_marker("slow") is not None:
                 item.add_marker(skip_slow)

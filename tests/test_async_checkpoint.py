@@ -536,6 +536,7 @@ def test_preemption_waits_then_saves_synchronously_and_resumes_exactly(tmp_path:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # a variant: the SIGKILL test below resumes 2-rank async saves bit-identically by default
 def test_two_rank_async_resume_equals_uninterrupted(tmp_path: Path, two_rank_reference: list[dict]) -> None:
     assert_same(two_rank_reference[0], two_rank_reference[1])
     sync = tmp_path / "sync"

@@ -48,7 +48,9 @@ def ddp_reference(tmp_path_factory) -> list[dict]:
     return ranks
 
 
-@pytest.mark.parametrize("crash_at", [4, 9])  # 6 steps per epoch: mid-epoch in epochs 0 and 1
+@pytest.mark.parametrize(
+    "crash_at", [4, pytest.param(9, marks=pytest.mark.slow)]
+)  # 6 steps per epoch: mid-epoch in epochs 0 and 1 (a variant: slow)
 def test_resume_after_crash_equals_uninterrupted(tmp_path: Path, single_reference: dict, crash_at: int) -> None:
     args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck")]
     first = python(SCRIPT, *args, "--crash-at", str(crash_at), timeout=120)
@@ -66,7 +68,7 @@ def test_two_rank_resume_equals_uninterrupted(tmp_path: Path, ddp_reference: lis
         assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])
 
 
-@pytest.mark.parametrize("kill_at,kill_rank", [(3, 1), (8, 0)])
+@pytest.mark.parametrize("kill_at,kill_rank", [pytest.param(3, 1, marks=pytest.mark.slow), (8, 0)])  # a variant: slow
 def test_sigkill_under_torchrun_restarts_and_matches(
     tmp_path: Path, ddp_reference: list[dict], kill_at: int, kill_rank: int
 ) -> None:

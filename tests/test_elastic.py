@@ -155,6 +155,7 @@ def _report(name: str, breakdown: dict[str, float], tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # the same scenario runs by default with its checkpoints and logs on S3 (tests/test_s3.py)
 def test_node_loss_continues_on_the_survivor_exactly(tmp_path: Path, reference) -> None:
     """2 agents; node 1's agent and worker are SIGKILLed after step 6 (before its checkpoint); node 0 resumes
     alone from `last` (step 5, mid-epoch 1) with accumulate 4 instead of 2 (8 instead of 4 once the global

@@ -16,7 +16,9 @@ SCRIPT = REPO_ROOT / "tests" / "scripts" / "robustness.py"
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.mark.parametrize("rank", ["0", "1"])  # rank 0: nobody joins its store; rank 1: no store to reach
+@pytest.mark.parametrize(
+    "rank", ["0", pytest.param("1", marks=pytest.mark.slow)]
+)  # rank 0: nobody joins its store; rank 1: no store to reach (a variant: slow)
 def test_unreachable_rendezvous_fails_within_the_init_timeout(rank: str) -> None:
     env = {
         "RANK": rank,

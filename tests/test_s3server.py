@@ -143,6 +143,7 @@ def test_the_standard_aws_variables_reach_it(s3_server: S3Server, tmp_path: Path
     assert done.returncode != 0 and "NoCredentialsError: Unable to locate credentials" in done.stderr, done.stderr
 
 
+@pytest.mark.slow  # tests/test_s3.py pauses its own server in the hanging-store test
 def test_a_paused_server_hangs_until_resumed(own_server: S3Server) -> None:
     bucket = own_server.bucket()
     own_server.filesystem().pipe_file(f"{bucket}/x", b"1")
@@ -170,6 +171,7 @@ def test_a_paused_server_hangs_until_resumed(own_server: S3Server) -> None:
     assert own_server.filesystem().cat_file(f"{bucket}/y") == b"2"
 
 
+@pytest.mark.slow  # tests/test_s3.py kills and restarts its own server in the store-dying tests
 def test_a_killed_server_refuses_connections_and_a_restart_brings_the_store_back(own_server: S3Server) -> None:
     bucket = own_server.bucket()
     fs = own_server.impatient_filesystem(timeout=1)
