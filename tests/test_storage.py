@@ -251,3 +251,26 @@ def test_a_wait_for_a_save_that_does_not_finish_warns_and_never_waits_silently(
         assert checkpointer.wait()
     warnings = [r.getMessage() for r in caplog.records if "still writing after" in r.getMessage()]
     assert warnings and "s3://bucket/ck/epoch=0-step=2.ckpt" in warnings[0] and "watchdog_timeout" in warnings[0]
+
+
+def test_a_store_failing_while_a_save_is_verified_is_an_error_never_a_fallback_to_an_older_save(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A timeout reading the newest save is not damage: falling back to the save before it would silently drop
+    the progress in between, so the resume stops instead and names the store's error."""
+    from trainer.checkpoint.files import CheckpointError
+
+    fit(bucket, 4)
+    real_open = RemotePath.open
+
+    def flaky(self: RemotePath, mode: str = "rb"):
+        if "step=4" in self.url and self.url.endswith(".distcp"):
+            raise TimeoutError("Read timeout on endpoint URL")
+        return real_open(self, mode)
+
+    monkeypatch.setattr(RemotePath, "open", flaky)
+    with pytest.raises(
+        CheckpointError, match=r"could not be verified: __0_0\.distcp could not be read from the store"
+    ) as info:
+        fit(bucket, 6, ckpt_path="last")
+    assert not isinstance(info.value, CorruptCheckpointError)

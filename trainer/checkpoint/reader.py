@@ -58,7 +58,7 @@ from trainer.checkpoint.store import (
     quiet_dcp,
 )
 from trainer.distributed import comm
-from trainer.storage import AnyPath, RemotePath, as_path, location
+from trainer.storage import AnyPath, RemotePath, as_path, describe_error, location
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +178,8 @@ def read_manifest(folder: AnyPath) -> dict[str, Any]:
             body["data"] = check_data(manifest["data"], path)
         intact = zlib.crc32(json.dumps(body, sort_keys=True).encode()) == manifest["crc32"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
+        if isinstance(path, RemotePath) and isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+            raise  # the store failed (a timeout, a refusal): not a damaged manifest
         raise CorruptCheckpointError(
             f"Checkpoint manifest {str(path)!r} is unreadable ({type(exc).__name__}: {exc})."
         ) from exc
@@ -189,6 +191,9 @@ def read_manifest(folder: AnyPath) -> dict[str, Any]:
             f"({FORMAT_VERSION}); upgrade keel to load it."
         )
     return manifest
+
+
+STORE_FAILED = "store:"  # a verify problem that is the store's failure, not damage (never a fallback)
 
 
 def check_data(data: Any, manifest: AnyPath) -> str:
@@ -213,7 +218,12 @@ def verify(folder: AnyPath, manifest: dict[str, Any], *, rank: int = 0, world_si
                 while chunk := handle.read(1 << 24):
                     actual_crc = zlib.crc32(chunk, actual_crc)
         except Exception as exc:  # OSError, or an object store's own error
-            problems.append(f"{name} cannot be read ({getattr(exc, 'strerror', None) or exc})")
+            if isinstance(root, RemotePath) and not isinstance(exc, FileNotFoundError):
+                problems.append(f"{STORE_FAILED}{name} could not be read from the store ({describe_error(exc)})")
+            elif isinstance(exc, OSError):
+                problems.append(f"{name} cannot be read ({exc.strerror or exc})")
+            else:
+                raise
             continue
         if actual != size or actual_crc != crc:
             problems.append(
@@ -236,8 +246,18 @@ def _verified(folder: AnyPath, *, collective: bool) -> tuple[dict[str, Any] | No
             problems = verify(folder, manifest, rank=rank, world_size=world)
     except CorruptCheckpointError as exc:  # a newer format is a CheckpointError: raised, never skipped
         problems = [str(exc)]
+    except Exception as exc:  # the store failed: agreed on by every rank (one raising alone would hang the rest)
+        if not isinstance(folder, RemotePath) or isinstance(exc, CheckpointError):
+            raise
+        problems = [f"{STORE_FAILED}{MANIFEST_FILE} could not be read from the store ({describe_error(exc)})"]
     if collective:
         problems = [p for rank_problems in comm.all_gather_object(problems) for p in rank_problems]
+    failed = [p[len(STORE_FAILED) :] for p in problems if p.startswith(STORE_FAILED)]
+    if failed:  # not damage: falling back to an older save would silently lose progress
+        raise CheckpointError(
+            f"Checkpoint {str(folder)!r} could not be verified: {'; '.join(failed)}. Nothing was loaded; run again "
+            "once the store answers."
+        )
     if problems:
         raise CorruptCheckpointError(f"Checkpoint {str(folder)!r} is damaged: {'; '.join(problems)}.")
     rest = _read_keel(data_root(folder, manifest))
