@@ -77,18 +77,6 @@ def location(path: str | os.PathLike[str], what: str) -> str:
     return text.rstrip("/")
 
 
-def local_path(path: str | os.PathLike[str], what: str) -> str:
-    """``path`` as a local filesystem path, for what can only be written locally.
-
-    Raises:
-        ValueError: ``path`` is a URL of another scheme than ``file://``.
-    """
-    text = location(path, what) if not is_url(path) else os.fspath(path)
-    if is_url(text):
-        raise ValueError(f"{what}: {text!r} is a URL; this needs a local path.")
-    return text
-
-
 def _filesystem_class(scheme: str, url: str, what: str) -> Any:
     try:
         import fsspec
