@@ -347,7 +347,8 @@ def _finish(job: _Save, files: dict[str, list[int]]) -> None:
     """Rank 0, once every rank's data files are durable: keel.pt, the Lightning file, the manifest (each
     fsynced), then the folder is renamed into place (on object storage: the manifest, written last, commits)."""
     assert job.rest is not None
-    _check_shared(job, files)
+    if not isinstance(job.target, RemotePath):  # on object storage one listing checks everything, below
+        _check_shared(job, files)
     identity = job.rest[K_IDENTITY]
     rest = job.rest
     files[KEEL_FILE] = _checksum(write_atomic(job.tmp / KEEL_FILE, lambda h: torch.save(rest, h)), job.tmp / KEEL_FILE)
@@ -431,8 +432,10 @@ def remove_save(path: str | os.PathLike) -> None:
     target = as_path(path)
     try:
         if isinstance(target, RemotePath):
-            if (target / MANIFEST_FILE).exists():
+            try:
                 (target / MANIFEST_FILE).unlink()
+            except FileNotFoundError:
+                pass
             target.rmtree()
         elif target.is_dir() and not target.is_symlink():
             (target / MANIFEST_FILE).unlink(missing_ok=True)
