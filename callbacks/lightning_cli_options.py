@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from trainer.callback import Callback
+from trainer.distributed.strategy import Strategy
 from trainer.loggers.logger import Logger
 from trainer.observability.profiler import Profiler
 from trainer.options import LIGHTNING_UNSUPPORTED, TrainerOptions
@@ -116,7 +117,8 @@ _LIGHTNING_ONLY_TYPES: dict[str, Any] = {
     "model_registry": str | None,
 }
 # CLI types wider than the dataclass's where keel's own check gives the better message (a fraction for
-# val_check_interval, a list of devices) or where jsonargparse must build objects (callbacks, loggers, profilers).
+# val_check_interval, a list of devices) or where jsonargparse must build objects (callbacks, loggers, profilers,
+# strategies).
 _CLI_TYPES: dict[str, Any] = {
     "precision": str | int | None,
     "callbacks": list[Callback] | Callback | None,
@@ -125,7 +127,7 @@ _CLI_TYPES: dict[str, Any] = {
     "devices": int | str | list[int],
     "val_check_interval": int | float | None,
     "deterministic": bool | str | None,
-    "fsdp_units": list[str] | None,
+    "strategy": Strategy | str | None,  # --trainer.strategy=fsdp, or class_path / init_args of a strategy
     "seed": int | None,
 }
 

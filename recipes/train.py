@@ -82,6 +82,8 @@ def build(cfg: DictConfig, *, command: str = COMMAND) -> tuple[Trainer, TaskModu
         ``(trainer, task, datamodule)``; ``datamodule`` is None without a ``data`` node.
     """
     options: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
+    if isinstance(options.get("strategy"), dict):  # trainer/strategy=fsdp: a strategy object with its settings
+        options["strategy"] = _instantiate(cfg.trainer.strategy)
     if options.get("seed") is not None:
         seed_everything(options["seed"])
     data_cfg = cfg.get("data")

@@ -142,12 +142,21 @@ def check_overrides(argv: list[str]) -> str | None:
             continue
         key = path[len("trainer.") :]
         text = override.input_line
+        if key.partition(".")[0] == "strategy" and key != "strategy":
+            continue  # a setting of the strategy node (trainer/strategy=fsdp): its class checks it
         if key not in keys:
             close = difflib.get_close_matches(key, keys, n=1)
             hint = f" Did you mean trainer.{close[0]}?" if close else ""
             lightning = getattr(trainer_options, "LIGHTNING_UNSUPPORTED", {}).get(key)
             if lightning:
                 hint = f" It is a Lightning option keel does not support: {lightning}"
+            if key in trainer_options.MOVED_TO_STRATEGY:
+                cls, arg = trainer_options.MOVED_TO_STRATEGY[key]
+                group = "fsdp" if cls == "FSDPStrategy" else "ddp"
+                hint = (
+                    f" It is now a setting of the strategy object ({cls}): pass trainer/strategy={group} "
+                    f"trainer.strategy.{arg}=..."
+                )
             return (
                 f"Unknown trainer option {path!r} in override {text!r}.{hint}\n"
                 f"Valid trainer options (trainer.<key>): {', '.join(keys)}."

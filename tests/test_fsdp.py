@@ -39,15 +39,20 @@ def run2(tmp: Path, name: str, *args: str, timeout: float = 240) -> dict:
 @pytest.mark.parametrize(
     "case",
     [
-        ["--accumulate", "2", "--clip", "0.05"],
+        # Both under activation checkpointing of the blocks (recomputing them changes no gradient: the
+        # single-process test in test_strategies.py shows it bit for bit against no recompute).
+        ["--accumulate", "2", "--clip", "0.05", "--recompute", "Block"],
+        # The slow variant: without recompute, the token-normalised loss and the other reduce setting.
         pytest.param(["--accumulate", "2", "--items", "--reduce", "last_micro_batch"], marks=pytest.mark.slow),
     ],
 )
 def test_two_rank_fsdp_equals_two_rank_ddp(tmp_path: Path, case: list[str]) -> None:
-    """Accumulation, global-norm clipping, token-normalised loss, both reduce settings: the DDP maths."""
+    """Accumulation, global-norm clipping, token-normalised loss, both reduce settings, activation
+    checkpointing: the DDP maths."""
     ddp = run2(tmp_path, "ddp", "--strategy", "ddp", *case)
     fsdp = run2(tmp_path, "fsdp", "--strategy", "fsdp", *case)
     assert fsdp["strategy"] == "FSDPStrategy" and ddp["strategy"] == "DDPStrategy"
+    assert ddp["recomputed"] == fsdp["recomputed"] == (3 if "--recompute" in case else 0)  # the three blocks
     assert fsdp["global_step"] == ddp["global_step"] == 4  # 2 epochs of 3 micro-batches, windows of 2
     assert max_diff(fsdp["weights"], ddp["weights"]) < 1e-10
     # Evaluation, predict and task(x) on the sharded task (37 samples: uneven shards) equal DDP's.
@@ -156,19 +161,73 @@ def test_crafted_metadata_is_refused_naming_the_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "options, expected",
+    "settings, expected",
     [
-        ({"strategy": "ddp", "fsdp_cpu_offload": True}, "unless strategy='fsdp'"),
-        ({"strategy": "fsdp", "fsdp_reduce_grads": "sometimes"}, "every_micro_batch"),
-        ({"strategy": "fsdp", "fsdp_units": [3]}, "class names"),
+        ({"reduce_grads": "sometimes"}, "FSDPStrategy(reduce_grads='sometimes'): expected 'every_micro_batch'"),
+        ({"units": [3]}, "FSDPStrategy(units=[3]): expected a non-empty list of module class names"),
+        ({"cpu_offload": 1}, "FSDPStrategy(cpu_offload=1): expected True or False"),
+        ({"bf16_params": True}, "FSDPStrategy(bf16_params=True) needs Trainer(precision='bf16-mixed')"),
     ],
 )
-def test_bad_fsdp_options_are_refused_before_any_group(options: dict, expected: str) -> None:
+def test_bad_fsdp_settings_are_refused_before_any_group(
+    settings: dict, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed
+
+    from trainer import FSDPStrategy, Trainer
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("a group was made"))
+    with pytest.raises(ValueError) as info:
+        Trainer(logger=False, strategy=FSDPStrategy(**settings))
+    assert expected in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "option, value, new_form",
+    [
+        ("fsdp_units", ["Block"], "Trainer(strategy=FSDPStrategy(units=['Block']))"),
+        ("fsdp_cpu_offload", True, "Trainer(strategy=FSDPStrategy(cpu_offload=True))"),
+        ("fsdp_reduce_grads", "last_micro_batch", "FSDPStrategy(reduce_grads='last_micro_batch')"),
+        ("find_unused_parameters", True, "Trainer(strategy=DDPStrategy(find_unused_parameters=True))"),
+        ("bucket_cap_mb", 50, "DDPStrategy(bucket_cap_mb=50)"),
+    ],
+)
+def test_the_old_strategy_keywords_fail_showing_the_new_form(option: str, value: object, new_form: str) -> None:
     from trainer import Trainer
 
     with pytest.raises(ValueError) as info:
-        Trainer(logger=False, **options)
-    assert expected in str(info.value)
+        Trainer(logger=False, strategy="fsdp", **{option: value})
+    message = str(info.value)
+    assert f"Trainer option {option!r} is now a setting of the strategy object" in message, message
+    assert new_form in message and "_target_: trainer." in message, message
+
+
+def test_strategy_objects_carry_their_settings_into_the_run() -> None:
+    """The string forms build the defaults (Lightning's registered names their settings); the object given is the
+    strategy the Trainer runs, and its settings are what the options record (plain values, classes by name)."""
+    from trainer import DDPStrategy, FSDPStrategy, Trainer
+
+    fsdp = FSDPStrategy(units=[torch.nn.Linear, "Block"], cpu_offload=True, reduce_grads="last_micro_batch")
+    trainer = Trainer(logger=False, strategy=fsdp, enable_progress_bar=False)
+    assert trainer.strategy is fsdp and trainer.strategy.world_size == 1
+    recorded = trainer.options.resolved()["strategy"]
+    assert recorded == {
+        "name": "FSDPStrategy",
+        "units": ["Linear", "Block"],
+        "reshard_after_forward": True,
+        "cpu_offload": True,
+        "reduce_grads": "last_micro_batch",
+        "bf16_params": False,
+        "activation_checkpointing": None,
+    }
+    assert "cpu_offload=True" in repr(fsdp) and "world_size=1" in repr(fsdp)
+    assert Trainer(logger=False, strategy="fsdp_cpu_offload").strategy.cpu_offload is True
+    # One process: a DDP strategy runs as the single-device one, as strategy="ddp" does.
+    assert Trainer(logger=False, strategy=DDPStrategy(static_graph=True)).strategy.name == "single"
+    with pytest.raises(ValueError, match=r"DDPStrategy\(bucket_cap_mb=0\): expected a number of megabytes > 0"):
+        DDPStrategy(bucket_cap_mb=0)
+    with pytest.raises(TypeError):
+        DDPStrategy(True)  # keyword-only: a positional setting is a mistake
 
 
 def test_a_failed_sharded_save_names_the_folder_the_bytes_and_the_intact_checkpoint(tmp_path: Path) -> None:

@@ -85,10 +85,10 @@ import sys, torch
 sys.path.insert(0, 'tests'); sys.path.insert(0, 'tests/scripts')
 from torch.utils.data import DataLoader, TensorDataset
 from fsdp_fit import BlockNet, data
-from trainer import Trainer
+from trainer import FSDPStrategy, Trainer
 from trainer.checkpoint.reader import export_weights
 task = BlockNet()
-trainer = Trainer(max_steps=4, accelerator='cuda', strategy='fsdp', precision='bf16-mixed', fsdp_cpu_offload=True,
+trainer = Trainer(max_steps=4, accelerator='cuda', strategy=FSDPStrategy(cpu_offload=True), precision='bf16-mixed',
                   logger=False, enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0)
 idx, x, y = data(48, 0).tensors
 trainer.fit(task, DataLoader(TensorDataset(idx, x.float(), y.float()), batch_size=8))

@@ -324,6 +324,18 @@ def test_trainer_class_a_subclass_with_its_own_keyword_or_a_function(prog, tmp_p
 
 
 @needs_jsonargparse
+@needs_jsonargparse
+def test_a_strategy_object_with_its_settings_from_the_command_line(prog, tmp_path) -> None:
+    """``--trainer.strategy`` takes the strings and a strategy class with its settings (jsonargparse's class
+    path), as Lightning's CLI does."""
+    base = ["--trainer.max_epochs=1", f"--trainer.default_root_dir={tmp_path}"]
+    given = ["--trainer.strategy=trainer.FSDPStrategy", "--trainer.strategy.units=[Block]"]
+    cli = prog.cli_main(args=[*base, *given, "--trainer.strategy.cpu_offload=true"], run=False)
+    assert cli.trainer.strategy.name == "fsdp"
+    assert cli.trainer.strategy.settings()["units"] == ["Block"] and cli.trainer.strategy.cpu_offload is True
+    assert prog.cli_main(args=[*base, "--trainer.strategy=fsdp"], run=False).trainer.strategy.name == "fsdp"
+
+
 def test_run_false_builds_without_running(prog, tmp_path) -> None:
     cli = prog.cli_main(
         args=["--model.hidden=5", "--trainer.max_epochs=3", f"--trainer.default_root_dir={tmp_path}"], run=False

@@ -181,15 +181,49 @@ def test_every_lacking_entry_is_a_name_or_module_of_lightning() -> None:
     assert all(name in _tree.TARGETS for names in _tree.PROVIDED.values() for name in names)
 
 
-def test_strategy_names_check_keel_s_strategy_and_refuse_to_be_built() -> None:
-    from callbacks.lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ParallelStrategy
+def test_lightning_strategy_classes_build_keel_s_strategies_with_their_settings() -> None:
+    """``DDPStrategy(find_unused_parameters=True)`` and ``FSDPStrategy(auto_wrap_policy={Block}, ...)`` as Lightning
+    programs write them build keel's strategies; ``isinstance`` holds for keel's own; what keel has no equivalent
+    for raises naming the argument."""
+    import torch
+    from torch.distributed.fsdp import CPUOffload, ShardingStrategy
 
-    ddp = object.__new__(KeelDDP)
-    assert isinstance(ddp, DDPStrategy) and not isinstance(ddp, FSDPStrategy) and issubclass(KeelDDP, DDPStrategy)
-    with pytest.raises(TypeError, match=r"Trainer\(strategy='ddp'\) instead of DDPStrategy\(\.\.\.\).*find_unused"):
-        DDPStrategy(find_unused_parameters=True)
-    assert isinstance(Trainer(logger=False, enable_progress_bar=False).strategy, L.SingleDeviceStrategy)
-    assert not isinstance(Trainer(logger=False, enable_progress_bar=False).strategy, ParallelStrategy)
+    from callbacks.lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ParallelStrategy
+    from trainer.distributed.fsdp import FSDPStrategy as KeelFSDP
+
+    assert isinstance(KeelDDP(), DDPStrategy) and not isinstance(KeelDDP(), FSDPStrategy)
+    assert issubclass(KeelDDP, DDPStrategy) and isinstance(KeelFSDP(), FSDPStrategy)
+    ddp = DDPStrategy(find_unused_parameters=True, static_graph=False, process_group_backend="gloo")
+    assert isinstance(ddp, KeelDDP) and ddp.find_unused_parameters is True
+    fsdp = FSDPStrategy(
+        auto_wrap_policy={torch.nn.TransformerEncoderLayer, torch.nn.Linear},
+        cpu_offload=CPUOffload(offload_params=True),
+        sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+        state_dict_type="sharded",
+        activation_checkpointing_policy={torch.nn.TransformerEncoderLayer},
+    )
+    assert isinstance(fsdp, KeelFSDP) and fsdp.cpu_offload is True and fsdp.reshard_after_forward is False
+    assert fsdp.settings()["units"] == ["Linear", "TransformerEncoderLayer"]
+    assert fsdp.settings()["activation_checkpointing"] == ["TransformerEncoderLayer"]
+    assert FSDPStrategy().settings() == KeelFSDP().settings()
+    refused = [
+        (lambda: DDPStrategy(ddp_comm_hook=print), "DDPStrategy(ddp_comm_hook=<built-in function print>): keel"),
+        (lambda: DDPStrategy(start_method="spawn"), "keel does not spawn processes"),
+        (lambda: DDPStrategy(bucket_size=3), "DDPStrategy(bucket_size=...): keel's DDP takes find_unused_parameters"),
+        (lambda: FSDPStrategy(sharding_strategy="HYBRID_SHARD"), "for NO_SHARD use strategy='ddp'"),
+        (lambda: FSDPStrategy(auto_wrap_policy=lambda *a: True), "the set of module classes"),
+        (lambda: FSDPStrategy(mixed_precision=object()), "precision='bf16-mixed'"),
+    ]
+    for build, expected in refused:
+        with pytest.raises(TypeError) as info:
+            build()
+        assert expected in str(info.value), str(info.value)
+    with pytest.raises(ValueError, match=r"process_group_backend='nccl'\) on cpu: keel uses 'gloo'"):
+        Trainer(logger=False, strategy=FSDPStrategy(process_group_backend="nccl"), accelerator="cpu")
+    with pytest.raises(TypeError, match=r"strategy='auto'\) instead of SingleDeviceStrategy"):
+        L.SingleDeviceStrategy()
+    one = Trainer(logger=False, enable_progress_bar=False, strategy=DDPStrategy(find_unused_parameters=True))
+    assert isinstance(one.strategy, L.SingleDeviceStrategy) and not isinstance(one.strategy, ParallelStrategy)
 
 
 def test_utilities_keel_adds_for_lightning_programs() -> None:

@@ -235,6 +235,21 @@ def test_check_overrides_names_the_key_and_the_valid_keys() -> None:
         assert check_overrides(fine) is None, fine
 
 
+def test_a_strategy_object_and_its_settings_from_the_config_group(tmp_path: Path) -> None:
+    from trainer import DDPStrategy, FSDPStrategy
+
+    args = ["trainer/strategy=fsdp", "trainer.strategy.units=[Block]", "trainer.strategy.reduce_grads=last_micro_batch"]
+    assert check_overrides(args) is None
+    trainer, _, _ = build(_compose([*args, f"output_dir={tmp_path}"]))
+    assert isinstance(trainer.strategy, FSDPStrategy) and trainer.strategy.settings()["units"] == ["Block"]
+    assert trainer.strategy.reduce_grads == "last_micro_batch"
+    # One process: DDP settings build the DDP strategy object, which runs as the single-device one.
+    cfg = _compose(["trainer/strategy=ddp", "trainer.strategy.static_graph=true", f"output_dir={tmp_path}"])
+    assert isinstance(instantiate(cfg.trainer.strategy), DDPStrategy) and build(cfg)[0].strategy.name == "single"
+    moved = check_overrides(["trainer.fsdp_units=[Block]"])
+    assert moved is not None and "trainer/strategy=fsdp trainer.strategy.units=..." in moved, moved
+
+
 def test_values_the_schema_cannot_type_are_refused_by_the_trainer(tmp_path: Path) -> None:
     # limit_*_batches is int | float, typed Any in the schema (OmegaConf 2.3 has no unions).
     cfg = _compose(["trainer.limit_val_batches=oops", f"output_dir={tmp_path}"])

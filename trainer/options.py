@@ -35,8 +35,6 @@ _PRECISION_ALIASES: dict[str, str] = {
     "double": "64",
 }
 ACCELERATORS: tuple[str, ...] = ("auto", "cpu", "cuda")
-STRATEGIES: tuple[str | None, ...] = ("ddp", "fsdp", "auto", None)
-FSDP_REDUCE_GRADS: tuple[str, ...] = ("every_micro_batch", "last_micro_batch")
 CLIP_ALGORITHMS: tuple[str, ...] = ("norm", "value")
 
 
@@ -122,7 +120,9 @@ class TrainerOptions:
         num_nodes: Lightning's keyword, checked against the launcher: world size / processes per node. None: from
             the launcher.
         strategy: ``"auto"``, ``"ddp"`` or None: DDP when the launch has more than one process; ``"fsdp"``: FSDP2
-            at any world size. Any other value raises, naming the alternative.
+            at any world size; or a strategy object with its settings: ``DDPStrategy(find_unused_parameters=True)``,
+            ``FSDPStrategy(units=["Block"], cpu_offload=True)`` (``from trainer import DDPStrategy, FSDPStrategy``;
+            in a Hydra config a node with ``_target_``). Any other value raises, naming the alternatives.
         default_root_dir: Where loggers create the run directory; None: the current directory.
         callbacks: A list of ``callbacks.Callback``; ``ModelCheckpoint`` and ``ProgressBar`` are added unless
             given or switched off.
@@ -133,23 +133,8 @@ class TrainerOptions:
         enable_progress_bar: Add a ``ProgressBar``.
         enable_checkpointing: Add a ``ModelCheckpoint`` (saves at each epoch end).
         enable_model_summary: Log the task's parameter count and size at the start of ``fit`` (rank 0).
-        find_unused_parameters: Passed to ``DistributedDataParallel``.
-        static_graph: Passed to ``DistributedDataParallel``.
-        gradient_as_bucket_view: Passed to ``DistributedDataParallel``.
-        bucket_cap_mb: Passed to ``DistributedDataParallel`` (None: DDP's default).
-        broadcast_buffers: Passed to ``DistributedDataParallel``.
-        sync_batchnorm: Convert BatchNorm layers to ``SyncBatchNorm`` when the world size is > 1.
-        fsdp_units: ``strategy="fsdp"`` only: which submodules become FSDP units, as class names (YAML) or
-            classes. None: every module held in an ``nn.ModuleList``. The task itself is always the root unit.
-        fsdp_reshard_after_forward: ``strategy="fsdp"`` only: free a unit's gathered parameters after its forward
-            (and all-gather them again in backward): less memory, more traffic.
-        fsdp_cpu_offload: ``strategy="fsdp"`` only: keep the sharded parameters, gradients and optimizer state in
-            CPU memory (the optimizer step runs on the CPU).
-        fsdp_reduce_grads: ``strategy="fsdp"`` only, under accumulation: reduce-scatter gradients after
-            ``"every_micro_batch"`` (less memory) or after the ``"last_micro_batch"`` of each window (less
-            traffic). Same maths either way.
-        fsdp_bf16_params: ``strategy="fsdp"`` with ``precision="bf16-mixed"`` only: all-gather and compute with
-            bf16 parameters (half the traffic and unsharded memory, but bf16 numerics).
+        sync_batchnorm: Convert BatchNorm layers to ``SyncBatchNorm`` when the world size is > 1 (Lightning's
+            Trainer option).
         process_group_timeout: Seconds (or a ``timedelta``) for process-group init and collectives.
         init_timeout: Seconds to join the process group (reach the rendezvous, wait for every rank); separate
             from ``process_group_timeout``.
@@ -200,7 +185,7 @@ class TrainerOptions:
     # started (checked by check_lightning_keywords once the environment is known).
     devices: int | str = "auto"
     num_nodes: int | None = None
-    strategy: str | None = "auto"
+    strategy: Any = "auto"  # a string of trainer.distributed.selection.STRATEGIES or a Strategy object
     default_root_dir: str | None = None
     callbacks: list[Any] = field(default_factory=list)
     logger: Any = True
@@ -210,19 +195,7 @@ class TrainerOptions:
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True
     enable_model_summary: bool = True
-    find_unused_parameters: bool = False
-    static_graph: bool = False
-    gradient_as_bucket_view: bool = False
-    bucket_cap_mb: float | None = None
-    broadcast_buffers: bool = True
     sync_batchnorm: bool = False
-    # strategy="fsdp" (FSDP2; trainer/distributed/strategy.py). Units: class names (from YAML) or classes; None: every
-    # module held in an nn.ModuleList (the usual "blocks"). The task itself is always the root unit.
-    fsdp_units: list[Any] | None = None
-    fsdp_reshard_after_forward: bool = True
-    fsdp_cpu_offload: bool = False
-    fsdp_reduce_grads: str = "every_micro_batch"
-    fsdp_bf16_params: bool = False  # with precision="bf16-mixed": gather and compute with bf16 parameters
     process_group_timeout: float = 1800.0
     init_timeout: float = 300.0
     watchdog_timeout: float | None = None
@@ -301,27 +274,19 @@ class TrainerOptions:
             "enable_progress_bar",
             "enable_checkpointing",
             "enable_model_summary",
-            "find_unused_parameters",
-            "static_graph",
-            "gradient_as_bucket_view",
-            "broadcast_buffers",
             "sync_batchnorm",
             "drop_incomplete_accumulation",
-            "fsdp_reshard_after_forward",
-            "fsdp_cpu_offload",
-            "fsdp_bf16_params",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "True or False")
 
     def _check_launch_options(self) -> None:
-        """Devices, strategy and FSDP, the run directory, callbacks, DDP buckets and the timeouts."""
+        """Devices, the run directory, callbacks and the timeouts (the strategy is checked when the Trainer builds
+        it: trainer.distributed.selection.build_strategy)."""
         if self.accelerator not in ACCELERATORS:
             raise _fail("accelerator", self.accelerator, f"one of {ACCELERATORS}")
         self.devices = _normalise_devices(self.devices)
         _check_int("num_nodes", self.num_nodes, minimum=1, allow_none=True)
-        _check_strategy(self.strategy)
-        _check_fsdp(self)
         if self.default_root_dir is not None and not isinstance(self.default_root_dir, (str, bytes)):
             try:
                 self.default_root_dir = str(self.default_root_dir.__fspath__())
@@ -334,13 +299,6 @@ class TrainerOptions:
         if not isinstance(self.callbacks, (list, tuple)):
             self.callbacks = [self.callbacks]
         self.callbacks = list(self.callbacks)
-        if self.bucket_cap_mb is not None:
-            if (
-                isinstance(self.bucket_cap_mb, bool)
-                or not isinstance(self.bucket_cap_mb, (int, float))
-                or self.bucket_cap_mb <= 0
-            ):
-                raise _fail("bucket_cap_mb", self.bucket_cap_mb, "a number of megabytes > 0, or None")
         timeout = self.process_group_timeout
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds()
@@ -384,11 +342,13 @@ class TrainerOptions:
         """Build from keyword arguments, refusing unknown names with the list of valid ones."""
         known = {f.name for f in dataclasses.fields(cls)}
         lightning = sorted(set(options) & set(LIGHTNING_UNSUPPORTED))
-        unknown = sorted(set(options) - known - set(lightning))
+        moved = sorted(set(options) & set(MOVED_TO_STRATEGY))
+        unknown = sorted(set(options) - known - set(lightning) - set(moved))
         lines = [
             f"Trainer option {name!r} is a Lightning option keel does not support: {LIGHTNING_UNSUPPORTED[name]}"
             for name in lightning
         ]
+        lines += [_moved_to_strategy(name, options[name]) for name in moved]
         if unknown:
             lines.append(f"Unknown Trainer option(s) {unknown}. Valid options: {sorted(known)}.")
         if lines:
@@ -407,6 +367,8 @@ class TrainerOptions:
                 value = [type(cb).__name__ for cb in value]
             elif f.name == "profiler":
                 value = type(value).__name__
+            elif f.name == "strategy" and not isinstance(value, (str, type(None))):
+                value = {"name": type(value).__name__, **value.settings()}
             elif f.name == "logger" and not isinstance(value, (bool, type(None))):
                 value = [type(lg).__name__ for lg in (value if isinstance(value, (list, tuple)) else [value])]
             out[f.name] = value
@@ -557,65 +519,29 @@ def _normalise_devices(value: Any) -> int | str:
     raise _fail("devices", value, "an int >= 1 (processes per node), 'auto' or -1")
 
 
-def _check_fsdp(opts: TrainerOptions) -> None:
-    """The fsdp_* options: well-formed, and only with strategy='fsdp' (otherwise they would do nothing)."""
-    if opts.fsdp_reduce_grads not in FSDP_REDUCE_GRADS:
-        raise _fail(
-            "fsdp_reduce_grads",
-            opts.fsdp_reduce_grads,
-            "'every_micro_batch' (reduce-scatter each backward: sharded gradients, less memory, more "
-            "traffic) or 'last_micro_batch' (once per accumulation window, like DDP's no_sync)",
-        )
-    units = opts.fsdp_units
-    if units is not None:
-        if isinstance(units, (str, type)):
-            units = opts.fsdp_units = [units]
-        if not isinstance(units, (list, tuple)) or not units or not all(isinstance(u, (str, type)) for u in units):
-            raise _fail(
-                "fsdp_units",
-                opts.fsdp_units,
-                "a non-empty list of module class names (e.g. ['Block']) or classes, or None (every "
-                "module held in an nn.ModuleList)",
-            )
-        opts.fsdp_units = list(units)
-    changed = [
-        name
-        for name, default in (
-            ("fsdp_units", None),
-            ("fsdp_reshard_after_forward", True),
-            ("fsdp_cpu_offload", False),
-            ("fsdp_reduce_grads", "every_micro_batch"),
-            ("fsdp_bf16_params", False),
-        )
-        if getattr(opts, name) != default
-    ]
-    if changed and opts.strategy != "fsdp":
-        raise _fail(
-            changed[0], getattr(opts, changed[0]), f"its default unless strategy='fsdp' (strategy={opts.strategy!r})"
-        )
-    if opts.fsdp_bf16_params and opts.precision != "bf16-mixed":
-        raise _fail("fsdp_bf16_params", True, f"False unless precision='bf16-mixed' (precision={opts.precision!r})")
+# The DDP and FSDP settings that were Trainer options, now keyword arguments of the strategy objects:
+# old name -> (strategy class, its argument). Passing one to the Trainer raises with the new form.
+MOVED_TO_STRATEGY: dict[str, tuple[str, str]] = {
+    "find_unused_parameters": ("DDPStrategy", "find_unused_parameters"),
+    "static_graph": ("DDPStrategy", "static_graph"),
+    "gradient_as_bucket_view": ("DDPStrategy", "gradient_as_bucket_view"),
+    "bucket_cap_mb": ("DDPStrategy", "bucket_cap_mb"),
+    "broadcast_buffers": ("DDPStrategy", "broadcast_buffers"),
+    "fsdp_units": ("FSDPStrategy", "units"),
+    "fsdp_reshard_after_forward": ("FSDPStrategy", "reshard_after_forward"),
+    "fsdp_cpu_offload": ("FSDPStrategy", "cpu_offload"),
+    "fsdp_reduce_grads": ("FSDPStrategy", "reduce_grads"),
+    "fsdp_bf16_params": ("FSDPStrategy", "bf16_params"),
+}
 
 
-def _check_strategy(value: Any) -> None:
-    if value in STRATEGIES:
-        return
-    if isinstance(value, str) and value.startswith("ddp_find_unused_parameters_"):
-        hint = f"use strategy='ddp' with find_unused_parameters={value.endswith('true')}"
-    elif isinstance(value, str) and value in ("ddp_spawn", "ddp_fork", "ddp_notebook", "spawn"):
-        hint = "keel does not spawn processes; launch with `torchrun --nproc-per-node G your_script.py`"
-    elif not isinstance(value, str):
-        hint = (
-            "pass DDP settings as Trainer options instead of a strategy object: find_unused_parameters, "
-            "static_graph, gradient_as_bucket_view, bucket_cap_mb, broadcast_buffers, process_group_timeout"
-        )
-    else:
-        hint = (
-            "keel runs DistributedDataParallel ('ddp') and FSDP2 ('fsdp', with the fsdp_* options); no "
-            "DeepSpeed or DataParallel"
-        )
-    raise _fail(
-        "strategy", value if isinstance(value, str) else type(value).__name__, f"'ddp', 'fsdp', 'auto' or None; {hint}"
+def _moved_to_strategy(name: str, value: Any) -> str:
+    cls, arg = MOVED_TO_STRATEGY[name]
+    shown = [getattr(v, "__name__", v) for v in value] if isinstance(value, (list, tuple)) else value
+    return (
+        f"Trainer option {name!r} is now a setting of the strategy object: pass "
+        f"Trainer(strategy={cls}({arg}={shown!r})) (from trainer import {cls}); in a Hydra config, "
+        f"trainer.strategy: {{_target_: trainer.{cls}, {arg}: {shown!r}}} (docs/options.md)."
     )
 
 

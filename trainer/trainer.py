@@ -29,7 +29,8 @@ from trainer.data.transfer import BatchCopier
 from trainer.distributed import comm, launcher
 from trainer.distributed import watchdog as wd
 from trainer.distributed.preemption import PreemptionWatcher, save_and_exit
-from trainer.distributed.strategy import StepAdapter, Strategy, select_strategy
+from trainer.distributed.selection import select_strategy
+from trainer.distributed.strategy import StepAdapter, Strategy
 from trainer.evaluation import EvaluationLoop, log_results
 from trainer.hooks import TrainHooks
 from trainer.loggers.local import default_loggers, log_fit_start
@@ -93,8 +94,7 @@ class Trainer(TrainerAttributes):
             )
         )
         self.loggers: list[Logger] = default_loggers(opts.logger, opts.default_root_dir, name=self.default_log_name)
-        # A trainer.observability.profiler.Profiler; PassThroughProfiler (disabled) when off.
-        self.profiler = opts.profiler
+        self.profiler = opts.profiler  # a trainer.observability.profiler.Profiler; PassThroughProfiler when off
         # Run state: the step clock, the epoch, the data cursor.
         self.global_step = 0
         self.current_epoch = 0

@@ -1,5 +1,5 @@
 """Small pieces of Lightning's API that keel provides only under Lightning's names: type aliases, exception and
-warning classes, ``grad_norm``, the strategy classes as Lightning programs name them, ``cli_lightning_logo``.
+warning classes, ``grad_norm``, ``cli_lightning_logo`` (the strategy classes are in ``_strategies``).
 
 Nothing in keel uses them; they exist so that a Lightning program that imports them runs unchanged.
 """
@@ -9,14 +9,13 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import NotRequired, Required, TypedDict
 
-from trainer.distributed import strategy as _strategy
 from trainer.loggers.logger import DummyExperiment
 from trainer.observability.rank_zero import rank_zero_only
 from trainer.step.optim import ManualOptimizer
@@ -113,46 +112,6 @@ def rank_zero_experiment(fn: Callable[[Any], T]) -> Callable[[Any], T | DummyExp
         return fn(self) if _on_rank_zero() else DummyExperiment()
 
     return experiment
-
-
-# ------------------------------------------------------------------ lightning.pytorch.strategies
-class _StrategyName(type):
-    """A Lightning strategy class as keel sees it: ``isinstance(trainer.strategy, DDPStrategy)`` tests keel's
-    strategy of that kind; building one raises, saying which Trainer options choose and configure it."""
-
-    keel: type
-    option: str
-
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, cls.keel)
-
-    def __subclasscheck__(cls, sub: type) -> bool:
-        return issubclass(sub, cls.keel)
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError(
-            f"keel builds the strategy itself: pass Trainer(strategy={cls.option!r}) instead of {cls.__name__}(...), "
-            "and its settings as Trainer options (find_unused_parameters, static_graph, bucket_cap_mb, "
-            "fsdp_units, ...; docs/options.md)."
-        )
-
-
-def _strategy_name(name: str, keel: type, option: str, doc: str) -> type:
-    return _StrategyName(name, (), {"keel": keel, "option": option, "__doc__": doc, "__module__": __name__})
-
-
-DDPStrategy = _strategy_name(
-    "DDPStrategy", _strategy.DDPStrategy, "ddp", "Lightning's ``DDPStrategy``: keel's DDP, chosen with strategy='ddp'."
-)
-FSDPStrategy = _strategy_name(
-    "FSDPStrategy", _strategy.FSDPStrategy, "fsdp", "Lightning's ``FSDPStrategy``: keel's FSDP2 (strategy='fsdp')."
-)
-SingleDeviceStrategy = _strategy_name(
-    "SingleDeviceStrategy",
-    _strategy.SingleDeviceStrategy,
-    "auto",
-    "Lightning's ``SingleDeviceStrategy``: keel's, chosen for a one-process launch (strategy='auto').",
-)
 
 
 # ------------------------------------------------------------------ lightning.pytorch.cli_lightning_logo

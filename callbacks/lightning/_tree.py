@@ -46,9 +46,9 @@ TARGETS: dict[str, str] = {
     "rank_zero_experiment": "callbacks.lightning._extras:rank_zero_experiment",
     # strategies
     "Strategy": "trainer.distributed.strategy:Strategy",
-    "SingleDeviceStrategy": "callbacks.lightning._extras:SingleDeviceStrategy",
-    "DDPStrategy": "callbacks.lightning._extras:DDPStrategy",
-    "FSDPStrategy": "callbacks.lightning._extras:FSDPStrategy",
+    "SingleDeviceStrategy": "callbacks.lightning._strategies:SingleDeviceStrategy",
+    "DDPStrategy": "callbacks.lightning._strategies:DDPStrategy",
+    "FSDPStrategy": "callbacks.lightning._strategies:FSDPStrategy",
     "ParallelStrategy": "callbacks.lightning:ParallelStrategy",
     # profilers
     "Profiler": "trainer.observability.profiler:Profiler",

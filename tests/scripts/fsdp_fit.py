@@ -2,7 +2,7 @@
 
 Usage: fsdp_fit.py OUT --strategy {ddp,fsdp,auto} [--accumulate K] [--items] [--clip C] [--manual]
        [--reduce every_micro_batch|last_micro_batch] [--ckpt-dir D] [--steps S] [--kill-at S] [--resume]
-       [--configure-model] [--units Block]
+       [--configure-model] [--units Block] [--recompute Block]
 
 OUT/rank{R}.pt holds the final weights as one plain state dict (gathered from the shards under FSDP),
 validation / test metrics, predictions, ``task(x)`` on a fixed input, the global step and the data order.
@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainer import Callback, TaskModule, Trainer
+from trainer import Callback, DDPStrategy, FSDPStrategy, TaskModule, Trainer
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 
 
@@ -51,6 +51,12 @@ class BlockNet(TaskModule):
         self.head = nn.Linear(12, 1)
         self.automatic_optimization = not manual
         self.seen: list[int] = []
+        self.saved_bytes: list[int] = []  # per training step: bytes autograd kept for backward in self(x)
+        self.recomputed = 0  # modules under activation checkpointing during the first step
+
+    def _kept(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.saved_bytes[-1] += tensor.numel() * tensor.element_size()
+        return tensor
 
     def configure_model(self) -> None:
         if self.late and not len(self.blocks):
@@ -66,11 +72,16 @@ class BlockNet(TaskModule):
     def training_step(self, batch, batch_idx):
         idx, x, y = batch
         self.seen.extend(idx.tolist())
+        if not self.saved_bytes:
+            self.recomputed = sum("forward" in m.__dict__ for m in self.modules())
+        self.saved_bytes.append(0)
+        with torch.autograd.graph.saved_tensors_hooks(self._kept, lambda t: t):
+            out = self(x)
         if self.items:  # a SUM over the contributing items; keel divides by the global count
             keep = (idx % 3 != 0).to(x.dtype)
-            loss = (((self(x) - y) ** 2) * keep).sum()
+            loss = (((out - y) ** 2) * keep).sum()
             return {"loss": loss, "num_items": int(keep.sum().item())}
-        loss = F.mse_loss(self(x), y)
+        loss = F.mse_loss(out, y)
         if not self.automatic_optimization:
             opt = self.optimizers()
             opt.zero_grad()
@@ -147,6 +158,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--reduce", default=None)
     parser.add_argument("--units", default=None)
+    parser.add_argument("--recompute", default=None, help="activation_checkpointing: module class names")
     parser.add_argument("--configure-model", action="store_true")
     parser.add_argument("--steps", type=int, default=-1)
     parser.add_argument("--epochs", type=int, default=2)
@@ -158,11 +170,17 @@ def main() -> None:
         "--nan-at", type=int, default=-1, help="a NaN in rank 1's shard after step N (on_nonfinite=skip)"
     )
     args = parser.parse_args()
-    extra = {}  # the fsdp_* options are refused with another strategy: pass them to FSDP runs only
+    settings = {}  # FSDPStrategy's, for FSDP runs only
     if args.reduce and args.strategy == "fsdp":
-        extra["fsdp_reduce_grads"] = args.reduce
+        settings["reduce_grads"] = args.reduce
     if args.units and args.strategy == "fsdp":
-        extra["fsdp_units"] = args.units.split(",")
+        settings["units"] = args.units.split(",")
+    if args.recompute:
+        settings["activation_checkpointing"] = args.recompute.split(",")
+    strategy = args.strategy
+    if settings:
+        strategy = FSDPStrategy(**settings) if args.strategy == "fsdp" else DDPStrategy(**settings)
+    extra = {}
     callbacks = [Kill(args.kill_at)] if args.kill_at > 0 else []
     if args.nan_at > 0:
         callbacks.append(NanInShard(args.nan_at))
@@ -175,7 +193,7 @@ def main() -> None:
         max_epochs=args.epochs,
         max_steps=args.steps,
         precision=args.precision,
-        strategy=args.strategy,
+        strategy=strategy,
         accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip,
         logger=False,
@@ -220,6 +238,8 @@ def main() -> None:
             "seen": task.seen,
             "world_size": trainer.world_size,
             "strategy": type(trainer.strategy).__name__,
+            "saved_bytes": task.saved_bytes,
+            "recomputed": task.recomputed,
             "last": trainer.checkpoint_callback.last_model_path if args.ckpt_dir else None,
         },
         out / f"rank{trainer.global_rank}.pt",

@@ -5,7 +5,8 @@
   (torchrun / TorchElastic, SLURM ``srun``, one plain process); talks to nobody.
 * :mod:`~trainer.distributed.comm`: process-group setup and teardown, device selection and the handful of
   collectives keel uses; each is a no-op in one process.
-* :mod:`~trainer.distributed.strategy`: the seam between the loop and the wrapper: single device, DDP, FSDP2.
+* :mod:`~trainer.distributed.strategy`: the seam between the loop and the wrapper: single device, DDP; FSDP2 in
+  :mod:`~trainer.distributed.fsdp`; :mod:`~trainer.distributed.selection` turns the ``strategy`` option into one.
 * :mod:`~trainer.distributed.preemption`: signals set a flag; the ranks agree at a step boundary.
 * :mod:`~trainer.distributed.watchdog`: a rank that stops making progress dumps its stacks and exits.
 

@@ -14,9 +14,16 @@ Each method has a fixed signature and a contract:
   blocks on another rank.
 
 Implementations: :class:`SingleDeviceStrategy` (one process, or any launch with world size 1),
-:class:`DDPStrategy` (``DistributedDataParallel``) and :class:`FSDPStrategy` (FSDP2, ``fully_shard``:
-parameters, gradients and optimizer state sharded over ranks). A new parallelism (tensor parallel, HSDP)
-is a new subclass plus one line in :func:`select_strategy`; the loop does not change.
+:class:`DDPStrategy` (``DistributedDataParallel``) and :class:`~trainer.distributed.fsdp.FSDPStrategy` (FSDP2,
+``fully_shard``: parameters, gradients and optimizer state sharded over ranks, in its own module). A new
+parallelism (tensor parallel, HSDP) is a new subclass plus one entry in
+:data:`trainer.distributed.selection.STRATEGIES`; the loop does not change.
+
+A strategy is configured by its own keyword arguments, not by Trainer options:
+``Trainer(strategy=FSDPStrategy(units=["Block"], cpu_offload=True))``; the strings ``"ddp"``, ``"fsdp"`` and
+``"auto"`` build the defaults (and Lightning's registered names ``"ddp_find_unused_parameters_true"``,
+``"fsdp_cpu_offload"`` their settings). Its settings are checked when it is built; the Trainer then calls
+:meth:`Strategy.connect` with the launch, the device and its options, before any process group exists.
 """
 
 from __future__ import annotations
@@ -40,8 +47,6 @@ from trainer.distributed.launcher import DistEnv
 from trainer.options import TrainerOptions
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch.distributed.fsdp import FSDPModule
-
     from trainer.module import TaskModule
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it costs nothing on the hot path
@@ -99,10 +104,39 @@ class Strategy:
     # gradient_sync() returns a real context (the loop skips the `with` otherwise: a per-step cost).
     has_sync_context: ClassVar[bool] = False
 
-    def __init__(self, env: DistEnv, device: torch.device, options: TrainerOptions) -> None:
-        self.env = env
-        self.root_device = device
-        self.options = options
+    # The settings a subclass takes as keyword arguments (stored as attributes of the same names), in order:
+    # settings() and repr() list them.
+    SETTINGS: ClassVar[tuple[str, ...]] = ("activation_checkpointing",)
+    # Set by connect(), when a Trainer takes the strategy.
+    env: DistEnv
+    root_device: torch.device
+    options: TrainerOptions
+
+    def __init__(self, *, activation_checkpointing: _ModuleClasses | None = None) -> None:
+        """
+        Args:
+            activation_checkpointing: Module classes (names, as in YAML, or classes) whose forward is recomputed
+                in backward instead of keeping its activations (``torch.utils.checkpoint``, non-reentrant, RNG
+                state preserved: the same gradients). None: keep every activation.
+
+        Raises:
+            ValueError: a malformed class list, naming the setting.
+        """
+        self.activation_checkpointing = _class_list(
+            type(self).__name__, "activation_checkpointing", activation_checkpointing
+        )
+        self._recomputed: list[nn.Module] = []  # the modules whose forward setup() wrapped; restored by teardown()
+
+    def connect(self, env: DistEnv, device: torch.device, options: TrainerOptions) -> None:
+        """Called by the Trainer that takes this strategy, before any process group exists: where this process
+        sits in the launch, its device and the Trainer's options. A subclass checks its settings against them
+        (raising ``ValueError`` naming the setting and the fix)."""
+        self.env, self.root_device, self.options = env, device, options
+
+    def settings(self) -> dict[str, Any]:
+        """The keyword arguments this strategy was built with, as plain values (classes by name): the
+        start-of-run log line and the options a checkpoint records."""
+        return {name: _plain_setting(getattr(self, name)) for name in self.SETTINGS}
 
     # ------------------------------------------------------------------ Lightning-style queries
     @property
@@ -175,10 +209,31 @@ class Strategy:
         """Prepare ``task`` for training; return the module the loop calls as ``model(batch, batch_idx)``
         (it runs ``task.training_step``). ``manual``: the task steps its own optimizers
         (``automatic_optimization = False``). May communicate (every rank calls it)."""
+        self.checkpoint_activations(task)
         return StepAdapter(task)
 
     def teardown(self) -> None:
-        """Drop references to wrappers built by :meth:`setup` (end of every stage)."""
+        """Drop references to wrappers built by :meth:`setup` (end of every stage), and give the modules under
+        activation checkpointing their own forward back."""
+        for module in self._recomputed:
+            module.__dict__.pop("forward", None)
+        self._recomputed = []
+
+    def checkpoint_activations(self, task: nn.Module) -> None:
+        """Make the outermost modules of the ``activation_checkpointing`` classes recompute their forward in
+        backward (called by :meth:`setup` before any wrapper; their parameter names do not change). Outside
+        autograd (evaluation, ``no_grad``) they run as they are.
+
+        Raises:
+            ValueError: a class that no submodule of the task is, with the task's module classes.
+        """
+        if self.activation_checkpointing is None:
+            return
+        found = match_modules(task, self.activation_checkpointing, "the strategy's activation_checkpointing")
+        inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
+        for module in (m for m in found if id(m) not in inner and "forward" not in m.__dict__):
+            module.__dict__["forward"] = partial(_recompute_in_backward, module.forward)
+            self._recomputed.append(module)
 
     # ------------------------------------------------------------------ the step
     def gradient_sync(self, sync: bool) -> AbstractContextManager[Any]:
@@ -303,7 +358,76 @@ class Strategy:
         set_optimizer_state_dict(task, optimizer, state)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(world_size={self.world_size}, device={self.root_device})"
+        built = ", ".join(f"{name}={value!r}" for name, value in self.settings().items())
+        if not hasattr(self, "env"):
+            return f"{type(self).__name__}({built})"
+        where = f"world_size={self.world_size}, device={self.root_device}"
+        return f"{type(self).__name__}({built + ', ' if built else ''}{where})"
+
+
+_ModuleClasses = list[str | type[nn.Module]] | str | type[nn.Module]
+
+
+def _class_list(owner: str, name: str, value: Any) -> list[str | type[nn.Module]] | None:
+    """A setting that names module classes: a list of names or classes (one alone is a list of one), or None."""
+    if value is None:
+        return None
+    if isinstance(value, (str, type)):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(u, (str, type)) for u in value):
+        raise ValueError(
+            f"{owner}({name}={value!r}): expected a non-empty list of module class names (e.g. ['Block']) or "
+            "classes, or None."
+        )
+    return list(value)
+
+
+def match_modules(task: nn.Module, wanted: list[str | type[nn.Module]], setting: str) -> list[nn.Module]:
+    """The submodules of ``task`` (not the task itself) whose class is named (``__name__`` or ``__qualname__``) or
+    given in ``wanted``, in ``task.modules()`` order.
+
+    Raises:
+        ValueError: a name or class in ``wanted`` that no submodule is, naming ``setting`` and the task's classes.
+    """
+    names = {w for w in wanted if isinstance(w, str)}
+    types = tuple(w for w in wanted if isinstance(w, type))
+    found = [
+        m
+        for m in task.modules()
+        if m is not task
+        and (type(m).__name__ in names or type(m).__qualname__ in names or (types and isinstance(m, types)))
+    ]
+    present = {type(m).__name__ for m in found} | {type(m).__qualname__ for m in found}
+    missing = sorted(n for n in names if n not in present)
+    missing += sorted(t.__name__ for t in types if not any(isinstance(m, t) for m in found))
+    if missing:
+        classes = sorted({type(m).__name__ for m in task.modules() if m is not task})
+        raise ValueError(
+            f"{setting} names {missing}, which no submodule of {type(task).__name__} is; its module classes: {classes}."
+        )
+    return found
+
+
+def _recompute_in_backward(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _plain_setting(value: Any) -> Any:
+    if isinstance(value, type):
+        return value.__qualname__
+    if isinstance(value, (list, tuple)):
+        return [_plain_setting(v) for v in value]
+    return value
+
+
+def _check_bool(owner: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}({name}={value!r}): expected True or False.")
+    return value
 
 
 class SingleDeviceStrategy(Strategy):
@@ -327,9 +451,42 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
     has_sync_context = True
+    SETTINGS = (
+        "find_unused_parameters",
+        "static_graph",
+        "gradient_as_bucket_view",
+        "bucket_cap_mb",
+        "broadcast_buffers",
+        "activation_checkpointing",
+    )
 
-    def __init__(self, env: DistEnv, device: torch.device, options: TrainerOptions) -> None:
-        super().__init__(env, device, options)
+    def __init__(
+        self,
+        *,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        bucket_cap_mb: float | None = None,
+        broadcast_buffers: bool = True,
+        activation_checkpointing: _ModuleClasses | None = None,
+    ) -> None:
+        """The arguments are ``DistributedDataParallel``'s of the same names (``bucket_cap_mb=None``: DDP's
+        default), and ``activation_checkpointing`` as for every strategy (:meth:`Strategy.__init__`).
+
+        Raises:
+            ValueError: a setting of the wrong type or out of range, naming it.
+        """
+        super().__init__(activation_checkpointing=activation_checkpointing)
+        owner = type(self).__name__
+        self.find_unused_parameters = _check_bool(owner, "find_unused_parameters", find_unused_parameters)
+        self.static_graph = _check_bool(owner, "static_graph", static_graph)
+        self.gradient_as_bucket_view = _check_bool(owner, "gradient_as_bucket_view", gradient_as_bucket_view)
+        self.broadcast_buffers = _check_bool(owner, "broadcast_buffers", broadcast_buffers)
+        if bucket_cap_mb is not None and (
+            isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0
+        ):
+            raise ValueError(f"{owner}(bucket_cap_mb={bucket_cap_mb!r}): expected a number of megabytes > 0, or None.")
+        self.bucket_cap_mb = bucket_cap_mb
         self.ddp: nn.parallel.DistributedDataParallel | None = None
 
     def setup(self, task: TaskModule, *, manual: bool) -> nn.Module:
@@ -338,6 +495,7 @@ class DDPStrategy(Strategy):
             converted = nn.SyncBatchNorm.convert_sync_batchnorm(task)
             if converted is not task:  # the task itself is never a BatchNorm layer
                 raise TypeError("sync_batchnorm: the task itself must not be a BatchNorm layer.")
+        self.checkpoint_activations(task)
         adapter = StepAdapter(task)
         if manual:
             # Manual optimization syncs gradients in manual_backward (average_gradients); start every
@@ -350,20 +508,21 @@ class DDPStrategy(Strategy):
             raise ValueError(f"{type(task).__name__} has no trainable parameters; DDP has nothing to synchronise.")
         kwargs: dict[str, Any] = dict(
             device_ids=[device.index] if (device := self.root_device).type == "cuda" else None,
-            find_unused_parameters=opts.find_unused_parameters,
-            static_graph=opts.static_graph,
-            gradient_as_bucket_view=opts.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
         )
         # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (same meaning for True; False
         # still syncs once at construction, which keel wants anyway).
-        kwargs[_DDP_BUFFER_SYNC_ARG] = opts.broadcast_buffers
-        if opts.bucket_cap_mb is not None:
-            kwargs["bucket_cap_mb"] = opts.bucket_cap_mb
+        kwargs[_DDP_BUFFER_SYNC_ARG] = self.broadcast_buffers
+        if self.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
         # Construction broadcasts rank 0's parameters and buffers: every rank starts equal.
         self.ddp = nn.parallel.DistributedDataParallel(adapter, **kwargs)
         return self.ddp
 
     def teardown(self) -> None:
+        super().teardown()
         self.ddp = None
 
     def gradient_sync(self, sync: bool) -> AbstractContextManager[Any]:
@@ -385,7 +544,8 @@ class DDPStrategy(Strategy):
         raise RuntimeError(
             f"DDP: some parameters got no gradient in the previous step: {listed}. Make every parameter take "
             "part in the loss, freeze unused ones (requires_grad=False), or pass "
-            "Trainer(find_unused_parameters=True) (or static_graph=True when the unused set never changes)."
+            "Trainer(strategy=DDPStrategy(find_unused_parameters=True)) (or static_graph=True when the unused set "
+            "never changes)."
         ) from exc
 
     def average_gradients(self, params: list[torch.Tensor]) -> None:
@@ -398,187 +558,3 @@ class DDPStrategy(Strategy):
         comm.all_reduce(flat, "mean")
         for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             grad.copy_(synced)
-
-
-class FSDPStrategy(Strategy):
-    """FSDP2 (``torch.distributed.fsdp.fully_shard``): each rank holds 1/world_size of the parameters,
-    gradients and optimizer state (DTensors sharded on dim 0); a unit's parameters are all-gathered for
-    its forward and backward and its gradients reduce-scattered after backward.
-
-    The task itself is the root unit (``task(x)``, ``validation_step`` and the others run on the sharded
-    task), plus one unit per module of ``fsdp_units`` (default: every module held in an ``nn.ModuleList``,
-    the usual transformer blocks); parameters outside every unit belong to the root. ``training_step`` is
-    registered as an FSDP forward method, so it all-gathers the root's parameters like ``forward`` does;
-    the evaluation loops run inside :meth:`eval_context`, with every unit gathered once for the whole loop
-    (registering the evaluation steps too would reshard after each nested ``self(x)`` and all-gather per
-    batch, which hangs when ranks run different numbers of batches).
-    Initial weights are rank 0's, broadcast before sharding, so they are the same at every world size.
-    Checkpoints are the same folders as under DDP (each rank writes its shards). See docs/fsdp.md.
-    """
-
-    name = "fsdp"
-    has_sync_context = True
-    needs_process_group = True
-    STEP_METHODS = ("training_step",)
-
-    def __init__(self, env: DistEnv, device: torch.device, options: TrainerOptions) -> None:
-        super().__init__(env, device, options)
-        self.task: nn.Module | None = None
-        self._sync: bool | None = None  # the requires_gradient_sync flag last set on the units
-
-    def setup(self, task: TaskModule, *, manual: bool) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import (
-            CPUOffloadPolicy,
-            MixedPrecisionPolicy,
-            OffloadPolicy,
-            fully_shard,
-            register_fsdp_forward_method,
-        )
-
-        opts = self.options
-        self._check_batchnorm(task)
-        if opts.sync_batchnorm:
-            converted = nn.SyncBatchNorm.convert_sync_batchnorm(task)
-            if converted is not task:
-                raise TypeError("sync_batchnorm: the task itself must not be a BatchNorm layer.")
-        if not any(p.requires_grad for p in task.parameters()):
-            raise ValueError(f"{type(task).__name__} has no trainable parameters; FSDP has nothing to shard.")
-        # Rank 0's weights and buffers everywhere (one broadcast per tensor, before sharding): initial
-        # weights do not depend on the world size (DTensor random init on a CPU mesh does).
-        for tensor in task.state_dict().values():
-            comm.broadcast(tensor, 0)
-        mesh = init_device_mesh(self.root_device.type, (self.world_size,))
-        # bf16-mixed: fp32 sharded master weights and fp32 gradient reduction; compute in bf16 through the
-        # precision plugin's autocast (the numerics of DDP's bf16-mixed, and Lightning's FSDP mapping).
-        # fsdp_bf16_params also gathers and computes with bf16 parameters: half the all-gather traffic and
-        # unsharded-parameter memory, at a measured cost in accuracy (benchmarks/results/charlm.md).
-        mp = (
-            MixedPrecisionPolicy(reduce_dtype=torch.float32)
-            if opts.precision == "bf16-mixed"
-            else MixedPrecisionPolicy()
-        )
-        if opts.fsdp_bf16_params:
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        offload = (
-            CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if opts.fsdp_cpu_offload else OffloadPolicy()
-        )
-        kwargs: dict[str, Any] = dict(
-            mesh=mesh, reshard_after_forward=opts.fsdp_reshard_after_forward, mp_policy=mp, offload_policy=offload
-        )
-        for unit in self.units(task):
-            fully_shard(unit, **kwargs)
-        fully_shard(task, **kwargs)  # the root: every parameter left outside the units
-        adapter = StepAdapter(task)  # before registration: it reads training_step's own signature
-        for method in self.STEP_METHODS:
-            if callable(getattr(task, method, None)):
-                register_fsdp_forward_method(task, method)
-        adapter.bind()  # the registered training_step, which unshards around the step
-        self.task, self._sync = task, None
-        return adapter
-
-    def units(self, task: nn.Module) -> list[nn.Module]:
-        """The modules that become FSDP units (besides the root), outermost first, none inside another.
-
-        Raises:
-            ValueError: ``fsdp_units`` names a class that no submodule of the task has.
-        """
-        wanted = self.options.fsdp_units
-        if wanted is None:
-            found = [m for holder in task.modules() if isinstance(holder, nn.ModuleList) for m in holder]
-        else:
-            names = {w for w in wanted if isinstance(w, str)}
-            types = tuple(w for w in wanted if isinstance(w, type))
-            found = [
-                m
-                for m in task.modules()
-                if m is not task
-                and (type(m).__name__ in names or type(m).__qualname__ in names or (types and isinstance(m, types)))
-            ]
-            present = {type(m).__name__ for m in found} | {
-                t.__name__ for t in types if any(isinstance(m, t) for m in found)
-            }
-            missing = sorted(n for n in names if n not in present and not any(type(m).__qualname__ == n for m in found))
-            if missing:
-                classes = sorted({type(m).__name__ for m in task.modules() if m is not task})
-                raise ValueError(
-                    f"Trainer option fsdp_units names {missing}, which no submodule of "
-                    f"{type(task).__name__} is; its module classes: {classes}."
-                )
-        inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
-        units = [m for m in found if id(m) not in inner and any(True for _ in m.parameters())]
-        return units
-
-    def _check_batchnorm(self, task: nn.Module) -> None:
-        if self.options.sync_batchnorm:
-            return
-        bn = [
-            name
-            for name, m in task.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
-        ]
-        if bn:
-            raise ValueError(
-                f"strategy='fsdp': {type(task).__name__} has BatchNorm layers ({', '.join(bn[:5])}), whose running "
-                "statistics FSDP does not synchronise (each rank would drift, and a checkpoint keeps one rank's). "
-                "Pass sync_batchnorm=True (SyncBatchNorm: statistics over the global batch) or use LayerNorm/GroupNorm."
-            )
-
-    def teardown(self) -> None:
-        self._sync = None
-
-    def gradient_sync(self, sync: bool) -> AbstractContextManager[Any]:
-        # 'last_micro_batch': reduce-scatter once per window (full-size unsharded gradients are held
-        # until then, like DDP's no_sync). 'every_micro_batch': every backward reduce-scatters, so
-        # gradients stay sharded (less memory, more traffic); the maths is the same.
-        if self.options.fsdp_reduce_grads == "every_micro_batch" or self.task is None:
-            return _NO_CONTEXT
-        if sync != self._sync:
-            cast("FSDPModule", self.task).set_requires_gradient_sync(sync)  # fully_shard made the task one
-            self._sync = sync
-        return _NO_CONTEXT
-
-    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> None:
-        # Every gradient is a DTensor (all parameters are in a unit): the norm is the global one.
-        nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-
-    def eval_context(self, task: nn.Module) -> AbstractContextManager[Any]:
-        return _Unsharded(task, reshard_after_forward=self.options.fsdp_reshard_after_forward)
-
-
-class _Unsharded:
-    """FSDP evaluation: all-gather every unit once on entry (collectives, every rank in the same order)
-    and keep the parameters unsharded until exit, so per-batch forwards never communicate while ranks
-    run different numbers of batches. Costs the full parameters' memory for the loop's duration."""
-
-    def __init__(self, task: nn.Module, *, reshard_after_forward: bool) -> None:
-        units = [m for m in task.modules() if hasattr(m, "unshard") and hasattr(m, "set_reshard_after_forward")]
-        self.modules = cast("list[FSDPModule]", units)  # the FSDP units (fully_shard made them FSDPModules)
-        self.reshard_after_forward = reshard_after_forward
-
-    def __enter__(self) -> None:
-        for m in self.modules:
-            m.set_reshard_after_forward(False, recurse=False)
-            m.unshard()
-
-    def __exit__(self, *exc: object) -> None:
-        for m in self.modules:
-            m.reshard()
-            m.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
-
-
-STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}
-
-
-def select_strategy(options: TrainerOptions, env: DistEnv, device: torch.device) -> Strategy:
-    """The strategy for this run, from the ``strategy`` option and the launcher's world size.
-
-    ``"auto"`` / ``"ddp"`` / None: DDP when the job has more than one process, else a single device.
-    ``"fsdp"``: FSDP2 at any world size (1 included: a one-rank group is created). Called in
-    ``Trainer.__init__``, before any process group exists (nothing here communicates).
-    """
-    if options.strategy == "fsdp":
-        return FSDPStrategy(env, device, options)
-    if env.world_size == 1:
-        return SingleDeviceStrategy(env, device, options)
-    return STRATEGIES["ddp"](env, device, options)
