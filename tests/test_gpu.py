@@ -103,15 +103,26 @@ print('OK', torch.distributed.get_backend(), next(iter(weights.values())).dtype)
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("precision,clip", [("32", 1.0), ("bf16-mixed", 1.0), ("16-mixed", 1.0), ("32", None)])
-def test_ordinary_steps_never_sync_the_host(tmp_path, strategy, precision, clip) -> None:
+@pytest.mark.parametrize(
+    "precision,clip,items",
+    [
+        ("32", 1.0, None),
+        ("bf16-mixed", 1.0, None),
+        ("16-mixed", 1.0, None),
+        ("32", None, None),
+        ("bf16-mixed", 1.0, "int"),  # token-normalised steps (num_items): the count as an int
+        ("bf16-mixed", 1.0, "tensor"),  # and as a tensor on the GPU
+    ],
+)
+def test_ordinary_steps_never_sync_the_host(tmp_path, strategy, precision, clip, items) -> None:
     """Ordinary steps under torch.cuda.set_sync_debug_mode("error") (DDP and FSDP at one nccl rank, with a
-    pinned loader, a step scheduler, self.log on every step and global-norm clipping): a synchronising CUDA
-    call raises. Logging steps may sync once (tests/scripts/cuda_sync_free.py)."""
+    pinned loader, a step scheduler, self.log on every step, global-norm clipping, and num_items losses): a
+    synchronising CUDA call raises. Logging steps may sync once (tests/scripts/cuda_sync_free.py)."""
     script = REPO_ROOT / "tests" / "scripts" / "cuda_sync_free.py"
     args = [str(tmp_path), "--strategy", strategy, "--precision", precision] + (
         [] if clip is None else ["--clip", str(clip)]
     )
+    args += [] if items is None else ["--items", items]
     torchrun(script, *args, nproc=1, timeout=300).check()
     import json
 

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from models import Regression, quiet, regression_data
+from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from trainer import Callback, TaskModule, Trainer
@@ -195,9 +196,23 @@ class _CountHostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_logging_step_reads_the_host_once_in_one_process() -> None:
+class _Summed(Regression):
+    """A summed loss with ``num_items``: the sample count, as an int or as a tensor (never read by the task)."""
+
+    def __init__(self, as_tensor: bool) -> None:
+        super().__init__()
+        self.as_tensor = as_tensor
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        count = torch.tensor(len(x)) if self.as_tensor else len(x)
+        return {"loss": F.mse_loss(self(x), y, reduction="sum"), "num_items": count}
+
+
+@pytest.mark.parametrize("task", ["mean", "num_items int", "num_items tensor"])
+def test_a_logging_step_reads_the_host_once_in_one_process(task: str) -> None:
     """The step metrics and the non-finite verdict travel in one device-to-host copy (on CUDA: the
-    logging step's only sync); ordinary steps read nothing."""
+    logging step's only sync); ordinary steps read nothing, token-normalised (num_items) ones included."""
     mode, per_step = _CountHostReads(), []
 
     class Windows(Callback):
@@ -206,10 +221,11 @@ def test_a_logging_step_reads_the_host_once_in_one_process() -> None:
             mode.count = 0
 
     trainer = Trainer(**quiet(max_steps=12, log_every_n_steps=4, callbacks=[Windows()]))
+    model = Regression() if task == "mean" else _Summed(as_tensor=task.endswith("tensor"))
     with mode:
-        trainer.fit(Regression(), DataLoader(regression_data(128), batch_size=8))
+        trainer.fit(model, DataLoader(regression_data(128), batch_size=8))
     assert per_step[1:] == [0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1]  # steps 2..12; the first window holds the setup
-    assert set(trainer.callback_metrics) >= {"loss", "train/loss"}
+    assert set(trainer.callback_metrics) >= ({"loss", "train/loss"} if task == "mean" else {"loss"})
 
 
 def test_read_to_host_keeps_every_value_exact_in_one_read() -> None:

@@ -250,6 +250,54 @@ def test_num_items_loss_is_normalised_by_the_global_count() -> None:
     )
 
 
+class _MaskedSum(Regression):
+    """A summed loss over the items a mask keeps; ``num_items`` the kept count, as an int or a tensor; plain SGD
+    (a step with zero gradients changes nothing)."""
+
+    def __init__(self, as_tensor: bool) -> None:
+        super().__init__(dtype=torch.float64)
+        self.as_tensor = as_tensor
+
+    def training_step(self, batch, batch_idx):
+        xb, yb, mb = batch
+        count = mb.sum().to(torch.int64)
+        return {
+            "loss": (((self(xb) - yb) ** 2).squeeze(1) * mb).sum(),
+            "num_items": count if self.as_tensor else int(count),
+        }
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["int", "tensor"])
+def test_a_step_with_zero_items_changes_no_weight(as_tensor: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """The middle batch keeps no item. With int counts the step is skipped (not counted); with tensor counts,
+    which keel never reads, it is decided on the device: gradients times 0, the step counted, one warning at the
+    epoch end. Either way the weights equal a run that never saw that batch."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(24, 8, generator=g, dtype=torch.float64), torch.randn(24, 1, generator=g, dtype=torch.float64)
+    mask = (torch.rand(24, generator=g) < 0.7).to(torch.float64)
+    mask[0], mask[8:16], mask[16] = 1.0, 0.0, 1.0
+    keep = torch.cat([torch.arange(8), torch.arange(16, 24)])
+    reference = _MaskedSum(as_tensor)
+    Trainer(**quiet(max_epochs=1, precision="64")).fit(
+        reference, DataLoader(TensorDataset(x[keep], y[keep], mask[keep]), batch_size=8)
+    )
+    task = _MaskedSum(as_tensor)
+    trainer = Trainer(**quiet(max_epochs=1, precision="64"))
+    with caplog.at_level("WARNING"):
+        trainer.fit(task, DataLoader(TensorDataset(x, y, mask), batch_size=8))
+    for name, value in reference.state_dict().items():
+        assert torch.equal(task.state_dict()[name], value), name
+    if as_tensor:
+        assert trainer.global_step == 3
+        assert "1 optimizer step(s) of epoch 0 saw zero items (num_items) on every rank" in caplog.text
+    else:
+        assert trainer.global_step == 2
+        assert "Step 1 saw zero items (num_items) on every rank; the optimizer step is skipped" in caplog.text
+
+
 def test_bad_num_items_and_step_outputs_are_named() -> None:
     class Bad(Regression):
         def __init__(self, out) -> None:

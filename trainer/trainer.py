@@ -479,6 +479,7 @@ class Trainer(TrainerAttributes):
             if (self._stop_requested and self.should_stop) or (max_steps != -1 and self.global_step >= max_steps):
                 completed = micro.is_epoch_end
                 break
+        normaliser.report_zero_steps(self.current_epoch)  # device-decided zero-item steps: one read per epoch
         self._epoch_end(val_loaders, completed=completed)
 
     def _end_unusual_window(self, micro: MicroBatch, normaliser: StepNormaliser) -> bool:

@@ -35,8 +35,9 @@ WARMUP = 2
 class Blocks(TaskModule):
     """Two blocks in an nn.ModuleList (one FSDP unit each by default) and a head."""
 
-    def __init__(self, fused: bool) -> None:
+    def __init__(self, fused: bool, items: str | None = None) -> None:
         super().__init__()
+        self.items = items  # None: a mean loss; "int" / "tensor": a summed loss with num_items of that kind
         self.blocks = torch.nn.ModuleList(
             torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(2)
         )
@@ -50,6 +51,10 @@ class Blocks(TaskModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.items is not None:  # token-normalised: keel divides by the global count, on the device
+            loss = torch.nn.functional.mse_loss(self(x).float(), y, reduction="sum")
+            count = len(x) if self.items == "int" else (y == y).sum()  # the tensor count stays on the GPU
+            return {"loss": loss, "num_items": count}
         loss = torch.nn.functional.mse_loss(self(x).float(), y)
         self.log("train/loss", loss, prog_bar=True)  # on_step: a device tensor, read on logging steps only
         return loss
@@ -90,6 +95,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--precision", default="32")
     parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--items", choices=["int", "tensor"], default=None)
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(512, 64, generator=g), torch.randn(512, generator=g))
@@ -108,7 +114,9 @@ def main() -> None:
         num_sanity_val_steps=0,
         enable_model_summary=False,
     )
-    trainer.fit(Blocks(fused=args.precision == "16-mixed"), DataLoader(data, batch_size=32, pin_memory=True))
+    trainer.fit(
+        Blocks(fused=args.precision == "16-mixed", items=args.items), DataLoader(data, batch_size=32, pin_memory=True)
+    )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "result.json").write_text(
         json.dumps(

@@ -13,11 +13,20 @@ Loss normalisation is the only maths the loop owns (docs/design.md section 5) an
   accumulated unscaled; at the end of the step one all-reduce (on device) gives the global item count
   ``N`` and the loss sum over all micro-batches and ranks, and the gradients are multiplied by
   ``world_size / N``: DDP's all-reduce averages over ranks, so the result is ``sum(grad) / N``
-  whatever the split of (micro-batch size, accumulation, world size).
+  whatever the split of (micro-batch size, accumulation, world size). The factor stays on the device:
+  no host read on an ordinary step.
+* A step with zero items on every rank has nothing to learn from. When every count of this rank was a Python
+  int and they added up to more than zero, no rank can be at zero and nothing is read. When this rank counted
+  zero, the global count is read (that rare step only) and the optimizer step is skipped if it is zero. When
+  the counts are tensors (never read, on any device) the decision stays on the device: a zero-item
+  step's gradients are multiplied by 0 instead of ``world_size / N`` (the optimizer still steps: weight decay
+  and momentum act, plain SGD changes nothing), and :meth:`StepNormaliser.report_zero_steps` warns once per
+  epoch with how many there were.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -26,6 +35,8 @@ from typing import Any
 import torch
 
 from trainer.distributed import comm
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -161,13 +172,16 @@ class StepNormaliser:
     def __init__(self, *, world_size: int, device: torch.device) -> None:
         self.world_size = world_size
         self.device = device
+        self.zero_steps: torch.Tensor | None = None  # device-decided zero-item steps (see report_zero_steps)
         self.reset()
 
     def reset(self) -> None:
         self.ran = 0  # micro-batches of this step run so far
         self.mode: str | None = None  # "mean" or "items"
         self.loss_sum: torch.Tensor | None = None  # detached; summed over micro-batches (on device)
-        self.items: torch.Tensor | None = None  # items-mode count (on device)
+        self.items: torch.Tensor | None = None  # items mode: the sum of the tensor counts (on device)
+        self.host_items = 0  # items mode: the sum of the int counts
+        self.counted_on_device = False  # items mode: some count was a tensor (never read)
         self.planned: int | None = None  # mean mode without a known window length: losses were divided by k
 
     def take(self, output: Any, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -205,7 +219,11 @@ class StepNormaliser:
         self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
         if num_items is not None:
             count = _check_num_items(num_items, self.device)
-            self.items = count if self.items is None else self.items + count
+            if isinstance(count, int):
+                self.host_items += count
+            else:
+                self.items = count if self.items is None else self.items + count
+                self.counted_on_device = True
             return loss  # items mode: a sum, normalised by the global count at the end of the step
         return self._divide(loss, micro)
 
@@ -222,8 +240,9 @@ class StepNormaliser:
         ``grad_factor`` multiplies the synchronised gradients (None: leave them). ``step_loss`` is the
         optimised loss of the step: the local mean over micro-batches (mean mode; reduced across
         ranks when logged), or the global items-weighted mean (items mode). ``skip`` is True when the
-        step saw zero items on all ranks. Items mode does one all-reduce and reads the count on the
-        host (to decide ``skip``); mean mode does neither.
+        step saw zero items on all ranks and this rank's counts were host values (see the module docstring).
+        Items mode does one all-reduce on the device; it reads the host only on a step where this rank counted
+        zero items on the host. Mean mode does neither.
         """
         loss_sum, ran, planned = self.loss_sum, self.ran, self.planned
         assert loss_sum is not None, "finish() before any micro-batch"
@@ -235,31 +254,55 @@ class StepNormaliser:
                 planned / ran if planned is not None and ran < planned else None
             )  # an unknown-length window ended early
             return factor, (loss_sum if ran == 1 else loss_sum / ran), False
-        items = self.items
+        items, host_items, on_device = self.items, self.host_items, self.counted_on_device
         self.reset()
-        assert items is not None
-        packed = torch.stack([loss_sum.to(torch.float64), items.to(torch.float64)])
+        # A fill, not a copy, for the host count: no host-to-device transfer to wait for.
+        count = torch.full((), host_items, dtype=torch.float64, device=self.device)
+        packed = torch.stack([loss_sum.to(torch.float64), count if items is None else count + items])
         comm.all_reduce(packed, "sum")
-        total = float(packed[1].item())  # host read: the skip decision needs it
-        if total <= 0:
+        total = packed[1]
+        if on_device:  # tensor counts: decided on the device (a zero-item step scales by 0)
+            some = total > 0
+            zero = (~some).to(torch.int64)
+            self.zero_steps = zero if self.zero_steps is None else self.zero_steps + zero
+            return torch.where(some, self.world_size / total, 0.0), torch.where(some, packed[0] / total, 0.0), False
+        if host_items == 0 and float(total.item()) <= 0:  # this rank saw none: whether any rank did (rare read)
             return None, None, True
         return self.world_size / total, packed[0] / total, False
 
+    def report_zero_steps(self, epoch: int) -> None:
+        """At the end of an epoch (where the loop reads the host anyway): warn, on rank 0, how many optimizer
+        steps had zero items on every rank and were decided on the device (their gradients were zeroed)."""
+        zero, self.zero_steps = self.zero_steps, None
+        if zero is None or comm.get_rank() != 0:
+            return
+        count = int(zero.item())
+        if count:
+            log.warning(
+                "%d optimizer step(s) of epoch %d saw zero items (num_items) on every rank: their gradients were "
+                "multiplied by 0 (the optimizer still stepped: weight decay and momentum acted). Check the data "
+                "(e.g. windows whose every target is masked), or return num_items as an int to skip such steps.",
+                count,
+                epoch,
+            )
 
-def _check_num_items(num_items: Any, device: torch.device) -> torch.Tensor:
+
+def _check_num_items(num_items: Any, device: torch.device) -> torch.Tensor | int:
+    """The count: an int as it is (a host value); a tensor on the run's device, never read (on any device, so
+    that a zero-item step is decided the same way on CPU and GPU)."""
     if isinstance(num_items, torch.Tensor):
         if num_items.numel() != 1 or num_items.is_floating_point() or num_items.dtype == torch.bool:
             raise ValueError(
                 f"training_step returned num_items={num_items!r}; expected a non-negative integer count "
                 "(an int, or an integer scalar tensor)."
             )
-        return num_items.detach().reshape(()).to(device)
+        return num_items.detach().reshape(()).to(device, torch.float64, non_blocking=True)
     if isinstance(num_items, bool) or not isinstance(num_items, int) or num_items < 0:
         raise ValueError(
             f"training_step returned num_items={num_items!r}; expected a non-negative integer count "
             "(an int, or an integer scalar tensor)."
         )
-    return torch.tensor(num_items, device=device)
+    return num_items
 
 
 def split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any], Any]:
