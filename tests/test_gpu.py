@@ -153,3 +153,28 @@ def test_pinned_batches_are_copied_on_keels_stream_and_arrive_intact() -> None:
         assert torch.isclose(total.cpu(), batch[0].sum() + 45)
     plain = copier([torch.ones(3)])  # not pinned: the compute stream's copy
     assert plain[0].is_cuda and plain[0].sum().item() == 3.0
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
+def test_the_memory_estimate_matches_the_cuda_peak_of_a_real_step(precision: str) -> None:
+    """trainer.memory on fake CUDA tensors against torch.cuda.max_memory_allocated of two real steps of the char
+    GPT (the caching allocator's peak of live tensors), within 15%."""
+    from torch.utils.data import TensorDataset
+
+    from recipes.charlm import CharGPT
+    from trainer.memory import estimate_memory
+
+    x = torch.randint(0, 128, (64, 129), generator=torch.Generator().manual_seed(0))
+    batch = (x[:32, :-1], x[:32, 1:])
+
+    def build() -> CharGPT:
+        return CharGPT(n_layer=6, n_embd=384, n_head=6, sample_chars=0)
+
+    estimate = estimate_memory(build, batch, precision=precision, device="cuda")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    trainer = Trainer(**quiet(max_steps=2, accelerator="cuda", precision=precision, enable_model_summary=False))
+    trainer.fit(build(), DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=32))
+    real = torch.cuda.max_memory_allocated() - start
+    assert abs(estimate.device - real) / real < 0.15, (estimate.summary(), real)

@@ -103,6 +103,7 @@ class FSDPStrategy(Strategy):
         self.bf16_params = _check_bool(owner, "bf16_params", bf16_params)
         self.task: nn.Module | None = None
         self._sync: bool | None = None  # the requires_gradient_sync flag last set on the units
+        self.device_mesh: Any = None  # the DeviceMesh the parameters are sharded over (setup_mesh)
 
     def settings(self) -> dict[str, Any]:
         return {
@@ -119,7 +120,6 @@ class FSDPStrategy(Strategy):
         super().connect(env, device, options)
 
     def setup(self, task: TaskModule, *, manual: bool) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
             MixedPrecisionPolicy,
@@ -140,7 +140,7 @@ class FSDPStrategy(Strategy):
         # weights do not depend on the world size (DTensor random init on a CPU mesh does).
         for tensor in task.state_dict().values():
             comm.broadcast(tensor, 0)
-        mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+        mesh = self.setup_mesh()
         # bf16-mixed: fp32 sharded master weights and fp32 gradient reduction; compute in bf16 through the
         # precision plugin's autocast (the numerics of DDP's bf16-mixed, and Lightning's FSDP mapping).
         # bf16_params also gathers and computes with bf16 parameters: half the all-gather traffic and
@@ -167,6 +167,15 @@ class FSDPStrategy(Strategy):
         adapter.bind()  # the registered training_step, which unshards around the step
         self.task, self._sync = task, None
         return adapter
+
+    def setup_mesh(self) -> Any:
+        """The one-dimensional ``DeviceMesh`` over every rank that :meth:`setup` shards over, made on the first
+        call (a collective: the process group must exist)."""
+        if self.device_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.device_mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+        return self.device_mesh
 
     def units(self, task: nn.Module) -> list[nn.Module]:
         """The modules that become FSDP units (besides the root), outermost first, none inside another.
@@ -201,6 +210,7 @@ class FSDPStrategy(Strategy):
     def teardown(self) -> None:
         super().teardown()
         self._sync = None
+        self.device_mesh = None
 
     def gradient_sync(self, sync: bool) -> AbstractContextManager[Any]:
         # 'last_micro_batch': reduce-scatter once per window (full-size unsharded gradients are held
