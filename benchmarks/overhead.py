@@ -1,7 +1,8 @@
 """Per-step overhead of ``Trainer.fit`` over a hand-written PyTorch loop (docs/design.md section 11).
 
-    python benchmarks/overhead.py                       # 1 process and 2-process DDP (gloo), ~2-4 min
+    python benchmarks/overhead.py                       # 1 process, 2-process DDP and 2-process FSDP (gloo)
     python benchmarks/overhead.py --quick --single-only # smoke run
+    python benchmarks/overhead.py --fsdp-only           # the FSDP case alone
 
 The same MLP, data (in-memory TensorDataset, batch 64), SGD and cross-entropy run under a hand-written
 loop and under the Trainer (logger, checkpointing, progress bar and sanity check off, the default
@@ -15,6 +16,12 @@ init, DDP construction, loader rebuilding and teardown are excluded. Each case r
 OMP_NUM_THREADS=1 and ``torch.set_num_threads(1)``; DDP cases run under ``python -m torch.distributed.run``
 on 127.0.0.1 with gloo: the hand loop wraps the model in DistributedDataParallel and reads a
 DistributedSampler(shuffle=False); the Trainer gets a plain DataLoader and shards it itself.
+
+The FSDP case (``blocks4m``: a linear layer in, four 1024-wide Linear+ReLU blocks held in an nn.ModuleList, a
+linear head; 4.5M parameters) runs 2 ranks: the hand loop applies FSDP2's
+``fully_shard`` to each block and then to the whole net, as the FSDP2 docs do, with a DistributedSampler; the
+Trainer runs ``strategy="fsdp"``, whose default units are the same blocks. Both broadcast nothing inside the
+timed window; keel's broadcast of rank 0's initial weights happens at setup, before it.
 
 Output: a table ``case | loop steps/s | trainer steps/s | ratio | cpu ratio | target`` and one JSON line.
 ratio = trainer / loop wall time, paired within each repeat, median over repeats; cpu ratio is the same
@@ -63,10 +70,12 @@ LOG_EVERY_N_STEPS = 50  # the Trainer's default: some timed steps are logging st
 MODELS = {  # name -> layer widths of an MLP with ReLU between layers
     "tiny": (32, 96, 64, 10),  # 10,026 parameters
     "mlp1m": (256, 1024, 704, 10),  # 991,818 parameters
+    "blocks4m": (256, 1024, 1024, 1024, 1024, 1024, 10),  # 4,471,818 parameters; the blocks are FSDP units
 }
-STEPS = {"tiny": 500, "mlp1m": 100}  # timed steps per repeat (after the warm-up steps)
-QUICK_STEPS = {"tiny": 30, "mlp1m": 10}
-TARGETS = {"tiny": 1.05, "mlp1m": 1.03}  # trainer_time / loop_time, from the issues (tiny: issue 17)
+FSDP_MODELS = ("blocks4m",)  # run in the FSDP case only
+STEPS = {"tiny": 500, "mlp1m": 100, "blocks4m": 40}  # timed steps per repeat (after the warm-up steps)
+QUICK_STEPS = {"tiny": 30, "mlp1m": 10, "blocks4m": 4}
+TARGETS = {"tiny": 1.05, "mlp1m": 1.03, "blocks4m": 1.05}  # trainer_time / loop_time (tiny: issue 17; FSDP: 26)
 SELF_LOG_TARGET_US = 50.0
 RUNNERS = ("loop", "trainer", "trainer_log")
 _MARKER = "KEEL_BENCH_LAUNCH_ID"  # inherited by every process of a launch, so all can be found and killed
@@ -102,13 +111,45 @@ class Clock:
         return self.wall[-1] - self.wall[warmup - 1], self.cpu[-1] - self.cpu[warmup - 1]
 
 
+class BlockMLP(nn.Module):
+    """In, a ModuleList of Linear+ReLU blocks (FSDP's units), head: the FSDP case's net."""
+
+    def __init__(self, widths: tuple[int, ...]) -> None:
+        super().__init__()
+        self.inp = nn.Linear(widths[0], widths[1])
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(widths[1:-2], widths[2:-1])
+        )
+        self.head = nn.Linear(widths[-2], widths[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.inp(x))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def make_net(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     widths = MODELS[name]
+    if name in FSDP_MODELS:
+        return BlockMLP(widths)
     layers: list[nn.Module] = []
     for i, (fan_in, fan_out) in enumerate(zip(widths, widths[1:])):
         layers += [nn.Linear(fan_in, fan_out)] + ([nn.ReLU()] if i < len(widths) - 2 else [])
     return nn.Sequential(*layers)
+
+
+def fully_shard_blocks(net: nn.Module) -> nn.Module:
+    """FSDP2 as its docs apply it: each block a unit, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
 
 
 def make_data(name: str, num_samples: int) -> TensorDataset:
@@ -119,9 +160,13 @@ def make_data(name: str, num_samples: int) -> TensorDataset:
 
 
 def hand_loop(name: str, dataset, total_steps: int, warmup: int, ddp: bool) -> tuple[float, float]:
-    """The baseline: plain PyTorch (plus DDP and a DistributedSampler when ``ddp``). Returns (wall, cpu) s."""
+    """The baseline: plain PyTorch (plus DDP, or FSDP2 for the FSDP models, and a DistributedSampler when ``ddp``).
+    Returns (wall, cpu) s."""
     net = make_net(name)
-    model = torch.nn.parallel.DistributedDataParallel(net) if ddp else net
+    if ddp and name in FSDP_MODELS:
+        model = net = fully_shard_blocks(net)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(net) if ddp else net
     sampler = DistributedSampler(dataset, shuffle=False) if ddp else None
     loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
@@ -172,6 +217,7 @@ def run_trainer(name: str, dataset, total_steps: int, warmup: int, log_every_ste
         log_every_n_steps=LOG_EVERY_N_STEPS,
         max_steps=total_steps,
         callbacks=[stepclock],
+        strategy="fsdp" if name in FSDP_MODELS else "auto",
     )
     trainer.fit(BenchTask(), train_dataloaders=DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=False))
     clock = stepclock.clock
@@ -380,7 +426,8 @@ def report(results: list[dict]) -> None:
     head = ("case", "loop steps/s", "trainer steps/s", "ratio", "cpu ratio", "target (on ratio)")
     rows = []
     for r in results:
-        case = f"{r['model']} ({r['params']:,} params), {r['procs']} proc" + ("" if r["procs"] == 1 else "s DDP")
+        kind = "FSDP" if r["model"] in FSDP_MODELS else "DDP"
+        case = f"{r['model']} ({r['params']:,} params), {r['procs']} proc" + ("" if r["procs"] == 1 else f"s {kind}")
         verdict = "PASS" if r["ratio"] <= r["target"] else "MISS"
         rows.append(
             (
@@ -422,21 +469,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="short smoke run: few steps, 2 repeats, 3 warm-up steps (the timings are noise)",
     )
-    p.add_argument("--single-only", action="store_true", help="skip the DDP cases")
-    p.add_argument("--ddp-only", action="store_true", help="skip the single-process cases")
+    p.add_argument("--single-only", action="store_true", help="skip the DDP and FSDP cases")
+    p.add_argument("--ddp-only", action="store_true", help="skip the single-process and FSDP cases")
+    p.add_argument("--fsdp-only", action="store_true", help="only the 2-process FSDP case")
     p.add_argument(
         "--models",
-        default="tiny,mlp1m",
+        default=None,
         help="comma-separated subset of "
         + ", ".join(f"{m} (MLP {'-'.join(map(str, w))})" for m, w in MODELS.items())
-        + " (default: both)",
+        + f" (default: all; {', '.join(FSDP_MODELS)} run in the FSDP case only)",
     )
     p.add_argument(
         "--steps", help=f"timed steps per run: one int, or model=int pairs (default: {STEPS}; --quick: {QUICK_STEPS})"
     )
     p.add_argument("--warmup", type=int, help="untimed steps at the start of each run (default: 10; --quick: 3)")
     p.add_argument("--repeats", type=int, help="repeats of (loop, trainer, trainer+self.log) (default: 9; --quick: 2)")
-    p.add_argument("--nproc", type=int, default=2, help="processes of the DDP cases (default: 2)")
+    p.add_argument("--nproc", type=int, default=2, help="processes of the DDP and FSDP cases (default: 2)")
     p.add_argument(
         "--timeout",
         type=float,
@@ -454,7 +502,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.models = [m for m in args.models.split(",") if m]
+    args.models = [m for m in (args.models or ",".join(MODELS)).split(",") if m]
     unknown = sorted(set(args.models) - set(MODELS))
     if unknown:
         p.error(f"--models: unknown {unknown}; choose from {sorted(MODELS)}")
@@ -471,8 +519,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 9)  # odd: a true median
     if args.warmup < 1 or args.repeats < 1 or min(steps.values()) < 1:
         p.error("--warmup, --repeats and --steps must be >= 1")
-    if args.single_only and args.ddp_only:
-        p.error("--single-only and --ddp-only exclude each other")
+    if sum((args.single_only, args.ddp_only, args.fsdp_only)) > 1:
+        p.error("--single-only, --ddp-only and --fsdp-only exclude each other")
     return args
 
 
@@ -485,9 +533,16 @@ def main(argv: list[str] | None = None) -> int:
         profile(args)
         return 0
     started, results, failed = time.monotonic(), [], False
-    for procs in ([] if args.ddp_only else [1]) + ([] if args.single_only else [args.nproc]):
+    plain = [m for m in args.models if m not in FSDP_MODELS]
+    sharded = [m for m in args.models if m in FSDP_MODELS]
+    cases = [] if args.ddp_only or args.fsdp_only else [(1, plain)]
+    cases += [] if args.single_only or args.fsdp_only else [(args.nproc, plain)]
+    cases += [] if args.single_only or args.ddp_only else [(args.nproc, sharded)]
+    for procs, models in cases:
+        if not models:
+            continue
         try:
-            results += run_case(procs, args)
+            results += run_case(procs, argparse.Namespace(**{**vars(args), "models": models}))
         except RuntimeError as exc:  # report what was measured, then fail
             print(exc, file=sys.stderr)
             failed = True
