@@ -17,7 +17,7 @@ from launch import REPO_ROOT
 
 from recipes.charlm import CharGPT
 from trainer import FSDPStrategy
-from trainer.memory import estimate_memory, format_plan, main, plan_memory
+from trainer.memory import MemoryEstimate, estimate_memory, format_plan, main, plan_memory
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "measure_memory.py"
 
@@ -74,29 +74,25 @@ def test_fsdp_divides_the_state_and_recompute_and_offload_take_it_off_the_device
     assert "FSDP x4" in four.summary() and "a rank" in four.summary()
 
 
-def test_the_plan_names_the_cheapest_setting_that_fits() -> None:
-    build, batch = (lambda: CharGPT(sample_chars=0)), tokens(32, 128)
-    estimates, chosen = plan_memory(build, batch, device_memory=100 << 20, world_sizes=(1,))
-    assert [e.setting for e in estimates] == [
-        "single device",
-        "FSDP",
-        "FSDP + activation checkpointing",
-        "FSDP + activation checkpointing + CPU offload",
-    ]
-    assert not estimates[0].fits(100 << 20) and not estimates[1].fits(100 << 20)  # 148 MiB: 32 windows' activations
-    assert chosen is estimates[2]  # recomputing the blocks: 59 MiB
-    assert "Nothing here fits 1.0 MiB a device" in format_plan(estimates, None, 1 << 20)
-    assert "Cheapest that fits 100.0 MiB: FSDP + activation checkpointing x1" in format_plan(
-        estimates, chosen, 100 << 20
-    )
-
-
-def test_the_command_prints_the_plan_for_a_task_and_its_data(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--task", "recipes.charlm:CharGPT", "--task-args", '{"sample_chars": 0}']
-    argv += ["--data", "recipes.charlm:CharDataModule", "--data-args", '{"max_chars": 200000, "batch_size": 8}']
-    assert main([*argv, "--device-memory", "1GiB", "--world-sizes", "1"]) == 0
+def test_the_command_plans_a_task_on_its_data_and_names_the_cheapest_setting_that_fits(capsys) -> None:
+    """``python -m trainer.memory`` on the recipe's char GPT and the first batch of its datamodule (32 windows of
+    128): 148 MiB without recompute does not fit 100 MiB; recomputing the blocks (59 MiB) is the cheapest that does."""
+    argv = ["--task", "recipes.charlm:CharGPT", "--task-args", '{"sample_chars": 0}', "--world-sizes", "1"]
+    argv += ["--data", "recipes.charlm:CharDataModule", "--data-args", '{"max_chars": 200000, "batch_size": 32}']
+    assert main([*argv, "--device-memory", "100MiB"]) == 0
     out = capsys.readouterr().out
-    assert "FSDP + activation checkpointing" in out and "Cheapest that fits 1.0 GiB: single device x1" in out
+    rows = [line.split("|") for line in out.splitlines() if line.count("|") == 9]
+    assert [(r[0].strip(), r[-1].strip()) for r in rows[1:]] == [
+        ("single device", "no"),
+        ("FSDP", "no"),
+        ("FSDP + activation checkpointing", "yes"),
+        ("FSDP + activation checkpointing + CPU offload", "yes"),
+    ], out
+    assert "Cheapest that fits 100.0 MiB: FSDP + activation checkpointing x1" in out
+    assert plan_memory(CharGPT, tokens(2, 8), device_memory=100 << 20, world_sizes=()) == ([], None)
+    one = MemoryEstimate("DDP", 2, 1 << 20, 1 << 20, 2 << 20, 5 << 20, 1 << 20, 10 << 20, 0)
+    assert "Nothing here fits 1.0 MiB a device" in format_plan([one], None, 1 << 20)
+    assert "Cheapest that fits 16.0 MiB: DDP x2: 10.0 MiB a rank" in format_plan([one], one, 16 << 20)
 
 
 def test_estimating_inside_a_process_group_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
