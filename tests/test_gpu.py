@@ -44,6 +44,12 @@ def test_batches_are_placed_on_the_gpu_from_pinned_memory() -> None:
     assert probe.seen["batch_device"].type == "cuda" and probe.seen["param_device"].type == "cuda"
 
 
+def test_predictions_made_on_the_gpu_come_back_on_the_cpu() -> None:
+    trainer = Trainer(**quiet(accelerator="cuda"))
+    predictions = trainer.predict(Regression(), DataLoader(regression_data(32), batch_size=8))
+    assert len(predictions) == 4 and all(p.device.type == "cpu" for p in predictions)
+
+
 def test_bf16_mixed_on_cuda() -> None:
     task = DtypeProbe()
     trainer = Trainer(**quiet(max_epochs=3, accelerator="cuda", precision="bf16-mixed"))

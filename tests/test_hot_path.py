@@ -153,6 +153,17 @@ def test_plain_precision_binds_torchs_own_backward_and_step() -> None:
     assert w.tolist() == [-1.0, -2.0]
 
 
+def test_move_to_the_cpu_skips_loader_batches_but_not_outputs_from_any_device() -> None:
+    """A loader's batch headed for the CPU is returned as it is (the hot path); predictions (made on any device)
+    are walked and every tensor brought to the CPU (on a GPU: tests/test_gpu.py)."""
+    from trainer.data.transfer import move_to_device
+
+    out = {"y": torch.ones(2), "extra": [torch.zeros(1)]}
+    assert move_to_device(out, torch.device("cpu")) is out
+    moved = move_to_device(out, torch.device("cpu"), from_any_device=True)
+    assert moved is not out and moved["extra"] is not out["extra"] and torch.equal(moved["y"], out["y"])
+
+
 def test_batch_copier_on_cpu_is_move_to_device() -> None:
     batch = [torch.ones(2), {"y": torch.zeros(2, dtype=torch.float32)}]
     assert BatchCopier(torch.device("cpu"), float_dtype=None, overlap=True)(batch) is batch

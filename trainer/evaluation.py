@@ -294,7 +294,7 @@ class EvaluationLoop:
                         out = step(*args) if step_idx else step(batch, batch_idx) if with_idx else step(batch)
                     for hook in ends:
                         hook(out, *args)
-                    local.append(move_to_device(out, torch.device("cpu")))
+                    local.append(move_to_device(out, torch.device("cpu"), from_any_device=True))
                 gathered = comm.all_gather_object(local) if comm.get_world_size() > 1 else [local]  # collective
                 merged = [item for rank_items in gathered for item in rank_items]
                 results.append(merged if return_here else None)

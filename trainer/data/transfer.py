@@ -11,13 +11,17 @@ from typing import Any
 import torch
 
 
-def move_to_device(batch: Any, device: torch.device, *, float_dtype: torch.dtype | None = None) -> Any:
+def move_to_device(
+    batch: Any, device: torch.device, *, float_dtype: torch.dtype | None = None, from_any_device: bool = False
+) -> Any:
     """Copy every tensor in a nested batch (tensors, lists, tuples, named tuples, dicts, dataclasses).
 
     CUDA copies are ``non_blocking``: asynchronous from pinned memory (``pin_memory=True`` loaders), a
     plain synchronous copy otherwise. ``float_dtype`` converts floating-point tensors (precision "64").
+    To the CPU, the batch is returned as it is (a loader's output already lives there), unless
+    ``from_any_device``: then every tensor is brought to the CPU (predictions made on a GPU).
     """
-    if device.type == "cpu" and float_dtype is None:
+    if device.type == "cpu" and float_dtype is None and not from_any_device:
         return batch  # loader output already lives on the CPU: skip the traversal (hot path)
     non_blocking = device.type == "cuda"
 
