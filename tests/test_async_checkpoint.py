@@ -30,7 +30,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from trainer import Callback, Trainer
 from trainer.checkpoint import store
-from trainer.checkpoint.async_save import AsyncCheckpointer, ReusedStaging, cpu_copy
+from trainer.checkpoint.async_save import AsyncCheckpointer, cpu_copy
+from trainer.checkpoint.dcp_io import ReusedStaging
 from trainer.checkpoint.files import POINTER_NAME, CheckpointSaveError, read_pointer, tensor_bytes, write_pointer
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.checkpoint.reader import committed, load_weights

@@ -264,7 +264,7 @@ except CheckpointSaveError as exc:
 
 
 def test_async_staging_reuses_its_cpu_buffers_and_always_copies_the_current_values() -> None:
-    from trainer.checkpoint.async_save import ReusedStaging
+    from trainer.checkpoint.dcp_io import ReusedStaging
 
     w = torch.arange(4.0)
     state = {

@@ -6,7 +6,9 @@
 * :mod:`~trainer.checkpoint.store`: writing and committing a save (DCP data files from every rank, then
   ``keel.pt`` and the manifest from rank 0, then the rename), synchronous or in the background.
 * :mod:`~trainer.checkpoint.reader`: resolving ``last`` / ``best``, verifying a save and loading it.
-* :mod:`~trainer.checkpoint.async_save`: the background writer and its CPU staging.
+* :mod:`~trainer.checkpoint.async_save`: the background writer.
+* :mod:`~trainer.checkpoint.dcp_io`: keel's pieces of DCP (safe reader and planners, hashing writer, CPU staging of
+  async saves), imported on the first save or load.
 * :mod:`~trainer.checkpoint.model_checkpoint`: the ``ModelCheckpoint`` callback: when to save, what to keep.
 
 May import: torch (``torch.distributed.checkpoint`` included), :mod:`trainer.distributed`, :mod:`trainer.data`,

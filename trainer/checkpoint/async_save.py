@@ -4,7 +4,8 @@
 
 ``stage()``
     On the main thread, at the step boundary, now: this rank's tensors copied into CPU buffers reused
-    across saves (:class:`ReusedStaging`), so later optimizer steps cannot change what is written.
+    across saves (:class:`~trainer.checkpoint.dcp_io.ReusedStaging`), so later optimizer steps cannot change what
+    is written.
     Training continues as soon as it returns; with the wait for a save still in flight, this is the whole
     time the loop is blocked.
 ``write(staged)``
@@ -37,9 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.staging import AsyncStager
-
-from trainer.data.transfer import tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -218,52 +216,6 @@ class AsyncCheckpointer:
             job.commit()
         job.times.commit = time.perf_counter() - start
         self.history = (self.history + [job.times])[-100:]
-
-
-# ---------------------------------------------------------------------- staging
-class ReusedStaging(AsyncStager):
-    """DCP's staging of this rank's tensors to CPU memory, into the buffers of the previous async save.
-
-    DCP's default stager allocates a fresh CPU copy on every save; allocating and first touching it was
-    most of the time an async save blocked the loop (benchmarks/fsdp.py). The buffers are free again when
-    the next save stages: the checkpointer waits for the save in flight first. One copy of this rank's
-    tensors (pinned on CUDA) stays in memory between saves; a different layout (optimizer state that
-    appeared, a resized parameter) allocates anew. Blocking: the copy is done when :meth:`stage` returns.
-    """
-
-    _synchronize_after_execute = False
-
-    def __init__(self) -> None:
-        self._buffers: Any = None
-        self._last: dict[str, Any] = {}
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict, _create_cpu_state_dict
-
-        cuda = any(t.device.type == "cuda" for t in tensors_in(state_dict))
-        staged = None
-        if self._buffers is not None:
-            try:
-                staged = _copy_state_dict(state_dict, self._buffers, non_blocking=cuda)
-            except (CompanionMismatch, RuntimeError):  # another structure, or a tensor of another shape
-                staged = None
-        if staged is None:
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=cuda)
-            staged = _copy_state_dict(state_dict, self._buffers, non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize()  # the copies are complete before training changes the weights
-        self._last = staged
-        return staged
-
-    def staged(self, key: str) -> Any:
-        """The staged copy of ``state_dict[key]`` of the last :meth:`stage`."""
-        return self._last.get(key, {})
-
-    def synchronize_staging(self) -> None:
-        """Nothing to wait for: :meth:`stage` returns once the copy is complete."""
-
-    def close(self) -> None:
-        self._buffers, self._last = None, {}
 
 
 def cpu_copy(obj: Any) -> Any:

@@ -15,20 +15,12 @@ load, without the checksum check, which they predate.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
-import pickle
 import zlib
 from collections.abc import Callable
 from typing import Any
-
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.planner import ReadItem
 
 from trainer.checkpoint import store
 from trainer.checkpoint.files import (
@@ -64,105 +56,11 @@ log = logging.getLogger(__name__)
 
 LAST_LINK = "last.ckpt"  # ModelCheckpoint(save_last=True)'s alias of the newest save: never a candidate itself
 
-# What a real .metadata pickle refers to (torch 2.4 - 2.13); anything else is refused.
-_ALLOWED_GLOBALS: dict[str, set[str]] = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "Path"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "tuple", "list", "dict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, handle: Any, path: str) -> None:
-        super().__init__(handle)
-        self.path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
-        ):
-            return getattr(torch, name)
-        raise CorruptCheckpointError(
-            f"Checkpoint metadata {self.path!r} refers to {module}.{name}, which is not one of DCP's metadata "
-            "classes; keel refuses to load it (a crafted .metadata file could run code)."
-        )
-
-
-class _SafeMetadata:
-    """DCP's reader, but ``.metadata`` is read through the allow-listed unpickler."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
-        with self.fs.create_stream(path, "rb") as handle:  # type: ignore[attr-defined]
-            metadata = _MetadataUnpickler(handle, os.fspath(path)).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id  # type: ignore[attr-defined]
-        return metadata
-
-
-class _SafeReader(_SafeMetadata, FileSystemReader):
-    """DCP's file reader with the safe ``.metadata``."""
-
-
-def _reader(root: AnyPath) -> FileSystemReader:
-    """The safe DCP reader of the folder (or object storage prefix) that holds a save's data files."""
-    if not isinstance(root, RemotePath):
-        return _SafeReader(os.fspath(root))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    class _SafeFsspecReader(_SafeMetadata, FsspecReader):
-        pass
-
-    return _SafeFsspecReader(str(root), use_listings_cache=False, skip_instance_cache=True)
-
 
 def data_root(folder: AnyPath, manifest: dict[str, Any] | None) -> AnyPath:
     """Where a save's files are: the folder itself, or on object storage the prefix its manifest names."""
     data = (manifest or {}).get("data") or ""
     return folder / data if data else folder
-
-
-def _load_bytes_safely(planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO) -> None:
-    """DCP's non-tensor items with ``weights_only=True`` (DCP's planner uses ``weights_only=False``)."""
-    try:
-        obj = torch.load(value, weights_only=True)
-    except Exception as exc:
-        raise CorruptCheckpointError(
-            f"Checkpoint item {read_item.dest_index.fqn!r} holds pickled objects that are not plain values; "
-            f"keel refuses to load it so that nothing in it can run ({type(exc).__name__})."
-        ) from exc
-    if planner.flatten_state_dict:
-        from torch.distributed.checkpoint._nested_dict import set_element
-
-        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], obj)
-    else:
-        planner.state_dict[read_item.dest_index.fqn] = obj
-
-
-class _SafePlanner(DefaultLoadPlanner):
-    load_bytes = _load_bytes_safely
-
-
-class _SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
-    load_bytes = _load_bytes_safely
 
 
 # ---------------------------------------------------------------------- one save
@@ -280,8 +178,10 @@ def _read_keel(folder: AnyPath) -> dict[str, Any]:
     if not metadata.is_file():
         raise CheckpointError(f"Checkpoint {str(folder)!r} has no {METADATA_FILE}: it was never committed.")
     try:
+        from trainer.checkpoint.dcp_io import MetadataUnpickler
+
         with metadata.open("rb") as handle:
-            _MetadataUnpickler(handle, str(metadata)).load()
+            MetadataUnpickler(handle, str(metadata)).load()
     except CheckpointError:
         raise
     except Exception as exc:
@@ -323,9 +223,13 @@ def load(
             state[K_CALLBACKS].load_state_dict(checkpoint[K_CALLBACKS])  # param groups the read fills (BaseFinetuning)
             state = {k: v for k, v in state.items() if k != K_CALLBACKS}
         targets = {name: state[key].state_dict() for key, name in DCP_KEYS.items() if key in state}
+        from trainer.checkpoint import dcp_io  # on the first load: importing DCP takes 0.6 s (dcp_io's docstring)
+
         try:
             with quiet_dcp():
-                dcp.load(targets, storage_reader=_reader(data_root(folder, manifest)), planner=_SafePlanner())
+                dcp_io.dcp.load(
+                    targets, storage_reader=dcp_io.reader(data_root(folder, manifest)), planner=dcp_io.SafePlanner()
+                )
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             raise _load_error(folder, exc, "could not be loaded into this run's model and optimizers") from exc
         checkpoint.update({key: targets[name] for key, name in DCP_KEYS.items() if name in targets})
@@ -385,11 +289,13 @@ def load_weights(path: str | os.PathLike) -> dict[str, Any]:
     try:
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+        from trainer.checkpoint import dcp_io
+
         with quiet_dcp():
             _load_state_dict(
                 tensors,
-                storage_reader=_reader(data_root(folder, manifest)),
-                planner=_SafeEmptyPlanner(keys={"model"}),
+                storage_reader=dcp_io.reader(data_root(folder, manifest)),
+                planner=dcp_io.SafeEmptyPlanner(keys={"model"}),
                 no_dist=True,
             )
     except BaseException as exc:  # DCP's CheckpointException is a BaseException

@@ -41,7 +41,6 @@ import logging
 import os
 import re
 import shutil
-import threading
 import uuid
 import warnings
 import zlib
@@ -51,11 +50,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 
-from trainer.checkpoint.async_save import AsyncCheckpointer, ReusedStaging, cpu_copy
+from trainer.checkpoint.async_save import AsyncCheckpointer, cpu_copy
 from trainer.checkpoint.files import (
     FORMAT_VERSION,
     K_CLASSES,
@@ -68,7 +64,6 @@ from trainer.checkpoint.files import (
     K_STATE_DICT,
     KEEL_VERSION,
     CheckpointSaveError,
-    HashingWriter,
     fsync_dir,
     os_error,
     refuse_non_finite,
@@ -88,62 +83,6 @@ DCP_KEYS = {K_STATE_DICT: "model", K_OPTIMIZERS: "optimizers"}  # checkpoint key
 _LEFTOVER = re.compile(
     r"^\..+\.(tmp-[0-9a-f]{8}|old-[0-9a-f]{8}|[a-z0-9_]{8}\.tmp)$"
 )  # what a killed save leaves behind
-
-
-class _Hashing:
-    """Keeps the size and CRC32 of every file a DCP file system writes (by any writer thread)."""
-
-    written: dict[str, list[int]]
-    _lock: threading.Lock
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:  # type: ignore[misc]
-                yield stream
-            return
-        with super().create_stream(path, mode) as raw:  # type: ignore[misc]
-            handle = HashingWriter(raw)
-            yield handle
-        with self._lock:
-            self.written[os.path.basename(os.fspath(path))] = [handle.size, handle.crc]
-
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        super().rename(path, new_path)  # type: ignore[misc]
-        old, new = os.path.basename(os.fspath(path)), os.path.basename(os.fspath(new_path))
-        with self._lock:
-            if old in self.written:
-                self.written[new] = self.written.pop(old)
-
-
-class _HashingFileSystem(_Hashing, FileSystem):
-    """DCP's local file system, keeping the size and CRC32 of every file written."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written, self._lock = {}, threading.Lock()
-
-
-def _writer(folder: AnyPath) -> tuple[FileSystemWriter, _Hashing]:
-    """DCP's writer for ``folder`` and its hashing file system: the local one, or fsspec's for object storage
-    (no fsync there: an upload is durable when it completes)."""
-    if not isinstance(folder, RemotePath):
-        writer = FileSystemWriter(folder, sync_files=True)
-        fs: _Hashing = _HashingFileSystem()
-    else:
-        from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        class _HashingFsspec(_Hashing, FsspecFileSystem):
-            def __init__(self) -> None:
-                super().__init__()
-                self.written, self._lock = {}, threading.Lock()
-
-        writer = FsspecWriter(str(folder), sync_files=False, use_listings_cache=False, skip_instance_cache=True)
-        fs = _HashingFsspec()
-        fs.init_path(str(folder), use_listings_cache=False, skip_instance_cache=True)
-    writer.fs = fs  # type: ignore[assignment]
-    return writer, fs
 
 
 _DCP_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
@@ -239,7 +178,9 @@ class _Save:
     ) -> None:
         self.target, self.tmp, self.tensors, self.rest, self.extras = target, tmp, tensors, rest, extras
         self.nbytes = tensor_bytes(tensors)  # this rank's share, for the message of a failed write
-        self.writer, self.fs = _writer(tmp)
+        from trainer.checkpoint import dcp_io  # on the first save: importing DCP takes 0.6 s (dcp_io's docstring)
+
+        self.writer, self.fs = dcp_io.writer(tmp)
 
 
 def _lightning_extras(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -260,9 +201,11 @@ def _stage(job: _Save, checkpointer: AsyncCheckpointer | None) -> Any:
     keel.pt's small state that later steps cannot change."""
     if checkpointer is None:
         return None
-    stager = checkpointer.__dict__.setdefault("dcp_stager", ReusedStaging())
+    from trainer.checkpoint import dcp_io
+
+    stager = checkpointer.__dict__.setdefault("dcp_stager", dcp_io.ReusedStaging())
     with quiet_dcp():
-        future = dcp.async_save(
+        future = dcp_io.dcp.async_save(
             job.tensors, storage_writer=job.writer, process_group=comm.checkpoint_group(), async_stager=stager
         )
     if job.extras is not None:
@@ -283,8 +226,10 @@ def _write(job: _Save, future: Any, checkpointer: AsyncCheckpointer | None) -> N
         if future is None:
             if job.extras is not None:
                 job.extras[K_STATE_DICT] = job.tensors.get("model", {})
+            from trainer.checkpoint import dcp_io
+
             with quiet_dcp():
-                dcp.save(job.tensors, storage_writer=job.writer)
+                dcp_io.dcp.save(job.tensors, storage_writer=job.writer)
         else:
             future.result()
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
