@@ -161,6 +161,12 @@ def _tail(text: str, n: int = TAIL_LINES) -> str:
 # --------------------------------------------------------------------------- helpers
 
 
+# How often a torchrun agent polls its workers (and, elastic, the rendezvous for waiting nodes). A launch ends
+# up to one interval after its workers exit: 0.1 s instead of 0.5 s took 0.24 s off each two-rank launch (a
+# ckpt_fit.py run, 4.5 s against 4.3 s measured), a few hundred launches per suite.
+MONITOR_INTERVAL = "0.1"
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -485,7 +491,7 @@ def torchrun(
         "--max-restarts",
         str(max_restarts),
         "--monitor-interval",
-        "0.5",
+        MONITOR_INTERVAL,
     ]
     if _has_local_addr():
         cmd += ["--local-addr", LOOPBACK]  # MASTER_ADDR of the workers = 127.0.0.1, not the FQDN
@@ -551,7 +557,7 @@ def two_nodes(
             "--max-restarts",
             "0",
             "--monitor-interval",
-            "0.5",
+            MONITOR_INTERVAL,
         ]
         if _has_local_addr():
             cmd += ["--local-addr", LOOPBACK]
@@ -608,7 +614,7 @@ def elastic_agents(
             "--max-restarts",
             str(max_restarts),
             "--monitor-interval",
-            "0.5",
+            MONITOR_INTERVAL,
         ]
         if _has_local_addr():
             cmd += ["--local-addr", LOOPBACK]

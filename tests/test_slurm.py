@@ -5,9 +5,9 @@
 * docs/slurm.md's batch file (``# keel.sbatch``), run as docs/slurm.md says, with ``sbatch`` options for this node:
   signalled mid-epoch with ``scancel --signal=USR1 --full``, keel saves, exits 75, the file requeues the
   job, which resumes in the same run directory from ``last`` and ends with the uninterrupted weights;
-* its processes SIGKILLed with no warning (what a time limit does after KillWait when no save could
-  happen), then ``scontrol requeue``: it resumes from the last periodic checkpoint, same weights;
-* slow (``--run-slow``): the same file without ``--signal``, killed by a real 1-minute time limit.
+* slow (``--run-slow``), variants of the requeue: its processes SIGKILLed with no warning (what a time limit does
+  after KillWait when no save could happen), then ``scontrol requeue``: it resumes from the last periodic
+  checkpoint, same weights; and the same file without ``--signal``, killed by a real 1-minute time limit.
 
 The jobs run the digits recipe for 15 steps (10 per epoch on 2 ranks) with a checkpoint every 3 steps;
 tests/slurm/faults.py makes the first attempt wait at a known step. Skipped, with the reason, where the
@@ -224,6 +224,7 @@ def _kill_job_processes(faults: Path) -> None:
         os.kill(int((faults / f"waiting-rank{rank}").read_text()), signal.SIGKILL)
 
 
+@pytest.mark.slow  # a variant: the requeue is the USR1 test's; resuming after a SIGKILL is tested under torchrun
 def test_hard_killed_job_requeued_resumes_from_the_last_periodic_checkpoint(
     slurm_cluster: slurm.Cluster, srun_run: dict, tmp_path: Path
 ) -> None:

@@ -55,8 +55,8 @@ def fit(root: Path, *args: str, timeout: float = 180):
 
 
 @pytest.mark.multiprocess
-# The wrapped loader with 2 workers is the SIGKILL test's scenario below.
-@pytest.mark.parametrize("loader,workers", [("iterable", 0), ("torchdata", 2)])
+# The wrapped loader (with 2 workers) is the SIGKILL test's scenario below, so here it is a slow variant.
+@pytest.mark.parametrize("loader,workers", [pytest.param("iterable", 0, marks=pytest.mark.slow), ("torchdata", 2)])
 def test_crash_mid_epoch_resumes_the_stream_exactly(tmp_path: Path, loader: str, workers: int) -> None:
     """A plain DataLoader over a stateful IterableDataset (keel wraps it into a StatefulDataLoader), and the user's
     own StatefulDataLoader: crash at step 17 of 24 in epoch 0, resume from `last`, equal to the uninterrupted fit."""

@@ -115,6 +115,8 @@ def test_killed_and_resumed_run_continues_the_same_runs_without_gaps_or_repeats(
             assert [v for _, v in logged[key]] == pytest.approx([v for _, v in reference[key]], rel=1e-6), key
 
 
+# A slow variant: the SIGKILL test above restarts into the same tracked runs; SIGTERM saves are test_checkpoint.py's.
+@pytest.mark.slow
 def test_preempted_and_restarted_run_continues_the_same_runs(tmp_path: Path, uninterrupted: dict) -> None:
     """SIGTERM (a cluster's preemption notice): keel saves at the step boundary and exits 75, closing both
     tracked runs cleanly (nothing lost, no delay needed); the restart resumes from that checkpoint."""
