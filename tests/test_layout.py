@@ -63,11 +63,21 @@ def test_torch_distributed_only_in_the_distributed_and_checkpoint_packages() -> 
 def test_import_trainer_is_cheap() -> None:
     """``import trainer`` and what a script imports from it up front (the loggers, W&B's and MLflow's included,
     and the progress bar) load none of the integrations: each is imported when first used (docs/design.md
-    section 11). The one import check of the suite: a fresh interpreter, through tests/launch.py's
+    section 11). Nor DCP (0.6 s, DTensor with it): trainer/checkpoint/dcp_io.py is imported on the first save or
+    load. The one import check of the suite: a fresh interpreter, through tests/launch.py's
     ``import_check`` (exempt from the multiprocess marker, tests/conftest.py)."""
     from launch import import_check
 
-    integrations = ("tensorboard", "torch.utils.tensorboard", "hydra", "omegaconf", "wandb", "mlflow")
+    integrations = (
+        "tensorboard",
+        "torch.utils.tensorboard",
+        "hydra",
+        "omegaconf",
+        "wandb",
+        "mlflow",
+        "torch.distributed.checkpoint",
+        "trainer.checkpoint.dcp_io",
+    )
     code = (
         "import sys, trainer, trainer.loggers, trainer.observability.progress; "
         "from trainer.loggers import CSVLogger, TensorBoardLogger, WandbLogger, MLFlowLogger; "
