@@ -162,8 +162,8 @@ def _tail(text: str, n: int = TAIL_LINES) -> str:
 
 
 # How often a torchrun agent polls its workers (and, elastic, the rendezvous for waiting nodes). A launch ends
-# up to one interval after its workers exit: 0.1 s instead of 0.5 s took 0.24 s off each two-rank launch (a
-# ckpt_fit.py run, 4.5 s against 4.3 s measured), a few hundred launches per suite.
+# up to one interval after its workers exit: 0.1 s instead of 0.5 s took 0.24 s off a two-rank launch (a
+# ckpt_fit.py run, 4.5 s against 4.3 s measured, two runs each).
 MONITOR_INTERVAL = "0.1"
 
 

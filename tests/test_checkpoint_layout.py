@@ -291,8 +291,8 @@ def test_previous_release_checkpoint_resumes_to_the_release_s_final_weights(
     result = compat[fixture]
     assert result["strategy"] == ("FSDPStrategy" if fixture == "fsdp" else "SingleDeviceStrategy")
     assert result["global_step"] == 12 and result["trained"] == list(range(6, 13))  # resumed, not restarted
-    # The release's final weights were computed on another machine, whose CPU picks other vector kernels
-    # (AVX2 against AVX-512): float32 steps there and here differ in the last bits (up to 3e-8 measured). One
+    # The release's final weights were computed on another machine; on a CPU with other vector kernels (this
+    # one has AVX-512) the same float32 steps differ in the last bits (up to 3e-8 measured here). One
     # optimizer step moves these weights by 2.4e-3, so a resume that lost or repeated anything (a batch, the
     # Adam moments, the scheduler's step) is far outside a tolerance of 1e-6 (a few dozen ulps); bit-identical
     # resumes on one machine are tested above (test_cross_strategy_resume_at_the_exact_sample).
