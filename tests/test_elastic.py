@@ -326,7 +326,9 @@ def test_resume_with_another_global_batch_is_refused(tmp_path: Path) -> None:
     _fit(tmp_path, steps=2, batch=4, global_batch_size=16)
     with pytest.raises(ValueError, match=r"global_batch_size=16; this run asks for global_batch_size=32"):
         _fit(tmp_path, steps=4, batch=4, global_batch_size=32)
-    with pytest.raises(ValueError, match=r"without the option this run would take 4 \(1 rank\(s\) x micro-batch 4"):
+    with pytest.raises(
+        ValueError, match=r"without the option this run would take 4 \(1 data-parallel rank\(s\) x micro-batch 4"
+    ):
         _fit(tmp_path, steps=4, batch=4)
     with pytest.raises(ValueError, match=r"world size 1 x micro-batch size 3"):
         _fit(tmp_path, steps=4, batch=3, global_batch_size=16)

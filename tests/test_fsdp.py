@@ -219,6 +219,7 @@ def test_strategy_objects_carry_their_settings_into_the_run() -> None:
         "reduce_grads": "last_micro_batch",
         "bf16_params": False,
         "activation_checkpointing": None,
+        "tensor_parallel_size": 1,
     }
     assert "cpu_offload=True" in repr(fsdp) and "world_size=1" in repr(fsdp)
     assert Trainer(logger=False, strategy="fsdp_cpu_offload").strategy.cpu_offload is True

@@ -296,6 +296,7 @@ class EvaluationLoop:
                         hook(out, *args)
                     local.append(move_to_device(out, torch.device("cpu"), from_any_device=True))
                 gathered = comm.all_gather_object(local) if comm.get_world_size() > 1 else [local]  # collective
+                gathered = gathered[:: self.strategy.tensor_parallel_size]  # a tensor-parallel group predicts once
                 merged = [item for rank_items in gathered for item in rank_items]
                 results.append(merged if return_here else None)
         task.on_predict_epoch_end()

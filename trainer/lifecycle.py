@@ -105,7 +105,7 @@ def setup_stage(trainer: Trainer, stage: str) -> None:
     task.setup(stage)
     for cb in callbacks:
         cb.setup(trainer, task, stage)
-    task.configure_model()  # build large layers late; the strategy wraps or shards what exists after it
+    trainer.strategy.configure_model(task)  # large layers built late, a TP plan applied; setup shards the rest
     # Each stage's metrics only, as in Lightning (after fit: fit's; after test: test's; after predict: none).
     for metrics in (trainer.callback_metrics, trainer.logged_metrics, trainer.progress_bar_metrics):
         metrics.clear()

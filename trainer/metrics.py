@@ -233,7 +233,13 @@ class MetricCollector:
     only what the validation loop logged, and the training epoch's aggregates stay until its own end.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, replica_ranks: int = 1) -> None:
+        """
+        Args:
+            replica_ranks: Consecutive ranks that compute one replica's values together (tensor parallelism):
+                their values are the same, so ranks reduce over one rank per replica (a sum is not counted twice).
+        """
+        self.replica_ranks = replica_ranks
         self.stage: str = "train"
         # The loop stores the current batch (None between batches); its size (a shape read, no sync) is inferred
         # only when a self.log call needs it, so steps that log nothing never walk the batch.
@@ -442,6 +448,8 @@ class MetricCollector:
         bar: dict[str, float] = {}
         for name, items in gathered.items():
             fx, mode, to_bar, to_logger = flags[name]
+            if self.replica_ranks > 1:  # the first rank of each tensor-parallel group speaks for it
+                items = [i for i in items if i[0] % self.replica_ranks == 0]
             if mode == "rank_zero":
                 items = [i for i in items if i[0] == 0]
                 if not items:

@@ -170,6 +170,13 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
         return self._trainer.world_size if self._trainer is not None else 1
 
     @property
+    def device_mesh(self) -> Any:
+        """The strategy's ``DeviceMesh`` (Lightning's name): under ``FSDPStrategy`` (and Lightning's
+        ``ModelParallelStrategy``) the ``("data_parallel", "tensor_parallel")`` mesh, ready in ``configure_model``
+        for a tensor-parallel plan; None under DDP, one device, or outside a Trainer."""
+        return getattr(self._trainer.strategy, "device_mesh", None) if self._trainer is not None else None
+
+    @property
     def local_rank(self) -> int:
         return self._trainer.local_rank if self._trainer is not None else 0
 

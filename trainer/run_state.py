@@ -74,7 +74,7 @@ class TrainState:
             "epoch_finished": t._epoch_finished,
             "samples_consumed": t._epoch_samples,
             "batches_done": t._epoch_batches_done,
-            "world_size": t.world_size,
+            "world_size": t.strategy.data_parallel_size,  # the replicas that split the data (the world without TP)
             "global_batch": elastic.checkpoint_record(t),
         }
 
@@ -88,18 +88,19 @@ class TrainState:
             t.current_epoch = int(loop["epoch"])
             t._epoch_samples = int(loop["samples_consumed"])
             batch_size = getattr(t._train.loader, "batch_size", None) if t._train is not None else None
-            per_step = (batch_size or 1) * t.world_size
-            done, saved_world = int(loop["batches_done"]), int(loop.get("world_size", t.world_size))
-            if saved_world == t.world_size and t._epoch_samples in (0, done * per_step):
+            replicas = t.strategy.data_parallel_size
+            per_step = (batch_size or 1) * replicas
+            done, saved_world = int(loop["batches_done"]), int(loop.get("world_size", replicas))
+            if saved_world == replicas and t._epoch_samples in (0, done * per_step):
                 t._epoch_batches_done = done
             else:
                 # Another world size or micro-batch size: the global cursor stays exact; batch indices restart from it.
                 t._epoch_batches_done = -(-t._epoch_samples // per_step)
                 log.warning(
-                    "Checkpoint was saved with world size %d, resuming on %d (micro-batch %s): the data cursor "
-                    "resumes at sample %d of epoch %d.",
+                    "Checkpoint was saved with %d data-parallel replica(s), resuming on %d (micro-batch %s): the "
+                    "data cursor resumes at sample %d of epoch %d.",
                     saved_world,
-                    t.world_size,
+                    replicas,
                     batch_size,
                     t._epoch_samples,
                     t.current_epoch,

@@ -119,7 +119,7 @@ class Trainer(TrainerAttributes):
         self._beating = False  # a watchdog or profiler listens to the step's phase beats
         self.num_training_batches: int | None = None
         self.num_val_batches: list[int | None] = []  # per validation loader of the current fit
-        self._metrics = MetricCollector()
+        self._metrics = MetricCollector(replica_ranks=self.strategy.tensor_parallel_size)
         # k as a function of (epoch, global_step). Replace it (e.g. callbacks.GradientAccumulationScheduler
         # does in setup) to change accumulation; a change lands at the next optimizer-step boundary.
         self.accumulation_schedule = AccumulationSchedule(opts.accumulate_grad_batches)
@@ -325,7 +325,7 @@ class Trainer(TrainerAttributes):
             stages.eval_loaders(self, "validate", val_dataloaders),
             lambda v: stages.batch_limit(self, v.loader, "limit_val_batches"),
         )
-        self._check_sharding = self.world_size > 1 and self._train.sampler is None
+        self._check_sharding = self.strategy.data_parallel_size > 1 and self._train.sampler is None
         self._configure_model_and_optimizers()
         self.global_step = self.current_epoch = self._epoch_batches_done = self._epoch_samples = 0
         self.should_stop = self._step_open = False
@@ -405,7 +405,7 @@ class Trainer(TrainerAttributes):
             batches_done=self._epoch_batches_done,
             samples_done=self._epoch_samples,
             limit=lambda loader: stages.batch_limit(self, loader, "limit_train_batches"),
-            world_size=self.world_size,
+            replicas=self.strategy.data_parallel_size,
             device=self.device,
             uneven=cast('Literal["error", "truncate"]', opts.uneven_batches),  # checked in options
         )
@@ -565,9 +565,7 @@ class Trainer(TrainerAttributes):
             for optimizer in optimizers:
                 precision.unscale(optimizer)
         if grad_factor is not None:
-            grads = [p.grad for p in self._params if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, grad_factor)
+            self.strategy.scale_gradients(self._params, grad_factor)
         if hooks.on_before_optimizer_step:
             for optimizer in optimizers:
                 for hook in hooks.on_before_optimizer_step:

@@ -36,7 +36,7 @@ from callbacks.gradient_accumulation import GradientAccumulationScheduler
 from callbacks.lambda_function import LambdaCallback
 from callbacks.lightning import _finder
 from callbacks.lightning._extras import cli_lightning_logo
-from callbacks.lightning._strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+from callbacks.lightning._strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from callbacks.lightning._tree import LACKING, LACKING_MODULES
 from callbacks.lr_monitor import LearningRateMonitor
 from callbacks.model_summary import ModelSummary

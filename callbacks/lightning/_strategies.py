@@ -165,6 +165,56 @@ class FSDPStrategy(_fsdp.FSDPStrategy, metaclass=_LightningName):
         super().connect(env, device, options)
 
 
+class ModelParallelStrategy(_fsdp.FSDPStrategy):
+    """Lightning's ``ModelParallelStrategy(data_parallel_size, tensor_parallel_size)``: keel's FSDP2 strategy on the
+    ``("data_parallel", "tensor_parallel")`` mesh. The task's ``configure_model`` reads ``self.device_mesh``, applies
+    its tensor-parallel plan and (Lightning's way) calls ``fully_shard`` on the data-parallel dimension itself; keel
+    shards nothing twice and shards a root the task left plain. ``"auto"``: the processes of a node form the
+    tensor-parallel groups and the nodes the data-parallel dimension, as in Lightning. A checkpoint is a folder that
+    resumes at any mesh (``save_distributed_checkpoint=True``, the default; ``export_weights`` writes one file)."""
+
+    def __init__(
+        self,
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int | str = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: Any = None,
+    ) -> None:
+        for name, value in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                _refuse("ModelParallelStrategy", name, value, "expected 'auto' or a whole number >= 1")
+        if save_distributed_checkpoint is not True:
+            _refuse(
+                "ModelParallelStrategy",
+                "save_distributed_checkpoint",
+                save_distributed_checkpoint,
+                "keel's checkpoint is always a folder that resumes at any mesh; write one plain file of the "
+                "weights with trainer.checkpoint.export_weights",
+            )
+        _check_lightning_arguments("ModelParallelStrategy", {"timeout": timeout})
+        super().__init__()
+        self.wanted = (data_parallel_size, tensor_parallel_size)
+        self.process_group_backend = process_group_backend
+
+    def connect(self, env: Any, device: Any, options: Any) -> None:
+        _check_backend(type(self).__name__, self.process_group_backend, device)
+        want_dp, want_tp = self.wanted
+        if isinstance(want_tp, int):
+            tp = want_tp
+        else:
+            tp = env.local_world_size if not isinstance(want_dp, int) else max(1, env.world_size // want_dp)
+        dp = want_dp if isinstance(want_dp, int) else max(1, env.world_size // tp)
+        if dp * tp != env.world_size:
+            raise ValueError(
+                f"ModelParallelStrategy(data_parallel_size={self.wanted[0]!r}, tensor_parallel_size={self.wanted[1]!r})"
+                f": {dp} x {tp} = {dp * tp} is not the world size {env.world_size}; pick sizes whose product is "
+                f"{env.world_size}, or leave them 'auto'."
+            )
+        self.tensor_parallel_size = tp
+        super().connect(env, device, options)
+
+
 class SingleDeviceStrategy(metaclass=_LightningName):
     """Lightning's ``SingleDeviceStrategy``: keel's, chosen for a one-process launch (strategy='auto')."""
 

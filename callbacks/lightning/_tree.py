@@ -49,6 +49,7 @@ TARGETS: dict[str, str] = {
     "SingleDeviceStrategy": "callbacks.lightning._strategies:SingleDeviceStrategy",
     "DDPStrategy": "callbacks.lightning._strategies:DDPStrategy",
     "FSDPStrategy": "callbacks.lightning._strategies:FSDPStrategy",
+    "ModelParallelStrategy": "callbacks.lightning._strategies:ModelParallelStrategy",
     "ParallelStrategy": "callbacks.lightning:ParallelStrategy",
     # profilers
     "Profiler": "trainer.observability.profiler:Profiler",
@@ -175,9 +176,17 @@ PROVIDED: dict[str, tuple[str, ...]] = {
     "profilers.profiler": ("Profiler",),
     "profilers.pytorch": ("PyTorchProfiler",),
     "profilers.simple": ("SimpleProfiler",),
-    "strategies": ("Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "ParallelStrategy"),
+    "strategies": (
+        "Strategy",
+        "SingleDeviceStrategy",
+        "DDPStrategy",
+        "FSDPStrategy",
+        "ModelParallelStrategy",
+        "ParallelStrategy",
+    ),
     "strategies.ddp": ("DDPStrategy",),
     "strategies.fsdp": ("FSDPStrategy",),
+    "strategies.model_parallel": ("ModelParallelStrategy",),
     "strategies.parallel": ("ParallelStrategy",),
     "strategies.single_device": ("SingleDeviceStrategy",),
     "strategies.strategy": ("Strategy",),
@@ -197,7 +206,10 @@ _TUNER = "run learning-rate or batch-size sweeps as separate runs (Hydra `--mult
 _SWA = "average the weights with `torch.optim.swa_utils` (`AveragedModel`, `get_ema_multi_avg_fn`) in your task."
 _PREDICT = "use the list `Trainer.predict` returns (in dataset order), or write in `on_predict_batch_end`."
 _XLA = "keel runs on CPU and CUDA only."
-_PARALLEL = "keel runs DDP and FSDP2: `Trainer(strategy='ddp')` or `strategy='fsdp'` (docs/fsdp.md)."
+_PARALLEL = (
+    "keel runs DDP, FSDP2 and FSDP2 x tensor parallelism: `Trainer(strategy='ddp')`, `strategy='fsdp'` or "
+    "`ModelParallelStrategy` (docs/fsdp.md)."
+)
 _LOGGERS = (
     "keel's loggers are `TensorBoardLogger`, `CSVLogger`, `WandbLogger` and `MLFlowLogger`; for another tracker, "
     "subclass `trainer.loggers.Logger` (`log_metrics`, `log_hyperparams`)."
@@ -273,7 +285,6 @@ LACKING: dict[str, str] = {
     "ScheduleWrapper": "pass `torch.profiler.schedule(...)` as `PyTorchProfiler(schedule=...)`.",
     # strategies
     "DeepSpeedStrategy": _PARALLEL,
-    "ModelParallelStrategy": _PARALLEL,
     "XLAStrategy": _XLA,
     "SingleDeviceXLAStrategy": _XLA,
     # utilities
@@ -349,7 +360,6 @@ LACKING_MODULES: dict[str, str] = {
     "profilers.advanced": LACKING["AdvancedProfiler"],
     "profilers.xla": _XLA,
     "strategies.deepspeed": _PARALLEL,
-    "strategies.model_parallel": _PARALLEL,
     "strategies.single_xla": _XLA,
     "strategies.xla": _XLA,
     "trainer.states": "keel's `Trainer` has `state_stage` (`'fit'`, `'validate'`, `'test'`, `'predict'` or None) "

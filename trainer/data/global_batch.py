@@ -115,13 +115,13 @@ def configure(trainer: Trainer, loader: Iterable[Any]) -> None:
         return
     micro = micro_batch_size(loader)
     trainer.accumulation_schedule = accumulation_for(
-        trainer.options.global_batch_size, world_size=trainer.world_size, micro_batch=micro
+        trainer.options.global_batch_size, world_size=trainer.strategy.data_parallel_size, micro_batch=micro
     )
     log.info(
-        "%s=%r on %d rank(s) x micro-batch %d: accumulation %s.",
+        "%s=%r on %d data-parallel rank(s) x micro-batch %d: accumulation %s.",
         OPTION,
         trainer.options.global_batch_size,
-        trainer.world_size,
+        trainer.strategy.data_parallel_size,
         micro,
         trainer.accumulation_schedule,
     )
@@ -151,9 +151,9 @@ def checkpoint_record(trainer: Trainer) -> dict[str, Any]:
     k = trainer.accumulation_schedule.k(epoch=epoch, global_step=trainer.global_step)
     return {
         R_SPEC: _spec(trainer.options.global_batch_size),
-        R_SAMPLES: None if micro is None else trainer.world_size * micro * k,
+        R_SAMPLES: None if micro is None else trainer.strategy.data_parallel_size * micro * k,
         R_MICRO: micro,
-        R_WORLD: trainer.world_size,
+        R_WORLD: trainer.strategy.data_parallel_size,
     }
 
 
@@ -171,8 +171,8 @@ def check_resume(trainer: Trainer, record: dict[str, Any] | None, *, path: str) 
     else:
         saved_spec, saved_samples = record.get(R_SPEC), record.get(R_SAMPLES)
     spec = _spec(trainer.options.global_batch_size)
-    micro = _micro_of(trainer)
-    now = None if micro is None else trainer.world_size * micro * trainer.accumulate_grad_batches
+    micro, replicas = _micro_of(trainer), trainer.strategy.data_parallel_size
+    now = None if micro is None else replicas * micro * trainer.accumulate_grad_batches
     where = f"Checkpoint {path!r} (step {trainer.global_step})"
     changed = now is not None and saved_samples is not None and now != saved_samples
     if saved_spec is not None and spec is not None and saved_spec != spec:
@@ -185,7 +185,7 @@ def check_resume(trainer: Trainer, record: dict[str, Any] | None, *, path: str) 
     if saved_spec is not None and spec is None and changed:
         raise ValueError(
             f"{where} was written by a run with {OPTION}={_show(saved_spec)} ({saved_samples} samples per step "
-            f"at this step); without the option this run would take {now} ({trainer.world_size} rank(s) x "
+            f"at this step); without the option this run would take {now} ({replicas} data-parallel rank(s) x "
             f"micro-batch {micro} x accumulate {trainer.accumulate_grad_batches}). Pass "
             f"{OPTION}={_show(saved_spec)} to continue the run with the same global batch."
         )

@@ -602,7 +602,7 @@ def plan_epoch(
     batches_done: int,
     samples_done: int,
     limit: Callable[[Iterable[Any]], int | None],
-    world_size: int,
+    replicas: int,
     device: torch.device,
     uneven: Literal["error", "truncate"],
 ) -> EpochPlan:
@@ -622,7 +622,7 @@ def plan_epoch(
         stream.set_epoch(epoch)
     num_batches = limit(train.loader)  # the whole epoch, before a resume cursor shortens the sampler
     agree = None
-    if world_size > 1 and sampler is None:
+    if comm.get_world_size() > 1 and sampler is None:
         # A loader keel does not shard may hold different amounts of data per rank: agree first.
         if num_batches is not None:
             num_batches = agree_on_batches(num_batches, device, uneven=uneven)
@@ -646,6 +646,6 @@ def plan_epoch(
     batch_size = cast("DataLoader[Any]", train.loader).batch_size if sampler is not None else None
     if stream is not None:
         batch_size = stream.batch_size
-    samples_per_batch = (batch_size or 0) * world_size
+    samples_per_batch = (batch_size or 0) * replicas  # data-parallel replicas: tensor-parallel ranks share a batch
     batches = stream.batches(start) if stream is not None else train.loader
     return EpochPlan(start, samples_done, num_batches, agree, samples_per_batch, batches)

@@ -31,9 +31,7 @@ def train_loader(trainer: Trainer, given: Any) -> AdaptedLoader:
             "Trainer.fit needs exactly one training dataloader (train_dataloaders=..., a datamodule, or "
             f"task.train_dataloader()); got {len(loaders)}."
         )
-    return adapt_train_loader(
-        loaders[0], num_replicas=trainer.world_size, rank=trainer.global_rank, seed=trainer.options.seed or 0
-    )
+    return adapt_train_loader(loaders[0], **trainer.strategy.distributed_sampler_kwargs, seed=trainer.options.seed or 0)
 
 
 def eval_loaders(trainer: Trainer, stage: str, given: Any, *, required: bool = False) -> list[AdaptedLoader]:
@@ -43,9 +41,7 @@ def eval_loaders(trainer: Trainer, stage: str, given: Any, *, required: bool = F
         ValueError: ``required`` (a stage run on its own) and no loader was found.
     """
     loaders = [
-        adapt_eval_loader(
-            loader, num_replicas=trainer.world_size, rank=trainer.global_rank, seed=trainer.options.seed or 0
-        )
+        adapt_eval_loader(loader, **trainer.strategy.distributed_sampler_kwargs, seed=trainer.options.seed or 0)
         for loader in _resolve(trainer, stage, given)
     ]
     if required and not loaders:

@@ -57,7 +57,9 @@ class FSDPStrategy(Strategy):
         "reduce_grads",
         "bf16_params",
         "activation_checkpointing",
+        "tensor_parallel_size",
     )
+    MESH_DIMS = ("data_parallel", "tensor_parallel")  # Lightning's ModelParallelStrategy names them so too
     REDUCE_GRADS = ("every_micro_batch", "last_micro_batch")
 
     def __init__(
@@ -69,6 +71,7 @@ class FSDPStrategy(Strategy):
         reduce_grads: str = "every_micro_batch",
         bf16_params: bool = False,
         activation_checkpointing: _ModuleClasses | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """
         Args:
@@ -84,6 +87,11 @@ class FSDPStrategy(Strategy):
                 the traffic and unsharded memory, but bf16 numerics).
             activation_checkpointing: Module classes whose forward is recomputed in backward (for example the
                 blocks: ``["Block"]``), as for every strategy (:meth:`Strategy.__init__`). None: off.
+            tensor_parallel_size: Ranks that split each layer between them (tensor parallelism). With T > 1 the
+                ranks form a ``(world_size // T, T)`` mesh named ``("data_parallel", "tensor_parallel")``, which the
+                task reads as ``self.device_mesh`` in ``configure_model`` to apply its plan
+                (``parallelize_module(self, self.device_mesh["tensor_parallel"], plan)``); the parameters are
+                then sharded over the data-parallel dimension, and the data is split by data-parallel rank.
 
         Raises:
             ValueError: a setting of the wrong type or value, naming it and what is expected.
@@ -101,6 +109,13 @@ class FSDPStrategy(Strategy):
         self.cpu_offload = _check_bool(owner, "cpu_offload", cpu_offload)
         self.reduce_grads = reduce_grads
         self.bf16_params = _check_bool(owner, "bf16_params", bf16_params)
+        if (
+            isinstance(tensor_parallel_size, bool)
+            or not isinstance(tensor_parallel_size, int)
+            or tensor_parallel_size < 1
+        ):
+            raise ValueError(f"{owner}(tensor_parallel_size={tensor_parallel_size!r}): expected a whole number >= 1.")
+        self.tensor_parallel_size = tensor_parallel_size
         self.task: nn.Module | None = None
         self._sync: bool | None = None  # the requires_gradient_sync flag last set on the units
         self.device_mesh: Any = None  # the DeviceMesh the parameters are sharded over (setup_mesh)
@@ -117,7 +132,40 @@ class FSDPStrategy(Strategy):
                 f"{type(self).__name__}(bf16_params=True) needs Trainer(precision='bf16-mixed') "
                 f"(precision={options.precision!r}): pass bf16_params=False or precision='bf16-mixed'."
             )
+        tp = self.tensor_parallel_size
+        if env.world_size % tp:
+            raise ValueError(
+                f"{type(self).__name__}(tensor_parallel_size={tp}) does not divide the world size {env.world_size}: "
+                f"launch a multiple of {tp} processes, or pick a tensor-parallel size that divides {env.world_size} "
+                "(usually the GPUs of one node)."
+            )
         super().connect(env, device, options)
+
+    def configure_model(self, task: TaskModule) -> None:
+        """Make the mesh (``task.device_mesh``), then run ``task.configure_model()`` so that every rank builds
+        rank 0's weights: an unsharded task first gets rank 0's weights and buffers (one broadcast per tensor), and
+        ``configure_model`` runs with rank 0's random state (restored after it on the other ranks). So the
+        initial weights do not depend on the world size, whether ``configure_model`` builds layers, applies a
+        tensor-parallel plan (which splits full tensors) or calls ``fully_shard`` itself. The task moves to its
+        device first, so a plan splits tensors already there (and NCCL broadcasts device tensors). Collective."""
+        self.setup_mesh()
+        task.to(self.root_device)
+        if self.world_size == 1:
+            task.configure_model()
+            return
+        if not any(_is_dtensor(p) for p in task.parameters()):  # not sharded by an earlier stage
+            for tensor in task.state_dict().values():
+                comm.broadcast(tensor, 0)
+        devices = [self.root_device] if self.root_device.type == "cuda" else []
+        states = comm.broadcast_object(_rng_states(devices), 0)
+        if self.global_rank == 0:
+            task.configure_model()
+            return
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(states[0])
+            if devices:
+                torch.cuda.set_rng_state(states[1], devices[0])
+            task.configure_model()
 
     def setup(self, task: TaskModule, *, manual: bool) -> nn.Module:
         from torch.distributed.fsdp import (
@@ -136,11 +184,9 @@ class FSDPStrategy(Strategy):
                 raise TypeError("sync_batchnorm: the task itself must not be a BatchNorm layer.")
         if not any(p.requires_grad for p in task.parameters()):
             raise ValueError(f"{type(task).__name__} has no trainable parameters; FSDP has nothing to shard.")
-        # Rank 0's weights and buffers everywhere (one broadcast per tensor, before sharding): initial
-        # weights do not depend on the world size (DTensor random init on a CPU mesh does).
-        for tensor in task.state_dict().values():
-            comm.broadcast(tensor, 0)
-        mesh = self.setup_mesh()
+        # Every rank holds rank 0's weights here (configure_model saw to it).
+        mesh = self.setup_mesh()["data_parallel"]
+        self._check_tensor_parallel(task)
         # bf16-mixed: fp32 sharded master weights and fp32 gradient reduction; compute in bf16 through the
         # precision plugin's autocast (the numerics of DDP's bf16-mixed, and Lightning's FSDP mapping).
         # bf16_params also gathers and computes with bf16 parameters: half the all-gather traffic and
@@ -157,9 +203,15 @@ class FSDPStrategy(Strategy):
             mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp, offload_policy=offload
         )
         self.checkpoint_activations(task)  # inside the units: FSDP's hooks gather around the recomputed forward
-        for unit in self.units(task):
-            fully_shard(unit, **kwargs)
-        fully_shard(task, **kwargs)  # the root: every parameter left outside the units
+        from torch.distributed.fsdp import FSDPModule
+
+        # A task whose configure_model called fully_shard itself (Lightning's ModelParallelStrategy) chose its units:
+        # nothing is sharded twice, and only a root it left plain is sharded here.
+        if not any(isinstance(m, FSDPModule) for m in task.modules()):
+            for unit in self.units(task):
+                fully_shard(unit, **kwargs)
+        if not isinstance(task, FSDPModule):
+            fully_shard(task, **kwargs)  # the root: every parameter left outside the units
         adapter = StepAdapter(task)  # before registration: it reads training_step's own signature
         for method in self.STEP_METHODS:
             if callable(getattr(task, method, None)):
@@ -169,13 +221,27 @@ class FSDPStrategy(Strategy):
         return adapter
 
     def setup_mesh(self) -> Any:
-        """The one-dimensional ``DeviceMesh`` over every rank that :meth:`setup` shards over, made on the first
-        call (a collective: the process group must exist)."""
+        """The ``(data_parallel, tensor_parallel)`` ``DeviceMesh`` over every rank (the tensor-parallel size is 1
+        without tensor parallelism), made on the first call (a collective: the process group must exist) and kept
+        for the strategy's life. A tensor-parallel group is ``tensor_parallel_size`` consecutive ranks."""
         if self.device_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self.device_mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+            shape = (self.data_parallel_size, self.tensor_parallel_size)
+            self.device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=self.MESH_DIMS)
         return self.device_mesh
+
+    def _check_tensor_parallel(self, task: nn.Module) -> None:
+        if self.tensor_parallel_size == 1:
+            return
+        split = [p for p in task.parameters() if "tensor_parallel" in _mesh_dims(p)]
+        if not split:
+            raise ValueError(
+                f"{type(self).__name__}(tensor_parallel_size={self.tensor_parallel_size}): {type(task).__name__}."
+                "configure_model applied no tensor-parallel plan, so every tensor-parallel rank would compute the "
+                "same thing. Apply one there (parallelize_module(self, self.device_mesh['tensor_parallel'], plan)), "
+                "or pass tensor_parallel_size=1."
+            )
 
     def units(self, task: nn.Module) -> list[nn.Module]:
         """The modules that become FSDP units (besides the root), outermost first, none inside another.
@@ -209,8 +275,7 @@ class FSDPStrategy(Strategy):
 
     def teardown(self) -> None:
         super().teardown()
-        self._sync = None
-        self.device_mesh = None
+        self._sync = None  # the mesh stays: tensor-parallel parameters hold it, and the next stage uses it
 
     def gradient_sync(self, sync: bool) -> AbstractContextManager[Any]:
         # 'last_micro_batch': reduce-scatter once per window (full-size unsharded gradients are held
@@ -224,11 +289,55 @@ class FSDPStrategy(Strategy):
         return _NO_CONTEXT
 
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> None:
-        # Every gradient is a DTensor (all parameters are in a unit): the norm is the global one.
-        nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        # Every gradient is a DTensor (all parameters are in a unit): its norm is over the whole tensor. With
+        # tensor parallelism, split layers live on the 2-D mesh and the others on its data-parallel dimension;
+        # torch cannot stack norms of two meshes, so the norm is taken per mesh and combined (one 2-norm).
+        by_mesh = _by_mesh(params)
+        if len(by_mesh) <= 1:
+            nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+            return
+        norms = [nn.utils.get_total_norm([p.grad for p in group], foreach=True) for group in by_mesh]
+        total = torch.linalg.vector_norm(torch.stack([_full(n) for n in norms]))
+        for group in by_mesh:
+            nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+
+    def scale_gradients(self, params: list[torch.Tensor], factor: torch.Tensor | float) -> None:
+        for group in _by_mesh(params):  # one foreach kernel per mesh (torch's foreach ops take one mesh)
+            torch._foreach_mul_([p.grad for p in group], factor)
+
+    def clip_grad_value(self, params: list[torch.Tensor], clip_value: float) -> None:
+        for group in _by_mesh(params):
+            nn.utils.clip_grad_value_(group, clip_value, foreach=True)
 
     def eval_context(self, task: nn.Module) -> AbstractContextManager[Any]:
         return _Unsharded(task, reshard_after_forward=self.reshard_after_forward)
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    return hasattr(tensor, "device_mesh") and hasattr(tensor, "to_local")
+
+
+def _mesh_dims(tensor: Any) -> tuple[str, ...]:
+    mesh = getattr(tensor, "device_mesh", None)
+    return tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+
+
+def _full(tensor: Any) -> torch.Tensor:
+    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
+
+
+def _by_mesh(params: list[Any]) -> list[list[Any]]:
+    """The ``params`` that have a gradient, grouped by the device mesh it lives on (plain tensors together), in
+    first-seen order."""
+    groups: dict[Any, list[Any]] = {}
+    for param in params:
+        if param.grad is not None:
+            groups.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    return list(groups.values())
+
+
+def _rng_states(devices: list[torch.device]) -> list[torch.Tensor]:
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
 
 
 class _Unsharded:

@@ -151,6 +151,25 @@ class Strategy:
     def local_rank(self) -> int:
         return self.env.local_rank
 
+    # Ranks that hold one replica of the model between them (tensor parallelism: they compute the same samples).
+    tensor_parallel_size: int = 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many replicas of the model train on different data: the world size over the tensor-parallel
+        size. The samplers shard by it, and the global batch is micro-batch x accumulation x this."""
+        return self.env.world_size // self.tensor_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's replica (ranks of one tensor-parallel group share it and read the same batches)."""
+        return self.env.rank // self.tensor_parallel_size
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Lightning's name: how a distributed sampler splits the data (by replica, not by rank)."""
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
     @property
     def is_global_zero(self) -> bool:
         return self.env.rank == 0
@@ -205,6 +224,11 @@ class Strategy:
         return torch.stack(comm.all_gather_tensor(tensor))
 
     # ------------------------------------------------------------------ lifecycle
+    def configure_model(self, task: TaskModule) -> None:
+        """Call ``task.configure_model()`` (every stage, before the task is moved to its device and before
+        :meth:`setup`): a strategy that gives the task a device mesh makes it first."""
+        task.configure_model()
+
     def setup(self, task: TaskModule, *, manual: bool) -> nn.Module:
         """Prepare ``task`` for training; return the module the loop calls as ``model(batch, batch_idx)``
         (it runs ``task.training_step``). ``manual``: the task steps its own optimizers
@@ -241,6 +265,13 @@ class Strategy:
         micro-batch of an accumulation window) keeps gradients local so that the wrapper reduces them
         once per optimizer step."""
         return _NO_CONTEXT
+
+    def scale_gradients(self, params: list[torch.Tensor], factor: torch.Tensor | float) -> None:
+        """Multiply the gradients of ``params`` by ``factor`` in place (the token-normalised step's scale: a
+        scalar tensor on the device, so no host sync)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
 
     def clip_gradients(self, params: list[torch.Tensor], clip_val: float | None, algorithm: str) -> None:
         """``gradient_clip_val`` / ``gradient_clip_algorithm``: by norm or by value; None does nothing."""

@@ -139,7 +139,7 @@ class ProgressBar(Callback):
     ) -> None:
         if not trainer.is_global_zero:
             return
-        samples = (infer_batch_size(batch) or 0) * trainer.world_size  # shapes only: no sync
+        samples = (infer_batch_size(batch) or 0) * trainer.strategy.data_parallel_size  # shapes only: no sync
         self._epoch_batches += 1
         self._epoch_samples += samples
         self._window_samples += samples
