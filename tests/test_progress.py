@@ -43,6 +43,7 @@ def make_trainer(**overrides: Any) -> SimpleNamespace:
         sanity_checking=False,
     )
     values.update(overrides)
+    values.setdefault("strategy", SimpleNamespace(data_parallel_size=values["world_size"]))  # no tensor parallelism
     return SimpleNamespace(**values)
 
 

@@ -131,3 +131,8 @@ def test_tensor_parallel_settings_are_checked_before_any_process_group() -> None
         _connect(ModelParallelStrategy(data_parallel_size=3, tensor_parallel_size=2), 8)
     with pytest.raises(TypeError, match="save_distributed_checkpoint"):
         ModelParallelStrategy(save_distributed_checkpoint=False)
+
+    from trainer.memory import estimate_memory
+
+    with pytest.raises(NotImplementedError, match=r"does not estimate tensor parallelism yet.*An upper bound"):
+        estimate_memory(lambda: None, None, strategy=FSDPStrategy(tensor_parallel_size=2), world_size=4)

@@ -100,6 +100,12 @@ def estimate_memory(
         RuntimeError: a process group exists already in this process.
     """
     chosen = build_strategy(strategy)
+    if getattr(chosen, "tensor_parallel_size", 1) > 1:
+        raise NotImplementedError(
+            "estimate_memory does not estimate tensor parallelism yet (torch's FSDP cannot combine a 2-D mesh with "
+            "fake tensors). An upper bound: FSDPStrategy() at world_size // tensor_parallel_size ranks (as if no "
+            "layer were split)."
+        )
     if isinstance(chosen, DDPStrategy) and world_size == 1:
         chosen = SingleDeviceStrategy(activation_checkpointing=chosen.activation_checkpointing)
     host = Trainer(  # what the task's hooks may read (self.trainer.max_steps, self.log): never fitted
@@ -116,11 +122,17 @@ def estimate_memory(
     applied.connect(env, where, host.options)
 
     build = partial(_build, task, batch, applied, host, plugin, where)
+    prepare = None
+    if isinstance(chosen, FSDPStrategy):
+        chosen.mesh_2d = False  # torch's FSDP cannot shard over a slice of a 2-D mesh under fake tensors
+        prepare = chosen.setup_mesh
     try:
-        prepare = chosen.setup_mesh if isinstance(chosen, FSDPStrategy) else None
         held = fake_memory.measure_step(build, world_size=world_size, sharded=sharded, prepare=prepare, device=where)
     finally:
         applied.teardown()
+        if isinstance(chosen, FSDPStrategy):  # the strategy object may go to a Trainer next: no fake mesh in it
+            chosen.device_mesh = None
+            del chosen.mesh_2d
     return _estimate(chosen, world_size, held)
 
 
@@ -139,6 +151,7 @@ def _build(
     module._trainer = host
     if plugin is not None:
         plugin.convert_module(module)
+    module.configure_model()  # the layers it builds (self.device_mesh is None here: no plan)
     run = strategy.setup(module, manual=False)
     optimizers, _ = parse_optimizers(module.configure_optimizers())
     fake = tree_map(lambda t: mode.from_tensor(t).to(where) if isinstance(t, torch.Tensor) else t, batch)

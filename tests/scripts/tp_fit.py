@@ -35,24 +35,25 @@ WIDTH = 8
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(WIDTH, dtype=torch.float64)
-        self.up = nn.Linear(WIDTH, 4 * WIDTH, dtype=torch.float64)
-        self.down = nn.Linear(4 * WIDTH, WIDTH, dtype=torch.float64)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.tanh(self.up(self.norm(x))))
 
 
 class MLPNet(TaskModule):
-    """Input projection and head outside the plan (sharded over the data-parallel dimension only), blocks split."""
+    """Input projection and head outside the plan (sharded over the data-parallel dimension only), blocks split.
+    Built in float32: precision="64" converts it after configure_model has split it."""
 
     def __init__(self, *, items: bool = False, shards_itself: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.items, self.shards_itself = items, shards_itself
-        self.inp = nn.Linear(6, WIDTH, dtype=torch.float64)
+        self.inp = nn.Linear(6, WIDTH)
         self.blocks = nn.ModuleList([Block() for _ in range(2)])
-        self.head = nn.Linear(WIDTH, 1, dtype=torch.float64)
+        self.head = nn.Linear(WIDTH, 1)
         self.seen: list[int] = []
 
     def configure_model(self) -> None:

@@ -60,6 +60,9 @@ class FSDPStrategy(Strategy):
         "tensor_parallel_size",
     )
     MESH_DIMS = ("data_parallel", "tensor_parallel")  # Lightning's ModelParallelStrategy names them so too
+    # False: a 1-D data_parallel mesh when tensor_parallel_size is 1 (the memory plan: torch's FSDP cannot shard
+    # over a slice of a 2-D mesh under fake tensors). True: self.device_mesh["tensor_parallel"] exists at size 1.
+    mesh_2d = True
     REDUCE_GRADS = ("every_micro_batch", "last_micro_batch")
 
     def __init__(
@@ -185,7 +188,7 @@ class FSDPStrategy(Strategy):
         if not any(p.requires_grad for p in task.parameters()):
             raise ValueError(f"{type(task).__name__} has no trainable parameters; FSDP has nothing to shard.")
         # Every rank holds rank 0's weights here (configure_model saw to it).
-        mesh = self.setup_mesh()["data_parallel"]
+        mesh = self.shard_mesh()
         self._check_tensor_parallel(task)
         # bf16-mixed: fp32 sharded master weights and fp32 gradient reduction; compute in bf16 through the
         # precision plugin's autocast (the numerics of DDP's bf16-mixed, and Lightning's FSDP mapping).
@@ -222,14 +225,21 @@ class FSDPStrategy(Strategy):
 
     def setup_mesh(self) -> Any:
         """The ``(data_parallel, tensor_parallel)`` ``DeviceMesh`` over every rank (the tensor-parallel size is 1
-        without tensor parallelism), made on the first call (a collective: the process group must exist) and kept
-        for the strategy's life. A tensor-parallel group is ``tensor_parallel_size`` consecutive ranks."""
+        without tensor parallelism; a tensor-parallel group is ``tensor_parallel_size`` consecutive ranks), made on
+        the first call (a collective: the process group must exist) and kept for the strategy's life."""
         if self.device_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            shape = (self.data_parallel_size, self.tensor_parallel_size)
-            self.device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=self.MESH_DIMS)
+            two_d = self.tensor_parallel_size > 1 or self.mesh_2d
+            shape = (self.data_parallel_size, self.tensor_parallel_size) if two_d else (self.world_size,)
+            names = self.MESH_DIMS if two_d else self.MESH_DIMS[:1]
+            self.device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
         return self.device_mesh
+
+    def shard_mesh(self) -> Any:
+        """The mesh the parameters are sharded over: the data-parallel dimension."""
+        mesh = self.setup_mesh()
+        return mesh if mesh.ndim == 1 else mesh["data_parallel"]
 
     def _check_tensor_parallel(self, task: nn.Module) -> None:
         if self.tensor_parallel_size == 1:
