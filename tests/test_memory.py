@@ -101,3 +101,31 @@ def test_estimating_inside_a_process_group_is_refused(monkeypatch: pytest.Monkey
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match=r"python -m trainer.memory"):
         estimate_memory(lambda: CharGPT(sample_chars=0), tokens(2, 16))
+
+
+def test_layers_built_in_configure_model_are_counted() -> None:
+    """configure_model runs in the estimate as in fit (with no device mesh): a task that builds its layers there
+    has the same parameters as one that builds them in __init__."""
+    from trainer import TaskModule
+
+    class Net(TaskModule):
+        def __init__(self, late: bool) -> None:
+            super().__init__()
+            self.late = late
+            self.body = torch.nn.Sequential() if late else torch.nn.Sequential(torch.nn.Linear(64, 64))
+
+        def configure_model(self) -> None:
+            assert self.device_mesh is None
+            if self.late and not len(self.body):
+                self.body.append(torch.nn.Linear(64, 64))
+
+        def training_step(self, batch, batch_idx):
+            return self.body(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    batch = (torch.randn(4, 64),)
+    early = estimate_memory(lambda: Net(False), batch)
+    late = estimate_memory(lambda: Net(True), batch)
+    assert late.params == early.params == (64 * 64 + 64) * 4
