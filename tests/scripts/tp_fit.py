@@ -21,9 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
 
 import torch
+from fsdp_fit import data, full_weights  # the same data and weight gathering as the FSDP script (tests/scripts/)
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from callbacks.lightning.pytorch.strategies import ModelParallelStrategy
 from trainer import FSDPStrategy, TaskModule, Trainer
@@ -98,20 +99,6 @@ class MLPNet(TaskModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.01)
-
-
-def data(n: int, seed: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 6, generator=g, dtype=torch.float64)
-    y = x @ torch.linspace(-1, 1, 6, dtype=torch.float64) + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
-    return TensorDataset(torch.arange(n), x, y)
-
-
-def full_weights(task: TaskModule) -> dict[str, torch.Tensor]:
-    return {
-        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
-        for k, v in task.state_dict().items()
-    }
 
 
 def main() -> None:
