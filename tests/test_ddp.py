@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from launch import REPO_ROOT, python, torchrun, two_nodes
 
+from trainer.memory import estimate_memory
+
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "ddp_fit.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from ddp_fit import Recording  # noqa: E402  (the task the script trains)
+
 pytestmark = pytest.mark.multiprocess
 
 
@@ -27,7 +33,7 @@ def assert_weights_close(a: dict, b: dict, tol: float) -> None:
 def test_two_ranks_equal_one_process_with_global_batch(tmp_path: Path, shuffle: bool) -> None:
     flag = ["--shuffle"] if shuffle else []
     python(SCRIPT, str(tmp_path / "single"), "--batch", "16", *flag, timeout=120).check()
-    torchrun(SCRIPT, str(tmp_path / "ddp"), "--batch", "8", *flag, nproc=2, timeout=180).check()
+    torchrun(SCRIPT, str(tmp_path / "ddp"), "--batch", "8", "--memory-plan", *flag, nproc=2, timeout=180).check()
     single = load(tmp_path / "single", 0)
     rank0, rank1 = load(tmp_path / "ddp", 0), load(tmp_path / "ddp", 1)
     assert rank0["world_size"] == 2 and single["global_step"] == rank0["global_step"] == 8
@@ -57,6 +63,12 @@ def test_two_ranks_equal_one_process_with_global_batch(tmp_path: Path, shuffle: 
         assert math.isclose(rank0["test"][0][key], value, rel_tol=1e-12), key
     # Predictions come back in dataset order on every rank.
     assert rank0["predictions"] == rank1["predictions"] == single["predictions"] == list(range(37))
+    # Trainer(memory_plan=True) logged, at the first batch, the estimate of this run (DDP at 2 ranks), made inside
+    # the run's process group; training equals the single process all the same (above).
+    batch = (torch.arange(8), torch.zeros(8, 8, dtype=torch.float64), torch.zeros(8, 1, dtype=torch.float64))
+    planned = estimate_memory(Recording, batch, strategy="ddp", world_size=2, precision="64")
+    assert rank0["plan"] == rank1["plan"] == f"Memory plan: {planned.summary()}" and "DDP x2" in rank0["plan"]
+    assert single["plan"] is None
 
 
 def test_shuffled_run_repeats_exactly(tmp_path: Path) -> None:

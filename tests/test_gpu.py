@@ -164,7 +164,7 @@ def test_pinned_batches_are_copied_on_keels_stream_and_arrive_intact() -> None:
 @pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
 def test_the_memory_estimate_matches_the_cuda_peak_of_a_real_step(precision: str) -> None:
     """trainer.memory on fake CUDA tensors against torch.cuda.max_memory_allocated of two real steps of the char
-    GPT (the caching allocator's peak of live tensors), within 15%."""
+    GPT (the caching allocator's peak of live tensors), within 15%; and the plan the Trainer logs at fit start."""
     from torch.utils.data import TensorDataset
 
     from recipes.charlm import CharGPT
@@ -184,3 +184,8 @@ def test_the_memory_estimate_matches_the_cuda_peak_of_a_real_step(precision: str
     trainer.fit(build(), DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=32))
     real = torch.cuda.max_memory_allocated() - start
     assert abs(estimate.device - real) / real < 0.15, (estimate.summary(), real)
+    # On CUDA the Trainer logs the same plan at the first batch by default (fake tensors: not in the peak above).
+    from trainer.estimate import MemoryPlan
+
+    (plan,) = [cb for cb in trainer.callbacks if isinstance(cb, MemoryPlan)]
+    assert plan.summary is not None and plan.summary.startswith(f"Memory plan: {estimate.summary()}; fits ")

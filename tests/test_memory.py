@@ -7,6 +7,7 @@ setting that fits."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,9 +18,12 @@ from launch import REPO_ROOT
 
 from recipes.charlm import CharGPT
 from trainer import FSDPStrategy
+from trainer.estimate import MemoryPlan
 from trainer.memory import MemoryEstimate, estimate_memory, format_plan, main, plan_memory
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "measure_memory.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from tp_fit import MLPNet  # noqa: E402  (a task with a tensor-parallel plan)
 
 
 def tokens(batch: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,12 +99,18 @@ def test_the_command_plans_a_task_on_its_data_and_names_the_cheapest_setting_tha
     assert "Cheapest that fits 16.0 MiB: DDP x2: 10.0 MiB a rank" in format_plan([one], one, 16 << 20)
 
 
-def test_estimating_inside_a_process_group_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_estimating_another_world_size_inside_a_process_group_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a run (a process group exists) the estimate runs on fake groups over the run's own ranks: only at
+    the run's world size (the plan the Trainer logs at fit start, tested in test_ddp and test_tensor_parallel)."""
     import torch.distributed as dist
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    with pytest.raises(RuntimeError, match=r"python -m trainer.memory"):
-        estimate_memory(lambda: CharGPT(sample_chars=0), tokens(2, 16))
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    with pytest.raises(
+        RuntimeError, match=r"one of 4 ranks .* estimate at world_size=4 here.*python -m trainer.memory"
+    ):
+        estimate_memory(lambda: CharGPT(sample_chars=0), tokens(2, 16), world_size=2)
 
 
 def test_layers_built_in_configure_model_are_counted() -> None:
@@ -129,3 +139,122 @@ def test_layers_built_in_configure_model_are_counted() -> None:
     early = estimate_memory(lambda: Net(False), batch)
     late = estimate_memory(lambda: Net(True), batch)
     assert late.params == early.params == (64 * 64 + 64) * 4
+
+
+def test_the_plan_suggests_tensor_parallelism_for_a_task_with_a_plan() -> None:
+    """``tensor_parallel_sizes=(2,)`` adds FSDP + TP 2 (without and with recompute) at each world size that 2
+    divides, after recompute and before offload; the task's configure_model applies its plan on the run's mesh
+    (tests/scripts/tp_fit.py: the blocks' projections split), so at 2 ranks TP holds half of the split layers and the
+    activations they make, where FSDP at 2 ranks shards the state but keeps every activation."""
+    batch = (torch.arange(64), torch.randn(64, 6, dtype=torch.float64), torch.randn(64, dtype=torch.float64))
+    estimates, chosen = plan_memory(
+        MLPNet, batch, device_memory=1 << 30, world_sizes=(1, 2), precision="64", tensor_parallel_sizes=(2, 4)
+    )
+    assert [(e.setting, e.world_size) for e in estimates] == [
+        ("single device", 1),
+        ("FSDP", 1),
+        ("FSDP + activation checkpointing", 1),
+        ("FSDP + activation checkpointing + CPU offload", 1),
+        ("DDP", 2),
+        ("FSDP", 2),
+        ("FSDP + activation checkpointing", 2),
+        ("FSDP + TP 2", 2),
+        ("FSDP + TP 2 + activation checkpointing", 2),
+        ("FSDP + activation checkpointing + CPU offload", 2),
+    ]
+    assert chosen is estimates[0]
+    one, fsdp2, tp2 = estimates[1], estimates[5], estimates[7]
+    assert tp2.activations < 0.8 * fsdp2.activations == 0.8 * one.activations
+    assert fsdp2.params < tp2.params < one.params  # TP splits the blocks' projections, not the input and head
+
+
+def test_a_step_that_reads_a_value_on_the_host_is_refused_by_name() -> None:
+    """Fake tensors have no values: ``.item()`` in training_step cannot be estimated, and the error says so."""
+    from trainer import TaskModule
+
+    class Net(TaskModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.body(batch[0]).square().mean()
+            self.last = loss.item()
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(RuntimeError, match=r"reads a tensor on the host \(.item\(\), .tolist\(\)"):
+        estimate_memory(Net, (torch.randn(2, 4),))
+
+
+def _fit(task, memory_plan, caplog: pytest.LogCaptureFixture) -> tuple[dict, list[logging.LogRecord]]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from trainer import Trainer
+
+    caplog.clear()
+    x = torch.randint(0, 128, (32, 32), generator=torch.Generator().manual_seed(1))
+    trainer = Trainer(
+        max_steps=3, memory_plan=memory_plan, logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    with caplog.at_level(logging.INFO, logger="trainer.estimate"):
+        trainer.fit(task, DataLoader(TensorDataset(x, x), batch_size=8, shuffle=True))
+    records = [r for r in caplog.records if r.name == "trainer.estimate"]
+    return {k: v.clone() for k, v in task.state_dict().items()}, records
+
+
+def test_fit_logs_the_plan_of_the_run_at_its_first_batch_and_trains_the_same(caplog) -> None:
+    """Trainer(memory_plan=True) on CPU: one INFO line at the first batch, the estimate of this run's task (made on
+    a meta copy of it: nothing of the real task changes) and micro-batch; with dropout, the weights after 3 steps are
+    bit for bit those of a run without the plan (the estimate draws no random number). Off by default on CPU."""
+
+    def build() -> CharGPT:
+        torch.manual_seed(0)
+        return CharGPT(block_size=32, n_layer=2, dropout=0.1, sample_chars=0)
+
+    planned, records = _fit(build(), True, caplog)
+    plain, none = _fit(build(), None, caplog)
+    assert none == [] and planned.keys() == plain.keys()
+    assert all(torch.equal(planned[k], plain[k]) for k in planned)
+    (line,) = records
+    x = torch.zeros(8, 32, dtype=torch.long)
+    assert line.levelno == logging.INFO
+    assert line.getMessage() == f"Memory plan: {estimate_memory(build, (x, x)).summary()}"
+    assert MemoryPlan.maker(None, torch.device("cuda")) is not None  # the default on CUDA
+    assert MemoryPlan.maker(False, torch.device("cuda")) is None and MemoryPlan.maker(None, torch.device("cpu")) is None
+
+
+def _loss(out: dict | torch.Tensor) -> torch.Tensor:
+    return out["loss"] if isinstance(out, dict) else out
+
+
+def test_a_run_the_plan_cannot_estimate_says_why_in_one_line_and_trains_on(caplog) -> None:
+    """A step that reads a value on the host (``.item()``) and manual optimization: the run trains as without the
+    plan, and one line (WARNING, since memory_plan=True was asked for) names the reason and how to turn it off."""
+
+    class Reads(CharGPT):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            self.last = float(_loss(out).item())
+            return out
+
+    class Manual(CharGPT):
+        def __init__(self) -> None:
+            super().__init__(block_size=32, n_layer=1, sample_chars=0)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            loss = _loss(super().training_step(batch, batch_idx))
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    _, reads = _fit(Reads(block_size=32, n_layer=1, sample_chars=0), True, caplog)
+    _, manual = _fit(Manual(), True, caplog)
+    for (record,), why in ((reads, "reads a tensor on the host"), (manual, "manual optimization")):
+        assert record.levelno == logging.WARNING
+        assert record.getMessage().startswith("Memory plan: not estimated: ") and why in record.getMessage()
+        assert "Trainer(memory_plan=False) turns the plan off" in record.getMessage()

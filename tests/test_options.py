@@ -60,6 +60,7 @@ INVALID = [
     ("min_epochs", -1),
     ("min_steps", 1.5),
     ("benchmark", "yes"),
+    ("memory_plan", "yes"),
     ("uneven_batches", "pad"),
     ("stream_reshard", "skip"),
     ("devices", 0),

@@ -4,6 +4,7 @@ Lightning's ModelParallelStrategy, and the settings refused before any process g
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,17 @@ from launch import REPO_ROOT, python, torchrun
 
 from trainer.distributed.fsdp import FSDPStrategy
 from trainer.distributed.launcher import DistEnv
+from trainer.memory import estimate_memory
 from trainer.options import TrainerOptions
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "tp_fit.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from tp_fit import MLPNet  # noqa: E402  (the task the script trains)
+
+
+def fake_batch() -> tuple[torch.Tensor, ...]:
+    """A micro-batch as tp_fit's loader yields it: (indices, 6 features, target)."""
+    return torch.arange(2), torch.randn(2, 6, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
 
 
 def load(out: Path, rank: int = 0) -> dict:
@@ -57,12 +66,20 @@ def test_dp2_tp2_equals_one_process_and_resumes_at_another_mesh_at_the_exact_sam
     save at step 3 of a (2, 2) run resumes at (1, 2) (2 ranks, accumulation 4) and at (4, 1) (accumulation 1)."""
     ref = single(tmp_path, "single", "--clip", "0.05")
     ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--save-every", "3"]
-    full = launch(tmp_path, "dp2tp2", 4, "--tp", "2", "--clip", "0.05", *ckpt)
+    full = launch(tmp_path, "dp2tp2", 4, "--tp", "2", "--clip", "0.05", "--memory-plan", *ckpt)
     r0 = full[0]
     assert r0["mesh"] == (2, 2) and r0["accumulate"] == 2 and ref["accumulate"] == 4
     assert "Shard(dim=1)" in r0["placements"]["blocks.0.down.weight"]  # split by the plan, sharded by FSDP
     assert r0["placements"]["head.weight"] == "(Shard(dim=0),)"  # outside the plan: the data-parallel dim only
     assert r0["global_step"] == ref["global_step"] == 6
+    # The memory plan of this run (fake tensors, one process) holds what its rank 0 held: parameters and AdamW state.
+    planned = estimate_memory(
+        MLPNet, fake_batch(), strategy=FSDPStrategy(tensor_parallel_size=2), world_size=4, precision="64"
+    )
+    assert planned.setting == "FSDP + TP 2" and planned.world_size == 4
+    assert (planned.params, planned.optimizer) == (r0["held"]["params"], r0["held"]["optimizer"]), r0["held"]
+    # Trainer(memory_plan=True) made the same estimate at the run's first batch, on fake groups over its 4 ranks.
+    assert r0["plan"] == f"Memory plan: {planned.summary()}", (r0["plan"], planned.summary())
     assert max_diff(r0["weights"], ref["weights"]) < 1e-10
     assert samples(full, tp=2) == sorted(ref["seen"]) == list(range(48))
     # A sum over ranks counts each tensor-parallel group once: 48 samples in the epoch, as in one process.
@@ -131,8 +148,3 @@ def test_tensor_parallel_settings_are_checked_before_any_process_group() -> None
         _connect(ModelParallelStrategy(data_parallel_size=3, tensor_parallel_size=2), 8)
     with pytest.raises(TypeError, match="save_distributed_checkpoint"):
         ModelParallelStrategy(save_distributed_checkpoint=False)
-
-    from trainer.memory import estimate_memory
-
-    with pytest.raises(NotImplementedError, match=r"does not estimate tensor parallelism yet.*An upper bound"):
-        estimate_memory(lambda: None, None, strategy=FSDPStrategy(tensor_parallel_size=2), world_size=4)

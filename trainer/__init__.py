@@ -7,7 +7,8 @@ The core sits at the top of this package: ``trainer.py`` (the fit loop and the o
 (TaskModule, DataModule), ``callback.py`` (the Callback base and its hook order), ``options.py`` (every option,
 validated), ``evaluation.py`` (validate / test / predict loops), ``metrics.py`` (``self.log``), ``hooks.py``,
 ``lifecycle.py`` (around every stage), ``compat.py`` (what Lightning code expects), ``doctor.py``
-(``python -m trainer.doctor``) and ``memory.py`` (the memory plan, ``python -m trainer.memory``). The subsystems
+(``python -m trainer.doctor``), ``memory.py`` (the memory plan, ``python -m trainer.memory``) and ``estimate.py``
+(the estimate behind it, and the plan's line at fit start). The subsystems
 are packages, each saying in its docstring what it may import: :mod:`trainer.step`, :mod:`trainer.data`,
 :mod:`trainer.distributed`, :mod:`trainer.checkpoint`, :mod:`trainer.loggers` and :mod:`trainer.observability`.
 None of them imports ``trainer.py`` at run time. See docs/design.md.

@@ -255,14 +255,21 @@ def start_watchdog(trainer: Trainer) -> Watchdog | None:
 
 
 def with_default_callbacks(
-    callbacks: list[Callback], *, progress_bar: type[Callback] | None, checkpoint: type[Callback] | None
+    callbacks: list[Callback],
+    *,
+    progress_bar: Callable[[], Callback] | None,
+    checkpoint: Callable[[], Callback] | None,
+    memory_plan: Callable[[], Callback] | None = None,
 ) -> list[Callback]:
     """``callbacks`` plus the built-ins the Trainer adds by default, each unless the user passed one of its
-    kind: ``progress_bar`` (the ProgressBar class, when ``enable_progress_bar``) and ``checkpoint`` (the
-    ModelCheckpoint class, when ``enable_checkpointing``). The classes are arguments so that this module
-    imports no callback (and so not the Trainer they type-hint)."""
+    kind: ``progress_bar`` (the ProgressBar class, when ``enable_progress_bar``), ``checkpoint`` (the
+    ModelCheckpoint class, when ``enable_checkpointing``) and ``memory_plan`` (a MemoryPlan maker, when
+    ``memory_plan`` is on). The classes are arguments so that this module imports no callback (and so not the
+    Trainer they type-hint)."""
     if progress_bar is not None and not any(getattr(cb, "is_progress_bar", False) for cb in callbacks):
         callbacks.append(progress_bar())
     if checkpoint is not None and not any(getattr(cb, "is_model_checkpoint", False) for cb in callbacks):
         callbacks.append(checkpoint())
+    if memory_plan is not None and not any(getattr(cb, "is_memory_plan", False) for cb in callbacks):
+        callbacks.append(memory_plan())
     return callbacks

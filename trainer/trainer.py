@@ -31,6 +31,7 @@ from trainer.distributed import watchdog as wd
 from trainer.distributed.preemption import PreemptionWatcher, save_and_exit
 from trainer.distributed.selection import select_strategy
 from trainer.distributed.strategy import StepAdapter, Strategy
+from trainer.estimate import MemoryPlan
 from trainer.evaluation import EvaluationLoop, log_results
 from trainer.hooks import TrainHooks
 from trainer.loggers.local import default_loggers, log_fit_start
@@ -91,6 +92,7 @@ class Trainer(TrainerAttributes):
                 check_callbacks(opts.callbacks),
                 progress_bar=ProgressBar if opts.enable_progress_bar else None,
                 checkpoint=ModelCheckpoint if opts.enable_checkpointing else None,
+                memory_plan=MemoryPlan.maker(opts.memory_plan, self.device),
             )
         )
         self.loggers: list[Logger] = default_loggers(opts.logger, opts.default_root_dir, name=self.default_log_name)

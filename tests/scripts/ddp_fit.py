@@ -1,8 +1,8 @@
 """Fit / validate / predict a small float64 regression under any launcher; dump results per rank.
 
-Usage: ddp_fit.py OUT_DIR --batch B [--shuffle] [--epochs E] [--n N] [--val-n M] [--accumulate K]
+Usage: ddp_fit.py OUT_DIR --batch B [--shuffle] [--epochs E] [--n N] [--val-n M] [--accumulate K] [--memory-plan]
 Writes OUT_DIR/rank{R}.pt with the final weights, the sample order seen per epoch, validation and
-test metrics and predictions.
+test metrics, predictions and the memory plan's line.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainer import Trainer
+from trainer.estimate import MemoryPlan
 
 
 class Recording(Regression):
@@ -27,11 +28,11 @@ class Recording(Regression):
 
     def __init__(self) -> None:
         super().__init__(optimizer="sgd", lr=0.05, dtype=torch.float64)
-        self.seen: dict[int, list[int]] = {}
+        self.seen: dict[int, list[torch.Tensor]] = {}  # tensors: the memory plan runs this step on fake ones
 
     def training_step(self, batch, batch_idx):
         idx, x, y = batch
-        self.seen.setdefault(self.current_epoch, []).extend(idx.tolist())
+        self.seen.setdefault(self.current_epoch, []).append(idx.clone())
         return F.mse_loss(self(x), y)
 
     def validation_step(self, batch, batch_idx):
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=64)
     parser.add_argument("--val-n", type=int, default=37)
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--memory-plan", action="store_true", help="Trainer(memory_plan=True): its line is dumped")
     args = parser.parse_args()
     train = indexed(regression_data(args.n, dtype=torch.float64))
     val = indexed(regression_data(args.val_n, seed=1, dtype=torch.float64))
@@ -67,7 +69,11 @@ def main() -> None:
     accelerator = os.environ.get("KEEL_TEST_ACCELERATOR", "auto")  # tests/test_gpu.py sets "cuda"
     trainer = Trainer(
         **quiet(
-            max_epochs=args.epochs, precision="64", accumulate_grad_batches=args.accumulate, accelerator=accelerator
+            max_epochs=args.epochs,
+            precision="64",
+            accumulate_grad_batches=args.accumulate,
+            accelerator=accelerator,
+            memory_plan=args.memory_plan,
         )
     )
     trainer.fit(task, DataLoader(train, batch_size=args.batch, shuffle=args.shuffle), DataLoader(val, batch_size=5))
@@ -79,7 +85,8 @@ def main() -> None:
     torch.save(
         {
             "weights": task.state_dict(),
-            "seen": task.seen,
+            "seen": {epoch: torch.cat(batches).tolist() for epoch, batches in task.seen.items()},
+            "plan": next((cb.summary for cb in trainer.callbacks if isinstance(cb, MemoryPlan)), None),
             "val": val_metrics,
             "test": test_metrics,
             "predictions": torch.cat(predictions).tolist(),

@@ -1,7 +1,7 @@
 """A float64 MLP-block model trained with tensor parallelism composed with FSDP, or in one process; dumps full weights.
 
 Usage: tp_fit.py OUT --strategy {single,fsdp,lightning} [--tp T] [--steps S] [--clip C] [--items]
-       [--ckpt-dir D [--save-every N]] [--resume PATH]
+       [--ckpt-dir D [--save-every N]] [--resume PATH] [--memory-plan]
 
 ``fsdp``: keel's ``FSDPStrategy(tensor_parallel_size=T)``; the task's ``configure_model`` applies its plan
 (``ColwiseParallel`` up-projection, ``RowwiseParallel`` down-projection) on ``self.device_mesh["tensor_parallel"]``
@@ -9,7 +9,8 @@ and keel shards over the data-parallel dimension. ``lightning``: Lightning's ``M
 ``callbacks.lightning``, whose ``configure_model`` also calls ``fully_shard`` itself, as Lightning's docs do.
 ``single``: one process, no mesh (the reference). The global batch is 8 (micro-batch 2) at every mesh, so
 accumulation is 8 / (2 x data-parallel size). OUT/rank{R}.pt holds the gathered weights, the samples this rank
-trained on, the logged epoch sum of samples, the validation metrics, the predictions and the global step.
+trained on, this rank's parameter and optimizer-state bytes (and the memory plan's line), the logged epoch sum
+of samples, the validation metrics, the predictions and the global step.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader
 from callbacks.lightning.pytorch.strategies import ModelParallelStrategy
 from trainer import FSDPStrategy, TaskModule, Trainer
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+from trainer.estimate import MemoryPlan
 
 WIDTH = 8
 
@@ -55,7 +57,9 @@ class MLPNet(TaskModule):
         self.inp = nn.Linear(6, WIDTH)
         self.blocks = nn.ModuleList([Block() for _ in range(2)])
         self.head = nn.Linear(WIDTH, 1)
-        self.seen: list[int] = []
+        self.seen: list[
+            torch.Tensor
+        ] = []  # the indices of each batch (tensors: the memory plan runs this on fake ones)
 
     def configure_model(self) -> None:
         mesh = self.device_mesh
@@ -81,7 +85,7 @@ class MLPNet(TaskModule):
 
     def training_step(self, batch, batch_idx):
         idx, x, y = batch
-        self.seen.extend(idx.tolist())
+        self.seen.append(idx.clone())
         self.log("samples", float(len(idx)), on_step=False, on_epoch=True, reduce_fx="sum")
         out = self(x)
         if self.items:  # a SUM over the contributing items; keel divides by the global count
@@ -101,6 +105,17 @@ class MLPNet(TaskModule):
         return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.01)
 
 
+def held_bytes(task: nn.Module, optimizers: list) -> dict[str, int]:
+    """The bytes of this rank's parameters and optimizer state (local shards of DTensors), after training."""
+
+    def local(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    state = [v for o in optimizers for s in o.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"params": sum(local(p) for p in task.parameters()), "optimizer": sum(local(v) for v in state)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -112,6 +127,7 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", default=None, help="keep a save every --save-every steps there")
     parser.add_argument("--save-every", type=int, default=1)
     parser.add_argument("--resume", default=None, help="ckpt_path: a save's folder, or 'last'")
+    parser.add_argument("--memory-plan", action="store_true", help="Trainer(memory_plan=True): its line is dumped")
     args = parser.parse_args()
     strategy: object = "auto"
     if args.strategy == "fsdp":
@@ -135,6 +151,7 @@ def main() -> None:
         num_sanity_val_steps=0,
         log_every_n_steps=1,
         callbacks=callbacks,
+        memory_plan=args.memory_plan,
     )
     task = MLPNet(items=args.items, shards_itself=args.strategy == "lightning")
     train, val = data(48, 0), data(37, 1)
@@ -152,7 +169,9 @@ def main() -> None:
     torch.save(
         {
             "weights": full_weights(task),
-            "seen": task.seen,
+            "seen": torch.cat(task.seen).tolist() if task.seen else [],
+            "held": held_bytes(task, trainer.optimizers),
+            "plan": next((cb.summary for cb in trainer.callbacks if isinstance(cb, MemoryPlan)), None),
             "fit_metrics": fit_metrics,
             "val": val_metrics,
             "predictions": predictions,

@@ -60,9 +60,6 @@ class FSDPStrategy(Strategy):
         "tensor_parallel_size",
     )
     MESH_DIMS = ("data_parallel", "tensor_parallel")  # Lightning's ModelParallelStrategy names them so too
-    # False: a 1-D data_parallel mesh when tensor_parallel_size is 1 (the memory plan: torch's FSDP cannot shard
-    # over a slice of a 2-D mesh under fake tensors). True: self.device_mesh["tensor_parallel"] exists at size 1.
-    mesh_2d = True
     REDUCE_GRADS = ("every_micro_batch", "last_micro_batch")
 
     def __init__(
@@ -230,16 +227,13 @@ class FSDPStrategy(Strategy):
         if self.device_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            two_d = self.tensor_parallel_size > 1 or self.mesh_2d
-            shape = (self.data_parallel_size, self.tensor_parallel_size) if two_d else (self.world_size,)
-            names = self.MESH_DIMS if two_d else self.MESH_DIMS[:1]
-            self.device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+            shape = (self.data_parallel_size, self.tensor_parallel_size)
+            self.device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=self.MESH_DIMS)
         return self.device_mesh
 
     def shard_mesh(self) -> Any:
         """The mesh the parameters are sharded over: the data-parallel dimension."""
-        mesh = self.setup_mesh()
-        return mesh if mesh.ndim == 1 else mesh["data_parallel"]
+        return self.setup_mesh()["data_parallel"]
 
     def _check_tensor_parallel(self, task: nn.Module) -> None:
         if self.tensor_parallel_size == 1:

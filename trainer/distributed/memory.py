@@ -4,8 +4,9 @@
 ``FakeTensorMode`` (tensors with shapes and dtypes, no storage) and torch's own memory tracker
 (``torch.distributed._tools``: ``MemTracker``, or ``FSDPMemTracker`` for FSDP), inside a *fake* process group of
 the world size asked for (torch's ``fake`` backend: collectives return at once), so an FSDP run of 64 ranks is
-planned in one process. The peak of the second step is reported by category. :mod:`trainer.memory` turns it into
-a plan; see docs/memory.md.
+planned in one process, or, at the start of fit, on fake groups over the run's own ranks. The peak over both steps
+(the first creates the gradients and the optimizer state) is reported by category, as the tracker saw it at that
+moment. :mod:`trainer.memory` turns it into a plan; see docs/memory.md.
 """
 
 from __future__ import annotations
@@ -26,25 +27,65 @@ _OPTIMIZER = ("OPT",)
 _ACTIVATIONS = ("ACT",)
 
 
+class FakeWorld:
+    """The fake process group an estimate runs in (:func:`fake_process_group`); :meth:`device_mesh` makes meshes
+    on it."""
+
+    def __init__(self, *, inside_run: bool) -> None:
+        self.inside_run = inside_run
+        self.groups: list[Any] = []
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    def device_mesh(self, device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+        """A ``DeviceMesh`` of ``shape`` whose collectives return at once. Inside a run, every rank calls this in
+        the same order (``new_group`` is collective over the run's ranks)."""
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        if not self.inside_run:
+            return init_device_mesh(device_type, shape, mesh_dim_names=names)
+        ranks = torch.arange(dist.get_world_size()).reshape(shape)
+        mine = []
+        for dim, size in enumerate(shape):
+            for line in ranks.movedim(dim, -1).reshape(-1, size).tolist():
+                self.groups.append(dist.new_group(line, backend="fake"))
+                if self.rank in line:
+                    mine.append(self.groups[-1])
+        return DeviceMesh.from_group(mine, device_type, mesh=ranks, mesh_dim_names=names)
+
+
 @contextlib.contextmanager
-def fake_process_group(world_size: int) -> Iterator[None]:
-    """A process group of ``world_size`` ranks in which this process is rank 0 and every collective returns at
-    once (torch's ``fake`` backend), for the duration of the block.
+def fake_process_group(world_size: int) -> Iterator[FakeWorld]:
+    """For the duration of the block, a process group of ``world_size`` ranks in which every collective returns at
+    once (torch's ``fake`` backend). Outside a run this process is its rank 0 (the default group). Inside a run of
+    ``world_size`` ranks (the plan keel logs at the start of fit) each rank keeps its own rank, and meshes made by
+    :meth:`FakeWorld.device_mesh` are built of fake groups over the run's ranks, destroyed after the block.
 
     Raises:
-        RuntimeError: a process group already exists (plan before any is created, or in its own process:
-            ``python -m trainer.memory``).
+        RuntimeError: this process belongs to a process group of another size.
     """
-    if dist.is_initialized():
-        raise RuntimeError(
-            "trainer.memory estimates in a fake process group of its own, and this process already has a "
-            "process group: estimate before the Trainer creates one, or run `python -m trainer.memory ...`."
-        )
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise RuntimeError(
+                f"trainer.memory estimates {world_size} ranks in a fake process group, and this process is one of "
+                f"{dist.get_world_size()} ranks of a process group already: estimate at world_size="
+                f"{dist.get_world_size()} here, before the Trainer creates its group, or in its own process "
+                "(`python -m trainer.memory ...`)."
+            )
+        world = FakeWorld(inside_run=True)
+        try:
+            yield world
+        finally:
+            for group in world.groups:
+                dist.destroy_process_group(group)
+        return
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
-        yield
+        yield FakeWorld(inside_run=False)
     finally:
         dist.destroy_process_group()
 
@@ -54,7 +95,7 @@ def measure_step(
     *,
     world_size: int,
     sharded: bool,
-    prepare: Callable[[], object] | None = None,
+    prepare: Callable[[FakeWorld], object] | None = None,
     device: torch.device | None = None,
 ) -> dict[str, int]:
     """Bytes per category at the peak of a training step on rank 0 of ``world_size`` ranks.
@@ -65,21 +106,59 @@ def measure_step(
             training step (forward, backward, optimizer step, zero_grad).
         world_size: Ranks of the fake process group.
         sharded: The module is FSDP-sharded (torch's FSDP tracker then tells gathered from sharded parameters).
-        prepare: Called in the fake process group before the fake tensor mode is entered (a device mesh is
+        prepare: Called with the :class:`FakeWorld` before the fake tensor mode is entered (a device mesh is
             made of real tensors).
         device: Count this device's memory only (None: every device's).
 
     Returns:
         ``{"params", "grads", "optimizer", "activations", "other", "peak"}`` in bytes.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensorMode,
+    )
 
-    with fake_process_group(world_size):
+    with fake_process_group(world_size) as world, _real_mesh_concatenation():
         if prepare is not None:
-            prepare()
+            prepare(world)
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             module, optimizers, step = build(mode)
-            return _categories(_track(module, optimizers, step, sharded), device)
+            try:
+                return _categories(_track(module, optimizers, step, sharded), device)
+            except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+                raise RuntimeError(
+                    f"The memory estimate runs the training step on fake tensors (no values), and the step needs a "
+                    f"value ({exc}): a training_step that reads a tensor on the host (.item(), .tolist(), a Python "
+                    "`if` on a tensor, nonzero or boolean indexing) cannot be estimated: estimate a subclass whose "
+                    "training_step leaves such reads out."
+                ) from exc
+
+
+@contextlib.contextmanager
+def _real_mesh_concatenation() -> Iterator[None]:
+    """FSDP over the data-parallel dimension of a 2-D mesh joins the two meshes into one
+    (``DeviceMesh._concatenate``), which looks up rank positions with ``nonzero``: an output of data-dependent
+    shape, which fake tensors cannot have. A mesh holds ranks, not model data, so the join runs on real tensors
+    for the duration of the estimate (torch versions without the method need nothing)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__dict__.get("_concatenate")
+    if not isinstance(original, staticmethod):
+        yield
+        return
+    join = original.__func__
+
+    def concatenate(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return join(*args, **kwargs)
+
+    DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = original  # type: ignore[method-assign]
 
 
 def _track(

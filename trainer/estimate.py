@@ -1,0 +1,370 @@
+"""The memory a training step holds on one rank, estimated on fake tensors, and the plan's line at fit start.
+
+:func:`estimate_step` builds the task on the meta device, applies the strategy to it and runs two training steps on
+fake tensors in a fake process group (:mod:`trainer.distributed.memory`): nothing is allocated, on any device. It
+returns a :class:`MemoryEstimate`: the bytes one rank holds at the peak of a step, by category.
+:func:`trainer.memory.estimate_memory` is its public face (with ``plan_memory`` and ``python -m trainer.memory``).
+
+:class:`MemoryPlan`, which the Trainer adds when ``memory_plan`` is True, or None on CUDA (the default), logs the
+estimate of the run itself at its first training batch. In ``setup`` (before ``configure_model``) it keeps a copy
+of the task on the meta device: its structure, no weights. At the first batch it estimates that copy on that batch
+with the run's strategy settings, world size, precision and device type, on fake groups over the run's ranks (every
+rank estimates its own part, at the same time), and rank 0 logs the summary and whether it fits the device's
+memory. A few seconds of dispatch once per fit, before the first step. A task the estimate cannot run (a step that
+reads values on the host, manual optimization) is named in one line and the run goes on. See docs/memory.md.
+
+This module takes the Trainer as an argument (``trainer_class``, ``type(trainer)``): the Trainer imports it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from trainer.callback import Callback
+from trainer.distributed import comm
+from trainer.distributed import memory as fake_memory
+from trainer.distributed.fsdp import FSDPStrategy
+from trainer.distributed.launcher import DistEnv
+from trainer.distributed.selection import build_strategy
+from trainer.distributed.strategy import DDPStrategy, SingleDeviceStrategy, Strategy
+from trainer.module import TaskModule
+from trainer.step.optim import parse_optimizers
+from trainer.step.precision import Precision
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def format_size(nbytes: int) -> str:
+    """``1.5 GiB``, ``148.3 MiB``, ``12.0 KiB``, ``0 B``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank holds at the peak of a training step. ``device`` is what must fit in the accelerator's
+    memory; ``host`` what CPU offload keeps in CPU memory instead."""
+
+    setting: str
+    world_size: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    other: int
+    device: int
+    host: int
+
+    def fits(self, device_memory: int) -> bool:
+        return self.device <= device_memory
+
+    def summary(self) -> str:
+        """One line: ``FSDP x8: 31.2 GiB a rank (params 2.1 GiB, grads ..., activations ...)``."""
+        parts = ", ".join(
+            f"{name} {format_size(getattr(self, name))}"
+            for name in ("params", "grads", "optimizer", "activations", "other")
+        )
+        host = f"; {format_size(self.host)} in CPU memory" if self.host else ""
+        return f"{self.setting} x{self.world_size}: {format_size(self.device)} a rank ({parts}){host}"
+
+
+def estimate_step(
+    task: Callable[[], TaskModule],
+    batch: Any,
+    *,
+    trainer_class: Callable[..., Any],
+    strategy: Any = "auto",
+    world_size: int = 1,
+    precision: str = "32",
+    device: str = "cpu",
+) -> MemoryEstimate:
+    """The memory one rank needs for a training step of ``task`` on ``batch`` (one micro-batch of one rank):
+    :func:`trainer.memory.estimate_memory`, whose arguments these are, and ``trainer_class`` (the ``Trainer``
+    class: the task's hooks read a Trainer built of it, never fitted).
+
+    Args:
+        task: Builds the task (a TaskModule class or a function): it is called on fake tensors, so a model of any
+            size costs nothing to build here.
+        batch: One micro-batch as the training loader yields it (real tensors; only their shapes and dtypes are
+            used).
+        strategy: As the Trainer's ``strategy`` option: ``"ddp"``, ``"fsdp"``, or an object with its settings
+            (``FSDPStrategy(activation_checkpointing=["Block"], cpu_offload=True)``).
+        world_size: Ranks of the run.
+        precision: As the Trainer's ``precision`` option.
+        device: The device type to estimate for. Fake tensors cost nothing on any device, but kernels differ (on
+            CUDA, attention keeps far less than the CPU's math kernel): ``"cuda"`` needs a machine with CUDA.
+
+    Raises:
+        RuntimeError: this process belongs to a process group of another world size, or the step reads a
+            tensor's value on the host (fake tensors have none).
+    """
+    chosen = build_strategy(strategy)
+    if isinstance(chosen, DDPStrategy) and world_size == 1:
+        chosen = SingleDeviceStrategy(activation_checkpointing=chosen.activation_checkpointing)
+    sharded = isinstance(chosen, FSDPStrategy)
+    host = trainer_class(  # what the task's hooks may read (self.trainer.max_steps, self.log): never fitted
+        precision=precision,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        memory_plan=False,
+    )
+    where = torch.device(device)
+    plugin = Precision(precision, where) if precision != "16-mixed" or where.type == "cuda" else None
+    rank = comm.get_rank()  # inside a run (the plan logged at fit start), each rank estimates its own part
+    env = DistEnv("torchrun", rank, rank, world_size, world_size, 0, "127.0.0.1", 0)
+
+    chosen.connect(env, where, host.options)
+    if sharded:
+        host.strategy = chosen  # the task's self.device_mesh in configure_model: the run's mesh, on the fake group
+    # DDP's reducer cannot run on fake tensors: its rank holds the single-device step plus its gradient buckets.
+    applied = SingleDeviceStrategy(activation_checkpointing=chosen.activation_checkpointing) if not sharded else chosen
+    applied.connect(env, where, host.options)
+
+    build = partial(_build, _on_meta(task), batch, applied, host, plugin, where)
+    prepare: Callable[[fake_memory.FakeWorld], None] | None = None
+    if isinstance(chosen, FSDPStrategy):  # the run's (data_parallel, tensor_parallel) mesh, of fake groups
+
+        def prepare(world: fake_memory.FakeWorld) -> None:
+            shape = (chosen.data_parallel_size, chosen.tensor_parallel_size)
+            chosen.device_mesh = world.device_mesh(where.type, shape, FSDPStrategy.MESH_DIMS)
+
+    try:
+        held = fake_memory.measure_step(build, world_size=world_size, sharded=sharded, prepare=prepare, device=where)
+    finally:
+        applied.teardown()
+        if isinstance(chosen, FSDPStrategy):  # the strategy object may go to a Trainer next: no fake mesh in it
+            chosen.device_mesh = None
+    return _estimate(chosen, world_size, held)
+
+
+def _on_meta(task: Callable[[], TaskModule]) -> TaskModule:
+    """The task built on the meta device: its structure, no storage; ``__init__`` may move or convert it
+    (``.to(torch.float64)``, which fake tensors cannot do: their ``module.to`` swap fails)."""
+    with torch.device("meta"):
+        return task()
+
+
+def _build(
+    built: TaskModule,
+    batch: Any,
+    strategy: Strategy,
+    host: Trainer,
+    plugin: Precision | None,
+    where: torch.device,
+    mode: Any,
+) -> tuple[nn.Module, list[torch.optim.Optimizer], Callable[[], None]]:
+    """Inside the fake tensor mode: the task with the strategy applied, its optimizers, and one training step."""
+    dtype = plugin.param_dtype if plugin is not None else None  # the plugin's module.to(dtype)
+    replace_tensors(  # fake tensors on the device, in the run's dtype
+        built, lambda t: torch.empty_like(t, device=where, dtype=dtype if dtype and t.is_floating_point() else None)
+    )
+    module = built
+    module._trainer = host
+    with where:  # the layers it builds, and its tensor-parallel plan on self.device_mesh (FSDP)
+        module.configure_model()
+    run = strategy.setup(module, manual=False)
+    optimizers, _ = parse_optimizers(module.configure_optimizers())
+    fake = tree_map(lambda t: mode.from_tensor(t).to(where) if isinstance(t, torch.Tensor) else t, batch)
+    if plugin is not None and plugin.param_dtype is not None:
+        fake = tree_map(lambda t: t.to(plugin.param_dtype) if _is_float(t) else t, fake)
+
+    def step() -> None:
+        if plugin is not None and plugin.autocasts:
+            with plugin.autocast():
+                out = run(fake, 0)
+        else:
+            out = run(fake, 0)
+        (out["loss"] if isinstance(out, dict) else out).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return module, optimizers, step
+
+
+def _estimate(chosen: Strategy, world_size: int, held: dict[str, int]) -> MemoryEstimate:
+    offload = isinstance(chosen, FSDPStrategy) and chosen.cpu_offload
+    other = (
+        held["other"] + held["peak"] - sum(held[k] for k in ("params", "grads", "optimizer", "activations", "other"))
+    )
+    if isinstance(chosen, DDPStrategy) and not chosen.gradient_as_bucket_view:
+        other += held["params"]  # DDP's gradient buckets, made at construction: a gradient's size per parameter
+    offloaded = held["params"] + held["grads"] + held["optimizer"] if offload else 0
+    if offload:  # the sharded state lives in CPU memory; the gathered units on the device
+        setting_device = held["activations"] + other
+    else:
+        setting_device = held["params"] + held["grads"] + held["optimizer"] + held["activations"] + other
+    return MemoryEstimate(
+        setting=_describe(chosen),
+        world_size=world_size,
+        params=held["params"],
+        grads=held["grads"],
+        optimizer=held["optimizer"],
+        activations=held["activations"],
+        other=other,
+        device=setting_device,
+        host=offloaded,
+    )
+
+
+def _is_float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def _describe(strategy: Strategy) -> str:
+    name = {"single": "single device", "ddp": "DDP", "fsdp": "FSDP"}.get(strategy.name, strategy.name)
+    extras = []
+    if getattr(strategy, "tensor_parallel_size", 1) > 1:
+        extras.append(f"TP {strategy.tensor_parallel_size}")
+    if strategy.activation_checkpointing:
+        extras.append("activation checkpointing")
+    if getattr(strategy, "cpu_offload", False):
+        extras.append("CPU offload")
+    return name + (f" + {' + '.join(extras)}" if extras else "")
+
+
+class MemoryPlan(Callback):
+    """Logs (rank 0) the memory plan of this run at its first training batch. ``explicit``: the user asked for it
+    (``memory_plan=True``), so a plan that cannot be made is a WARNING rather than an INFO line."""
+
+    is_memory_plan = True
+
+    @classmethod
+    def maker(cls, memory_plan: bool | None, device: torch.device) -> Callable[[], MemoryPlan] | None:
+        """What the Trainer adds for ``Trainer(memory_plan=...)``: True or False as given; None: on CUDA only."""
+        if memory_plan is False or (memory_plan is None and device.type != "cuda"):
+            return None
+        return partial(cls, explicit=memory_plan is True)
+
+    def __init__(self, *, explicit: bool = False) -> None:
+        self.explicit = explicit
+        self.summary: str | None = None  # the line logged, once made
+        self._snapshot: nn.Module | None = None
+        self._planned = False
+
+    def setup(self, trainer: Trainer, task: TaskModule, stage: str) -> None:
+        if stage != "fit" or self._planned:
+            return
+        self._planned = True  # once per Trainer: a second fit starts from a task already wrapped
+        why = _unplannable(trainer, task)
+        if why is None:
+            try:
+                self._snapshot = meta_copy(task)
+            except Exception as exc:  # a task attribute deepcopy cannot copy (a lock, an open file)
+                why = f"the task could not be copied to the meta device ({type(exc).__name__}: {exc})"
+        if why is not None:
+            self._skip(trainer, why)
+
+    def on_train_batch_start(self, trainer: Trainer, task: TaskModule, batch: Any, batch_idx: int) -> None:
+        if self._snapshot is None:
+            return
+        snapshot, self._snapshot = self._snapshot, None
+        strategy = trainer.strategy
+        devices = [trainer.device] if trainer.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):  # a configure_model that seeds leaves the run's RNG alone
+                estimate = estimate_step(
+                    lambda: cast("TaskModule", copy.deepcopy(snapshot)),  # on the meta device
+                    batch,
+                    trainer_class=type(trainer),
+                    strategy=type(strategy)(**strategy.settings()),  # the run's settings, not its state
+                    world_size=trainer.world_size,
+                    precision=trainer.options.precision,
+                    device=trainer.device.type,
+                )
+        except Exception as exc:
+            self._skip(trainer, f"{type(exc).__name__}: {exc}")
+            return
+        if trainer.device.type != "cuda":
+            self.summary = f"Memory plan: {estimate.summary()}"
+            if trainer.is_global_zero:
+                log.info("%s", self.summary)
+            return
+        total = torch.cuda.get_device_properties(trainer.device).total_memory
+        fits = estimate.fits(total)
+        verdict = "fits" if fits else "does NOT fit"
+        self.summary = f"Memory plan: {estimate.summary()}; {verdict} {format_size(total)} of {trainer.device}"
+        if trainer.is_global_zero:
+            if fits:
+                log.info("%s", self.summary)
+            else:
+                log.warning(
+                    "%s: expect out-of-memory. `python -m trainer.memory` names the cheapest setting that fits "
+                    "(docs/memory.md).",
+                    self.summary,
+                )
+
+    def _skip(self, trainer: Trainer, why: str) -> None:
+        self.summary = None
+        if trainer.is_global_zero:
+            log.log(
+                logging.WARNING if self.explicit else logging.INFO,
+                "Memory plan: not estimated: %s. Trainer(memory_plan=False) turns the plan off.",
+                why,
+            )
+
+
+def _unplannable(trainer: Trainer, task: TaskModule) -> str | None:
+    if not task.automatic_optimization:
+        return "manual optimization (the estimate runs automatic steps: loss, backward, optimizer step)"
+    if any(hasattr(p, "device_mesh") for p in task.parameters()):
+        return "the task's parameters are already sharded (a task fitted before)"
+    if trainer.strategy.name not in ("single", "ddp", "fsdp"):
+        return f"the strategy {type(trainer.strategy).__name__} is not one the estimate knows (single, DDP, FSDP)"
+    return None
+
+
+def meta_copy(task: nn.Module) -> nn.Module:
+    """A deep copy of ``task`` whose parameters and buffers are on the meta device (no storage), without the
+    Trainer it points to; everything else is copied as ``copy.deepcopy`` copies it (so the estimate's steps
+    change nothing of the real task)."""
+    memo: dict[int, Any] = {}
+    for _, _, tensor in _tensor_slots(task):
+        if id(tensor) not in memo:
+            memo[id(tensor)] = _remade(tensor, lambda t: torch.empty_like(t, device="meta"))
+    trainer = getattr(task, "_trainer", None)
+    if trainer is not None:
+        memo[id(trainer)] = None
+    return copy.deepcopy(task, memo)
+
+
+def replace_tensors(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """Replace each parameter and buffer ``t`` of ``module`` by ``make(t)`` (a parameter stays a parameter with
+    its ``requires_grad``; shared ones stay shared). Works on fake tensors, where ``module.to`` cannot swap."""
+    made: dict[int, torch.Tensor] = {}
+    for table, name, tensor in list(_tensor_slots(module)):
+        if id(tensor) not in made:
+            made[id(tensor)] = _remade(tensor, make)
+        table[name] = made[id(tensor)]
+    return module
+
+
+def _tensor_slots(module: nn.Module) -> Iterator[tuple[dict[str, Any], str, torch.Tensor]]:
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    yield table, name, tensor
+
+
+def _remade(tensor: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    new = make(tensor.detach())
+    if new is tensor.detach() or new is tensor:
+        return tensor
+    return nn.Parameter(new, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else new
