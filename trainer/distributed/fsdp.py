@@ -78,7 +78,8 @@ class FSDPStrategy(Strategy):
             units: Which submodules become FSDP units, as class names (YAML) or classes. None: every module held
                 in an ``nn.ModuleList``. The task itself is always the root unit.
             reshard_after_forward: Free a unit's gathered parameters after its forward (and all-gather them
-                again in backward): less memory, more traffic.
+                again in backward): less memory, more traffic. The root (the task) keeps its own parameters
+                gathered until backward either way, as FSDP2 does by default: backward needs them first.
             cpu_offload: Keep the sharded parameters, gradients and optimizer state in CPU memory (the optimizer
                 step runs on the CPU).
             reduce_grads: Under accumulation, reduce-scatter gradients after ``"every_micro_batch"`` (less
@@ -211,7 +212,9 @@ class FSDPStrategy(Strategy):
             for unit in self.units(task):
                 fully_shard(unit, **kwargs)
         if not isinstance(task, FSDPModule):
-            fully_shard(task, **kwargs)  # the root: every parameter left outside the units
+            # The root: every parameter left outside the units. It keeps them gathered from forward to backward,
+            # which needs them first (FSDP2's own choice for a root: one all-gather a step fewer).
+            fully_shard(task, **{**kwargs, "reshard_after_forward": False})
         adapter = StepAdapter(task)  # before registration: it reads training_step's own signature
         for method in self.STEP_METHODS:
             if callable(getattr(task, method, None)):
@@ -352,7 +355,7 @@ class _Unsharded:
     def __init__(self, task: nn.Module, *, reshard_after_forward: bool) -> None:
         units = [m for m in task.modules() if hasattr(m, "unshard") and hasattr(m, "set_reshard_after_forward")]
         self.modules = cast("list[FSDPModule]", units)  # the FSDP units (fully_shard made them FSDPModules)
-        self.reshard_after_forward = reshard_after_forward
+        self.root, self.reshard_after_forward = task, reshard_after_forward
 
     def __enter__(self) -> None:
         for m in self.modules:
@@ -362,4 +365,5 @@ class _Unsharded:
     def __exit__(self, *exc: object) -> None:
         for m in self.modules:
             m.reshard()
-            m.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
+            root = m is cast("FSDPModule", self.root)
+            m.set_reshard_after_forward(self.reshard_after_forward and not root, recurse=False)
