@@ -21,7 +21,12 @@ The FSDP case (``blocks4m``: a linear layer in, four 1024-wide Linear+ReLU block
 linear head; 4.5M parameters) runs 2 ranks: the hand loop applies FSDP2's
 ``fully_shard`` to each block and then to the whole net, as the FSDP2 docs do, with a DistributedSampler; the
 Trainer runs ``strategy="fsdp"``, whose default units are the same blocks. Both broadcast nothing inside the
-timed window; keel's broadcast of rank 0's initial weights happens at setup, before it.
+timed window; keel's broadcast of rank 0's initial weights happens at setup, before it. The 2-D case
+(``blocks4m_tp``, the same net) runs the same ranks as a (data_parallel, tensor_parallel) mesh of shape
+(ranks / 2, 2): the hand loop splits the blocks' Linear layers in column / row pairs with ``parallelize_module``
+on the mesh's tensor-parallel dimension and then shards as above over its data-parallel one, as torchtitan does,
+with a DistributedSampler over the data-parallel ranks; the Trainer runs ``FSDPStrategy(tensor_parallel_size=2)``
+and the task applies the same plan in ``configure_model``.
 
 Output: a table ``case | loop steps/s | trainer steps/s | ratio | cpu ratio | target`` and one JSON line.
 ratio = trainer / loop wall time, paired within each repeat, median over repeats; cpu ratio is the same
@@ -62,7 +67,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python benchmarks/overhead.py` from a plain checkout
     sys.path.insert(0, str(REPO_ROOT))
 
-from trainer import Callback, TaskModule, Trainer  # noqa: E402
+from trainer import Callback, FSDPStrategy, TaskModule, Trainer  # noqa: E402
 
 BATCH_SIZE = 64
 LR = 0.01
@@ -71,11 +76,15 @@ MODELS = {  # name -> layer widths of an MLP with ReLU between layers
     "tiny": (32, 96, 64, 10),  # 10,026 parameters
     "mlp1m": (256, 1024, 704, 10),  # 991,818 parameters
     "blocks4m": (256, 1024, 1024, 1024, 1024, 1024, 10),  # 4,471,818 parameters; the blocks are FSDP units
+    "blocks4m_tp": (256, 1024, 1024, 1024, 1024, 1024, 10),  # the same net, its blocks split by tensor parallelism
 }
-FSDP_MODELS = ("blocks4m",)  # run in the FSDP case only
-STEPS = {"tiny": 500, "mlp1m": 100, "blocks4m": 40}  # timed steps per repeat (after the warm-up steps)
-QUICK_STEPS = {"tiny": 30, "mlp1m": 10, "blocks4m": 4}
-TARGETS = {"tiny": 1.05, "mlp1m": 1.03, "blocks4m": 1.05}  # trainer_time / loop_time (tiny: issue 17; FSDP: 26)
+FSDP_MODELS = ("blocks4m", "blocks4m_tp")  # run in the FSDP case only
+TP_MODELS = ("blocks4m_tp",)  # FSDP x TP on a (world // 2, 2) mesh
+TENSOR_PARALLEL = 2
+STEPS = {"tiny": 500, "mlp1m": 100, "blocks4m": 40, "blocks4m_tp": 40}  # timed steps per repeat (after the warm-up)
+QUICK_STEPS = {"tiny": 30, "mlp1m": 10, "blocks4m": 4, "blocks4m_tp": 4}
+# trainer_time / loop_time (tiny: issue 17; FSDP and FSDP x TP: issue 26)
+TARGETS = {"tiny": 1.05, "mlp1m": 1.03, "blocks4m": 1.05, "blocks4m_tp": 1.05}
 SELF_LOG_TARGET_US = 50.0
 RUNNERS = ("loop", "trainer", "trainer_log")
 _MARKER = "KEEL_BENCH_LAUNCH_ID"  # inherited by every process of a launch, so all can be found and killed
@@ -140,16 +149,34 @@ def make_net(name: str, seed: int = 0) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def fully_shard_blocks(net: nn.Module) -> nn.Module:
-    """FSDP2 as its docs apply it: each block a unit, then the root."""
+def fully_shard_blocks(net: nn.Module, tensor_parallel: bool) -> nn.Module:
+    """FSDP2 as its docs apply it: each block a unit, then the root. ``tensor_parallel``: as torchtitan does, a
+    ``(data_parallel, tensor_parallel)`` mesh, the plan applied on its second dimension, then FSDP over the first."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
+    if tensor_parallel:
+        world = tdist.get_world_size()
+        mesh_2d = init_device_mesh(
+            "cpu", (world // TENSOR_PARALLEL, TENSOR_PARALLEL), mesh_dim_names=("data_parallel", "tensor_parallel")
+        )
+        split_blocks(net, mesh_2d["tensor_parallel"])
+        mesh = mesh_2d["data_parallel"]
+    else:
+        mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
     for block in net.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(net, mesh=mesh)
     return net
+
+
+def split_blocks(net: nn.Module, tp_mesh) -> None:
+    """The tensor-parallel plan of the 2-D case: the blocks' Linear layers in column / row pairs (Megatron's MLP
+    split: one all-reduce per pair in forward)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for i, block in enumerate(net.blocks):
+        parallelize_module(block[0], tp_mesh, ColwiseParallel() if i % 2 == 0 else RowwiseParallel())
 
 
 def make_data(name: str, num_samples: int) -> TensorDataset:
@@ -164,10 +191,13 @@ def hand_loop(name: str, dataset, total_steps: int, warmup: int, ddp: bool) -> t
     Returns (wall, cpu) s."""
     net = make_net(name)
     if ddp and name in FSDP_MODELS:
-        model = net = fully_shard_blocks(net)
+        model = net = fully_shard_blocks(net, tensor_parallel=name in TP_MODELS)
     else:
         model = torch.nn.parallel.DistributedDataParallel(net) if ddp else net
-    sampler = DistributedSampler(dataset, shuffle=False) if ddp else None
+    replicas, replica = tdist.get_world_size() if ddp else 1, tdist.get_rank() if ddp else 0
+    if name in TP_MODELS:  # the ranks of a tensor-parallel group read the same batches
+        replicas, replica = replicas // TENSOR_PARALLEL, replica // TENSOR_PARALLEL
+    sampler = DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=False) if ddp else None
     loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     clock = Clock()
@@ -198,6 +228,10 @@ def run_trainer(name: str, dataset, total_steps: int, warmup: int, log_every_ste
                 self.log("train/loss", loss)
             return loss
 
+        def configure_model(self) -> None:
+            if name in TP_MODELS and not hasattr(self.net.blocks[0][0].weight, "device_mesh"):
+                split_blocks(self.net, self.device_mesh["tensor_parallel"])
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.net.parameters(), lr=LR)
 
@@ -217,7 +251,9 @@ def run_trainer(name: str, dataset, total_steps: int, warmup: int, log_every_ste
         log_every_n_steps=LOG_EVERY_N_STEPS,
         max_steps=total_steps,
         callbacks=[stepclock],
-        strategy="fsdp" if name in FSDP_MODELS else "auto",
+        strategy=FSDPStrategy(tensor_parallel_size=TENSOR_PARALLEL if name in TP_MODELS else 1)
+        if name in FSDP_MODELS
+        else "auto",
     )
     trainer.fit(BenchTask(), train_dataloaders=DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=False))
     clock = stepclock.clock
@@ -230,7 +266,8 @@ def measure(name: str, steps: int, warmup: int, repeats: int) -> dict:
     ddp = tdist.is_initialized()
     world = tdist.get_world_size() if ddp else 1
     total = warmup + steps
-    dataset = make_data(name, total * BATCH_SIZE * world)  # exactly one epoch of `total` steps per rank
+    replicas = world // TENSOR_PARALLEL if name in TP_MODELS else world
+    dataset = make_data(name, total * BATCH_SIZE * replicas)  # exactly one epoch of `total` steps per rank
     wall: dict[str, list[float]] = {r: [] for r in RUNNERS}
     cpu: dict[str, list[float]] = {r: [] for r in RUNNERS}
     for rep in range(repeats):
@@ -427,6 +464,8 @@ def report(results: list[dict]) -> None:
     rows = []
     for r in results:
         kind = "FSDP" if r["model"] in FSDP_MODELS else "DDP"
+        if r["model"] in TP_MODELS:
+            kind = f"FSDP x TP ({r['procs'] // TENSOR_PARALLEL}, {TENSOR_PARALLEL})"
         case = f"{r['model']} ({r['params']:,} params), {r['procs']} proc" + ("" if r["procs"] == 1 else f"s {kind}")
         verdict = "PASS" if r["ratio"] <= r["target"] else "MISS"
         rows.append(
@@ -471,7 +510,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--single-only", action="store_true", help="skip the DDP and FSDP cases")
     p.add_argument("--ddp-only", action="store_true", help="skip the single-process and FSDP cases")
-    p.add_argument("--fsdp-only", action="store_true", help="only the 2-process FSDP case")
+    p.add_argument("--fsdp-only", action="store_true", help="only the 2-process FSDP and FSDP x TP cases")
     p.add_argument(
         "--models",
         default=None,
