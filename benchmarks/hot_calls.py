@@ -1,8 +1,11 @@
-"""Per-call cost of two calls on the training step's hot path, each against its budget.
+"""Per-call cost of three calls on the training step's hot path, each against its budget.
 
     python benchmarks/hot_calls.py              # 200,000 beats, 20,000 profiler pairs, best of 5 repeats
     python benchmarks/hot_calls.py --json out.json
 
+- ``Trainer._beat(phase)`` with no watchdog and the profiler off (the default): the phase clock's mark
+  (trainer/observability/phases.py, always on) and the two listener checks. The loop makes 6 a step, so 1% of the
+  tiny model's 0.46 ms step (benchmarks/results/overhead.md) is 0.77 us a beat. Budget: 0.77 us per call.
 - ``Watchdog.beat(phase, step)`` (trainer/distributed/watchdog.py): an attribute write, called at every phase of
   every step when a watchdog or profiler listens. Budget: 5 us per call.
 - ``SimpleProfiler.start(name)`` + ``stop(name)`` (trainer/observability/profiler.py): one pair per profiled
@@ -23,10 +26,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trainer import Trainer
 from trainer.distributed.watchdog import Watchdog
 from trainer.observability.profiler import SimpleProfiler
 
-BUDGETS_US = {"watchdog_beat": 5.0, "simple_profiler_pair": 50.0}
+BUDGETS_US = {"trainer_beat": 0.77, "watchdog_beat": 5.0, "simple_profiler_pair": 50.0}
+
+
+def trainer_beat(n: int, repeats: int) -> float:
+    trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    beat = trainer._beat
+    return min(timeit.repeat(lambda: beat("backward"), number=n, repeat=repeats)) / n
 
 
 def watchdog_beat(n: int, repeats: int) -> float:
@@ -53,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     args = parser.parse_args(argv)
     seconds = {
+        "trainer_beat": trainer_beat(args.beats, args.repeats),
         "watchdog_beat": watchdog_beat(args.beats, args.repeats),
         "simple_profiler_pair": simple_profiler_pair(args.pairs, args.repeats),
     }

@@ -309,11 +309,14 @@ LIGHTNING = {
 
 def keel_view(trainer: Trainer) -> dict[str, dict[str, float]]:
     """The three dicts as Lightning's would read, less keel's documented additions: ``loss`` (the optimised loss
-    keel shows in the progress bar during fit) and the ``epoch`` keel sends the loggers with each row."""
+    keel shows in the progress bar during fit), the ``epoch`` keel sends the loggers with each row, and the
+    ``perf/`` metrics of logging steps (docs/slow-runs.md)."""
     view = {}
     for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
         values = getattr(trainer, name)
-        view[name] = {k: round(float(v), 4) for k, v in values.items() if k not in ("loss", "epoch")}
+        view[name] = {
+            k: round(float(v), 4) for k, v in values.items() if k not in ("loss", "epoch") and not k.startswith("perf/")
+        }
     return view
 
 

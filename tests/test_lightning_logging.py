@@ -4,7 +4,7 @@ default logger's folder (``Trainer.default_log_name``).
 
 Every expected value written as a constant below was measured by running the same program under Lightning 2.6.6
 (``lightning.Trainer`` / ``lightning.LightningModule``, a Logger subclass recording its ``log_metrics(metrics, step)``
-calls); keel must make the same calls. Lightning itself is never imported here.
+calls); keel must make the same calls (its own ``perf/`` metrics aside). Lightning itself is never imported here.
 """
 
 from __future__ import annotations
@@ -28,14 +28,16 @@ Call = tuple[int, dict[str, float]]
 
 
 class Recorder(Logger):
-    """A logger that keeps every ``log_metrics`` call as ``(step, {name: value rounded})``."""
+    """A logger that keeps every ``log_metrics`` call as ``(step, {name: value rounded})``, less the ``perf/``
+    metrics keel adds to the task's row on logging steps (docs/slow-runs.md), which Lightning has no counterpart
+    of."""
 
     def __init__(self, root: Path) -> None:
         super().__init__(root, "rec", 0)
         self.calls: list[Call] = []
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self.calls.append((step, {k: round(float(v), 5) for k, v in metrics.items()}))
+        self.calls.append((step, {k: round(float(v), 5) for k, v in metrics.items() if not k.startswith("perf/")}))
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         pass

@@ -128,6 +128,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> FakeWorld:
     monkeypatch.setattr(metrics_mod.comm, "is_initialized", lambda: True)
     monkeypatch.setattr(metrics_mod.comm, "get_world_size", lambda: w.n)
     monkeypatch.setattr(metrics_mod.comm, "is_rank_zero", lambda: w.local.rank == 0)
+    monkeypatch.setattr(metrics_mod.comm, "get_rank", lambda: w.local.rank)
     return w
 
 
@@ -155,13 +156,15 @@ def test_step_metrics_with_the_same_names_everywhere_take_tensor_collectives(wor
         for fx in ("sum", "max", "min", "mean"):
             log(c, f"s_{fx}", torch.tensor(float(rank + 1)), reduce_fx=fx)
         log(c, "r0", float(100 + rank), rank_zero_only=True)
-        values, _, _, flags = c.reduce_step(flags=(float(rank == 1), 0.0))
-        return values, flags
+        local = c.read_step()[0]
+        values, _, _, flags = c.exchange_step(local, flags=(float(rank == 1), 0.0), row=(rank + 0.5, 10.0 * rank))
+        return values, flags, c.rows
 
-    (r0, f0), (r1, f1) = world.run(rank_fn)
+    (r0, f0, rows0), (r1, f1, rows1) = world.run(rank_fn)
     assert r0 == r1 == {"s_sum": 3.0, "s_max": 2.0, "s_min": 1.0, "s_mean": 1.5, "r0": 100.0}
     assert f0 == f1 == [1.0, 0.0]  # the max over ranks of each flag rides along
-    # Per rank: one all-reduce (the names' hash and the flags) and one all-gather of the values; nothing pickled.
+    assert rows0 == rows1 == [[0.5, 0.0], [1.5, 10.0]]  # and every rank's row (the phase times), in rank order
+    # Per rank: one all-reduce (the names' hash, the flags and the rows) and one all-gather of the values.
     assert sorted(world.calls) == ["all_gather_tensor"] * 2 + ["all_reduce"] * 2
 
 

@@ -203,27 +203,37 @@ def _read(values: list[torch.Tensor | float], also: Sequence[torch.Tensor] = ())
 
 
 def _exchange(
-    local: dict[str, tuple[Any, ...]], flags: list[float], device: torch.device | None
-) -> tuple[list[dict[str, tuple[Any, ...]]], list[float]]:
-    """Every rank's ``local`` (name -> (value, options...)) and the max over ranks of ``flags``.
+    local: dict[str, tuple[Any, ...]], flags: list[float], device: torch.device | None, row: Sequence[float] = ()
+) -> tuple[list[dict[str, tuple[Any, ...]]], list[float], list[list[float]]]:
+    """Every rank's ``local`` (name -> (value, options...)), the max over ranks of ``flags``, and every rank's
+    ``row`` (numbers >= 0, the same count on every rank).
 
     The layout (names and options, not values) is hashed into 48 bits, exact in float64; one all-reduce
-    (max) of ``[hash, -hash, *flags]`` tells whether every rank has the same layout (max == min). Then
-    one all-gather of the values rebuilds each rank's dict; otherwise the dicts travel pickled."""
+    (max) of ``[hash, -hash, *flags, *slots]`` tells whether every rank has the same layout (max == min), where
+    ``slots`` holds one ``row`` a rank, this rank's in its own place and zeros elsewhere, so the maximum is every
+    rank's row. Then one all-gather of the values rebuilds each rank's dict; otherwise the dicts travel pickled."""
     world = comm.get_world_size() if comm.is_initialized() else 1
     if world == 1:
-        return [local], flags
+        return [local], flags, [list(row)]
+    width, at = len(row), 2 + len(flags)
+    slots = [0.0] * (world * width)
+    if width:
+        rank = comm.get_rank()
+        slots[rank * width : (rank + 1) * width] = row
     layout = repr([(name, *rest[1:]) for name, rest in local.items()]).encode()
     digest = float(int.from_bytes(hashlib.blake2b(layout, digest_size=6).digest(), "big"))
-    head = comm.all_reduce(torch.tensor([digest, -digest, *flags], dtype=torch.float64, device=device), "max").tolist()
+    head = comm.all_reduce(
+        torch.tensor([digest, -digest, *flags, *slots], dtype=torch.float64, device=device), "max"
+    ).tolist()
+    rows = [head[at + r * width : at + (r + 1) * width] for r in range(world)]
     if head[0] != -head[1]:  # ranks logged different names or options
-        return comm.all_gather_object(local), head[2:]
+        return comm.all_gather_object(local), head[2:at], rows
     names = list(local)
     if not names:
-        return [{} for _ in range(world)], head[2:]
+        return [{} for _ in range(world)], head[2:at], rows
     values = torch.tensor([local[n][0] for n in names], dtype=torch.float64, device=device)
-    rows = torch.stack(comm.all_gather_tensor(values)).tolist()
-    return [{n: (row[i], *local[n][1:]) for i, n in enumerate(names)} for row in rows], head[2:]
+    gathered = torch.stack(comm.all_gather_tensor(values)).tolist()
+    return [{n: (g[i], *local[n][1:]) for i, n in enumerate(names)} for g in gathered], head[2:at], rows
 
 
 class MetricCollector:
@@ -232,6 +242,8 @@ class MetricCollector:
     Training and evaluation keep separate epoch states: a validation run inside a training epoch reduces
     only what the validation loop logged, and the training epoch's aggregates stay until its own end.
     """
+
+    rows: list[list[float]] = []  # every rank's ``row`` of the last exchange_step
 
     def __init__(self, *, replica_ranks: int = 1) -> None:
         """
@@ -392,13 +404,16 @@ class MetricCollector:
         *,
         device: torch.device | None = None,
         flags: Sequence[float] = (),
+        row: Sequence[float] = (),
     ) -> tuple[dict[str, float], dict[str, float], dict[str, float], list[float]]:
         """Reduce what :meth:`read_step` returned across ranks. ``flags``: numbers of this rank (the loop's
         "non-finite loss seen") whose maximum over ranks rides on the same collectives. With several
         ranks: one small all-reduce and one all-gather of the values when every rank logged the same
         names (the usual case; else one ``all_gather_object``). ``device``: where the collectives'
-        tensors live (nccl: CUDA). Returns ``(all, for_logger, for_progress_bar, max of flags)``."""
-        per_rank, reduced_flags = _exchange(local, list(flags), device)
+        tensors live (nccl: CUDA). ``row``: numbers of this rank (its phase times) that every rank receives on
+        the same all-reduce, in :attr:`rows` (one list a rank). Returns ``(all, for_logger, for_progress_bar,
+        max of flags)``."""
+        per_rank, reduced_flags, self.rows = _exchange(local, list(flags), device, row)
         gathered: dict[str, list[tuple[int, float, float]]] = {}
         options: dict[str, tuple[str, Mode, bool, bool]] = {}
         for rank, rank_values in enumerate(per_rank):

@@ -38,6 +38,7 @@ from trainer.loggers.local import default_loggers, log_fit_start
 from trainer.loggers.logger import Logger
 from trainer.metrics import MetricCollector, logged_step, logger_row
 from trainer.module import DataModule, TaskModule, check_stage_inputs
+from trainer.observability.phases import Diagnosis, PhaseClock
 from trainer.observability.progress import ProgressBar
 from trainer.observability.rank_zero import configure_logging
 from trainer.options import TrainerOptions, check_lightning_keywords
@@ -97,8 +98,7 @@ class Trainer(TrainerAttributes):
         )
         self.loggers: list[Logger] = default_loggers(opts.logger, opts.default_root_dir, name=self.default_log_name)
         self.profiler = opts.profiler  # a trainer.observability.profiler.Profiler; PassThroughProfiler when off
-        # Run state: the step clock, the epoch, the data cursor.
-        self.global_step = 0
+        self.global_step = 0  # the run state: the step clock, the epoch, the data cursor
         self.current_epoch = 0
         self._epoch_batches_done = 0  # micro-batches of current_epoch already consumed (resume)
         self._epoch_samples = 0  # global sample cursor of current_epoch (all ranks together)
@@ -118,7 +118,7 @@ class Trainer(TrainerAttributes):
         self._run_step: Callable[[Any, int], Any] | None  # declared only: set with _model, the callable the loop runs
         self._train: AdaptedLoader | None = None
         self._hooks: TrainHooks | None = None  # the epoch's overridden per-batch hooks (trainer/hooks.py)
-        self._beating = False  # a watchdog or profiler listens to the step's phase beats
+        self._phases, self._diagnosis = PhaseClock(), Diagnosis()  # where each rank's time goes (observability)
         self.num_training_batches: int | None = None
         self.num_val_batches: list[int | None] = []  # per validation loader of the current fit
         self._metrics = MetricCollector(replica_ranks=self.strategy.tensor_parallel_size)
@@ -275,8 +275,6 @@ class Trainer(TrainerAttributes):
         try:
             self._setup_stage(stage)
             self._watchdog = lifecycle.start_watchdog(self)
-            # Beats on the hot path are skipped outright when nothing listens (no watchdog, no profiler).
-            self._beating = self._watchdog is not None or self.profiler.enabled
             self._beat(wd.PHASE_SETUP)
             result = body(*loaders)
         except BaseException as exc:
@@ -290,7 +288,8 @@ class Trainer(TrainerAttributes):
         return result
 
     def _beat(self, phase: str) -> None:
-        """Tell the watchdog which phase this rank enters (an attribute write), and the profiler when on."""
+        """This rank enters ``phase``: its phase clock reads the time (always), the watchdog and the profiler hear."""
+        self._phases.enter(phase)
         if self._watchdog is not None:
             self._watchdog.beat(phase, self.global_step)
         if self.profiler.enabled:  # profiling off (the default): this check is its whole cost
@@ -334,6 +333,7 @@ class Trainer(TrainerAttributes):
         self._nonfinite.reset()
         if ckpt_path is not None:
             run_state.restore(self, ckpt_path, full=True)
+        self._phases, self._diagnosis = lifecycle.performance_clock(self)  # the run's time, from this step
         if self.is_global_zero:
             own_summary = any(getattr(cb, "is_model_summary", False) for cb in self.callbacks)
             log_fit_start(self.loggers, task, opts.resolved(), summary=opts.enable_model_summary and not own_summary)
@@ -360,6 +360,7 @@ class Trainer(TrainerAttributes):
         finally:
             self._preemption.uninstall()
         self._nonfinite.check("at the end of fit")
+        lifecycle.finish_performance(self, self._phases, self._diagnosis)  # the time budget, efficiency.json
         task.on_train_end()
         for cb in self.callbacks:
             cb.on_train_end(self, task)
@@ -433,9 +434,10 @@ class Trainer(TrainerAttributes):
         preemption, multi_rank = self._preemption, self.world_size > 1
         preempt_every = opts.preemption_check_interval or opts.log_every_n_steps
         log_every, max_steps = (1 if opts.fast_dev_run else opts.log_every_n_steps), opts.max_steps
-        drop_incomplete, beating = opts.drop_incomplete_accumulation, self._beating
+        drop_incomplete = opts.drop_incomplete_accumulation
         unusual = drop_incomplete or self._manual_mode  # a window may end without an automatic optimizer step
         samples_per_batch, batch_end_hooks = plan.samples_per_batch, hooks.on_train_batch_end
+        self._beat(wd.PHASE_DATA)  # the first batch: its loader's workers start
         for micro in micro_batches(
             plan.batches,
             start_idx=plan.start,
@@ -457,18 +459,16 @@ class Trainer(TrainerAttributes):
             self.optimizer_stepped = self._step_open = stepped
             if stepped and self.global_step % log_every == 0:
                 self._log_step_metrics()  # a logging step: the only place step metrics are read
-            if beating:
-                self._beat(wd.PHASE_CALLBACKS)
+            self._beat(wd.PHASE_CALLBACKS)
             for hook in batch_end_hooks:
                 hook(outputs, micro.batch, micro.batch_idx)
             self.optimizer_stepped = False
-            if beating:
-                self._beat(wd.PHASE_DATA)  # next: fetching the next batch
             if not micro.is_step_end:
+                self._beat(wd.PHASE_DATA)  # next: fetching the next batch
                 continue
             if stepped and val_loaders and self.val_check_due:
                 self._evaluate("validate", val_loaders)
-            # Preemption: a signal seen here (one process), or every preempt_every steps all ranks agree.
+            self._beat(wd.PHASE_PREEMPTION_CHECK)  # a signal seen here, or every preempt_every steps ranks agree
             if (
                 stepped
                 and (preemption.requested or (multi_rank and self.global_step % preempt_every == 0))
@@ -481,6 +481,7 @@ class Trainer(TrainerAttributes):
             if (self._stop_requested and self.should_stop) or (max_steps != -1 and self.global_step >= max_steps):
                 completed = micro.is_epoch_end
                 break
+            self._beat(wd.PHASE_DATA)  # next: fetching the next batch (validation and the preemption check are not)
         normaliser.report_zero_steps(self.current_epoch)  # device-decided zero-item steps: one read per epoch
         self._epoch_end(val_loaders, completed=completed)
 
@@ -492,9 +493,8 @@ class Trainer(TrainerAttributes):
             normaliser.reset()
             return False
         if self._manual_mode:
-            # One training iteration (whatever number of optimizer calls) is one step.
             self._precision.update()
-            self.global_step += 1
+            self.global_step += 1  # one training iteration (whatever number of optimizer calls) is one step
             self._nonfinite.record(self.global_step, self._step_loss)
             return True
         return self._optimizer_step(normaliser)
@@ -507,8 +507,7 @@ class Trainer(TrainerAttributes):
 
     def _training_micro_batch(self, micro: MicroBatch, normaliser: StepNormaliser) -> dict[str, Any]:
         """Forward and backward of one micro-batch; gradients sync only on the step's last one."""
-        if self._beating:
-            self._beat(wd.PHASE_TRAINING_STEP)
+        self._beat(wd.PHASE_TRAINING_STEP)
         batch = micro.batch
         if self._moves_batches:  # CUDA, or float64 batches: a copy; a CPU batch is used as the loader made it
             batch = micro.batch = self._copy_batch(batch)
@@ -545,8 +544,7 @@ class Trainer(TrainerAttributes):
         scaled, outputs = normaliser.take(output, micro)  # checks what the step returned, divides for accumulation
         for hook in hooks.on_before_backward:
             hook(scaled)
-        if self._beating:
-            self._beat(wd.PHASE_BACKWARD)
+        self._beat(wd.PHASE_BACKWARD)
         backward = precision.backward  # a local: the interpreter calls it without a method lookup
         backward(scaled)
         for hook in hooks.on_after_backward:
@@ -555,8 +553,7 @@ class Trainer(TrainerAttributes):
 
     def _optimizer_step(self, normaliser: StepNormaliser) -> bool:
         """Complete the step: normalise, unscale, hook, clip, step, schedule, zero. False if skipped."""
-        if self._beating:
-            self._beat(wd.PHASE_OPTIMIZER_STEP)
+        self._beat(wd.PHASE_OPTIMIZER_STEP)
         grad_factor, step_loss, skip = normaliser.finish()  # and the normaliser starts the next window
         if skip or (self._skip_nonfinite and not finite_on_all_ranks(step_loss, self.world_size)):
             return self._skip_step(step_loss, skip)
@@ -618,12 +615,13 @@ class Trainer(TrainerAttributes):
         local, kept = self._metrics.read_step(also=pending)
         bad = self._nonfinite.judge(kept)  # this rank's first non-finite loss, if any
         values, to_logger, to_bar, (any_bad,) = self._metrics.exchange_step(
-            local, device=self.device, flags=(float(bad[0] != float("inf")),)
+            local, device=self.device, flags=(float(bad[0] != float("inf")),), row=self._phases.take(self.global_step)
         )
         if any_bad:
             self._nonfinite.fail(bad, f"at logging step {self.global_step}")  # raises on every rank
-        if values:
-            self._publish(values, to_logger, to_bar)
+        perf = self._diagnosis.update(self._metrics.rows, speak=self.is_global_zero)  # the same on every rank
+        if values := {**values, **perf}:  # the loggers get perf/ with the task's own row, never a row of its own
+            self._publish(values, {**to_logger, **perf} if to_logger else {}, to_bar)
 
     def _publish(self, values: dict[str, float], to_logger: dict[str, float], to_bar: dict[str, float]) -> None:
         self.callback_metrics.update({k: torch.scalar_tensor(v, dtype=torch.float64) for k, v in values.items()})

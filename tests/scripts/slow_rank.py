@@ -1,0 +1,81 @@
+"""A 2-rank DDP fit in which one cause of slowness is made to happen; dumps what keel's diagnosis said.
+
+Usage: slow_rank.py OUT --cause {data_rank1,data_all,step_rank0,none} [--steps S]
+
+``data_rank1``: the loader of rank 1 sleeps 40 ms a batch; ``data_all``: every rank's loader sleeps 40 ms a batch;
+``step_rank0``: rank 0's training_step sleeps 40 ms; ``none``: nothing sleeps. Logging every 2 steps. OUT/rank{R}.pt
+holds the diagnosis' warnings, the perf/ metrics of the last logging step and the steps; OUT/run/version_0 is the
+run directory (efficiency.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+
+import torch
+from models import Regression, quiet, regression_data
+from torch.utils.data import DataLoader, Dataset
+
+from trainer import Trainer
+from trainer.loggers import CSVLogger
+
+SLEEP = 0.04
+
+
+class Sleepy(Dataset):
+    """regression_data, whose items cost SLEEP / batch seconds each on the ranks that sleep."""
+
+    def __init__(self, sleeps: bool, batch: int) -> None:
+        self.data, self.sleeps, self.batch = regression_data(256), sleeps, batch
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        if self.sleeps:
+            time.sleep(SLEEP / self.batch)
+        return self.data[i]
+
+
+class Task(Regression):
+    def __init__(self, sleeps: bool) -> None:
+        super().__init__()
+        self.sleeps = sleeps
+
+    def training_step(self, batch, batch_idx):
+        if self.sleeps:
+            time.sleep(SLEEP)
+        return super().training_step(batch, batch_idx)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--cause", choices=("data_rank1", "data_all", "step_rank0", "none"), required=True)
+    parser.add_argument("--steps", type=int, default=16)
+    args = parser.parse_args()
+    logger = CSVLogger(args.out, name="run", version=0)  # a run directory: efficiency.json goes there
+    trainer = Trainer(**quiet(max_steps=args.steps, log_every_n_steps=2, logger=logger))
+    rank = trainer.global_rank
+    data_sleeps = args.cause == "data_all" or (args.cause == "data_rank1" and rank == 1)
+    task = Task(sleeps=args.cause == "step_rank0" and rank == 0)
+    trainer.fit(task, DataLoader(Sleepy(data_sleeps, 4), batch_size=4))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {
+            "warnings": trainer._diagnosis.warnings,
+            "perf": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("perf/")},
+            "global_step": trainer.global_step,
+        },
+        out / f"rank{rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()

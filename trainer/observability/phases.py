@@ -1,0 +1,220 @@
+"""Where each rank's time goes, always on: per-rank phase times, and the diagnosis rank 0 makes of them.
+
+Every rank keeps a :class:`PhaseClock`: the Trainer already marks the phases of a step for the watchdog (``data``
+while it waits for the next batch, ``training_step``, ``backward``, ``optimizer_step``, the logging step's
+reduction, callbacks, evaluation, checkpoints), and each mark now also reads a monotonic clock
+(``time.perf_counter``) and adds the time since the previous one to that phase's total: no device sync, no
+collective. On a logging step each rank's totals since the last one ride on the collective the step already makes
+(:func:`trainer.metrics.exchange_step`'s small all-reduce, in one slot per rank), so every rank holds every rank's
+times; :class:`Diagnosis` turns them into metrics (``perf/...``) and, when one rank is slower than the others in
+a phase that waits for nobody (the loader, the forward under DDP) for several intervals, or when every rank waits
+for data, one WARNING that says so, repeated only when the diagnosis changes. See docs/performance.md.
+
+On a GPU the step's kernels run after the Python that launches them: a phase's time is the host's (launches,
+waits in a collective or a sync), which is what a slow loader or a straggler costs the other ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from typing import cast
+
+log = logging.getLogger(__name__)
+
+#: The phases a rank's time is split into, in the order of the per-rank rows exchanged on logging steps.
+PHASES = ("data", "forward", "backward", "optimizer", "logging", "checkpoint", "evaluation", "other")
+_DATA, _FORWARD, _OTHER = 0, 1, len(PHASES) - 1
+# The watchdog's phase names (trainer/distributed/watchdog.py) -> the phase they start.
+_OF = {
+    "data": 0,
+    "training_step": 1,
+    "backward": 2,
+    "optimizer_step": 3,
+    "metrics_reduction": 4,
+    "checkpoint": 5,
+    "validation_step": 6,
+    "test_step": 6,
+    "predict_step": 6,
+}
+#: Per rank on a logging step: the phase seconds since the last one, then the optimizer steps they cover.
+ROW = len(PHASES) + 1
+
+
+class PhaseClock:
+    """This rank's seconds per phase since the last :meth:`take`. :meth:`enter` is the only call on the hot path:
+    one clock read and one addition."""
+
+    __slots__ = ("_current", "_since", "_steps_at", "totals")
+
+    def __init__(self, global_step: int = 0) -> None:
+        self.totals = [0.0] * len(PHASES)
+        self._current, self._since, self._steps_at = _OTHER, time.perf_counter(), global_step
+
+    def enter(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.totals[self._current] += now - self._since
+        self._since, self._current = now, _OF.get(phase, _OTHER)
+
+    def take(self, global_step: int) -> list[float]:
+        """The totals since the last take (closing the current phase there) and the optimizer steps they span,
+        as one row of :data:`ROW` numbers; the totals restart at zero."""
+        now = time.perf_counter()
+        self.totals[self._current] += now - self._since
+        self._since = now
+        row = [*self.totals, float(global_step - self._steps_at)]
+        self.totals = [0.0] * len(PHASES)
+        self._steps_at = global_step
+        return row
+
+
+class Diagnosis:
+    """Rank 0's reading of every rank's phase rows, one logging interval at a time.
+
+    A rank is *slow in a phase* when its seconds per step there exceed the fastest rank's by more than
+    ``min_excess`` seconds and by more than ``min_share`` of the slowest rank's step; only phases that wait for no
+    other rank count (the loader; the forward when ``forward_waits`` is False, as under DDP), since a rank that
+    waits in a collective is waiting for someone else. The job is *data-bound* when every rank spends more than
+    ``bound_share`` of its time waiting for data. A verdict holds once it has held for ``patience`` intervals in a
+    row; the warning comes when the verdict changes (and again only when it changes again)."""
+
+    def __init__(
+        self,
+        *,
+        hosts: Sequence[str] | None = None,
+        forward_waits: bool = False,
+        patience: int = 3,
+        min_excess: float = 0.005,
+        min_share: float = 0.1,
+        bound_share: float = 0.3,
+    ) -> None:
+        self.hosts = list(hosts) if hosts is not None else None
+        self.forward_waits = forward_waits
+        self.patience, self.min_excess, self.min_share, self.bound_share = patience, min_excess, min_share, bound_share
+        self.history: list[str | None] = []
+        self.seconds: list[list[float]] = []  # per rank, per phase: the seconds of every interval read
+        self.steps = 0.0
+        self.said: str | None = None  # the verdict last warned about
+        self.warnings: list[str] = []  # every warning given, in order
+
+    def update(self, rows: Sequence[Sequence[float]], *, speak: bool = True) -> dict[str, float]:
+        """Read one interval (``rows[r]``: rank r's :meth:`PhaseClock.take`): the metrics to log, and a WARNING
+        when the verdict changes (``speak``: this rank logs it; every rank reads the same rows and keeps the same
+        verdicts). Empty when no optimizer step happened in the interval."""
+        self.add(rows)
+        steps = max((row[-1] for row in rows), default=0.0)
+        if steps <= 0:
+            return {}
+        per_step = [[t / steps for t in row[:-1]] for row in rows]
+        walls = [sum(r) for r in per_step]
+        wall = max(walls)
+        if wall <= 0:
+            return {}
+        data = [r[_DATA] for r in per_step]
+        slowest = max(range(len(rows)), key=lambda r: walls[r] - self._waits(per_step[r]))
+        metrics = {
+            "perf/steps_per_s": 1.0 / wall,
+            "perf/data_wait_frac": statistics.fmean(d / w for d, w in zip(data, walls) if w > 0),
+            "perf/slowest_rank": float(slowest),
+        }
+        self._judge(self._verdict(per_step, wall), speak)
+        return metrics
+
+    def add(self, rows: Sequence[Sequence[float]]) -> None:
+        """Count ``rows`` into the fit's totals (:meth:`budget`) without judging them."""
+        if len(self.seconds) != len(rows):
+            self.seconds = [[0.0] * len(PHASES) for _ in rows]
+        for total, row in zip(self.seconds, rows):
+            for p, t in enumerate(row[:-1]):
+                total[p] += t
+        self.steps += max((row[-1] for row in rows), default=0.0)
+
+    def budget(self) -> dict[str, object]:
+        """The fit's time budget: every rank's seconds per phase, the slowest rank's shares (the rank with the most
+        time in phases that wait for nobody), the steps, the fit's wall time (the longest rank's) and the diagnoses
+        given (``efficiency.json``)."""
+        walls = [sum(r) for r in self.seconds]
+        # In step with each other every rank takes the same wall time: the slowest is the one that waited least.
+        own = [w - self._waits(r) for w, r in zip(walls, self.seconds)]
+        slowest = max(range(len(own)), key=own.__getitem__) if own else 0
+        wall = max(walls, default=0.0)
+        return {
+            "phases": list(PHASES),
+            "steps": int(self.steps),
+            "wall_s": wall,
+            "slowest_rank": slowest,
+            "hosts": self.hosts,
+            "share_of_slowest": {
+                p: (self.seconds[slowest][i] / walls[slowest] if walls and walls[slowest] else 0.0)
+                for i, p in enumerate(PHASES)
+            },
+            "per_rank_seconds": [dict(zip(PHASES, r)) for r in self.seconds],
+            "diagnoses": list(self.warnings),
+        }
+
+    def budget_line(self) -> str:
+        """``Time budget of fit: 120 steps in 31.4 s; the slowest rank, 1 on node-b: data 3%, forward 40%, ...``."""
+        b = self.budget()
+        share = cast("dict[str, float]", b["share_of_slowest"])
+        shares = ", ".join(f"{p} {100 * f:.0f}%" for p, f in share.items())
+        rank = cast(int, b["slowest_rank"])
+        where = f"{rank}" + (f" on {self.hosts[rank]}" if self.hosts else "")
+        return f"Time budget of fit: {b['steps']} steps in {b['wall_s']:.1f} s; the slowest rank, {where}: {shares}"
+
+    def _waits(self, phases: Sequence[float]) -> float:
+        """The seconds a step of this rank spends where it may wait for another rank (all but data and forward)."""
+        own = phases[_DATA] + (0.0 if self.forward_waits else phases[_FORWARD])
+        return sum(phases) - own
+
+    def _verdict(self, per_step: list[list[float]], wall: float) -> str | None:
+        walls = [sum(r) for r in per_step]
+        if all(w > 0 and r[_DATA] / w > self.bound_share for r, w in zip(per_step, walls)):
+            waits = statistics.median(r[_DATA] for r in per_step)
+            return (
+                f"every rank waits for data ({waits * 1e3:.0f} ms a step, median; the step takes "
+                f"{wall * 1e3:.0f} ms): the job is data-bound; raise the loaders' num_workers, prefetch, or make "
+                "the dataset cheaper to read"
+            )
+        checked = [(_DATA, "data wait")] + ([] if self.forward_waits else [(_FORWARD, "forward")])
+        worst: tuple[float, int, int, str] | None = None
+        for phase, name in checked:
+            times = [r[phase] for r in per_step]
+            fastest = min(times)
+            for rank, t in enumerate(times):
+                excess = t - fastest
+                if excess > self.min_excess and excess > self.min_share * wall and (worst is None or excess > worst[0]):
+                    worst = (excess, rank, phase, name)
+        if worst is None:
+            return None
+        _, rank, phase, name = worst
+        times = [r[phase] for r in per_step]
+        median = statistics.median(times)
+        where = f"rank {rank}" + (f" on {self.hosts[rank]}" if self.hosts else "")
+        if phase == _DATA:
+            cause = "its loader is the bottleneck; raise num_workers or check that node's disk and CPU"
+        else:
+            cause = "its compute is slower (another job on its GPU or CPU, a throttled device, a larger batch)"
+        return f"{where}: {name} {times[rank] * 1e3:.0f} ms/step vs median {median * 1e3:.0f} ms: {cause}"
+
+    def _judge(self, verdict: str | None, speak: bool) -> None:
+        self.history.append(verdict)
+        recent = self.history[-self.patience :]
+        if len(recent) < self.patience or any(_kind(v) != _kind(recent[-1]) for v in recent):
+            return
+        if _kind(verdict) == _kind(self.said):
+            return
+        self.said = verdict
+        if verdict is not None:
+            self.warnings.append(verdict)
+            if speak:
+                log.warning("Slow run: %s.", verdict)
+
+
+def _kind(verdict: str | None) -> str | None:
+    """What a verdict is about (its rank and phase, or data-bound), without its numbers."""
+    if verdict is None:
+        return None
+    head = verdict.split(" ms")[0]
+    return head.rsplit(" ", 1)[0]
