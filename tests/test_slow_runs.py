@@ -119,3 +119,30 @@ def test_two_ranks_name_the_cause_that_was_made_to_happen(tmp_path: Path, cause:
     for rank, phase in sleepers[cause]:
         assert slept <= budget["per_rank_seconds"][rank][phase] < slept + 1.0, budget
     assert budget["wall_s"] == max(sum(r.values()) for r in budget["per_rank_seconds"])
+
+
+def test_the_forward_is_judged_only_where_it_waits_for_nobody() -> None:
+    """DDP or one device with automatic optimization: the forward holds no collective. Manual optimization times
+    the whole step (its backward and gradient all-reduce too) as the forward, so it is not judged there."""
+    from models import Regression, quiet, regression_data
+    from torch.utils.data import DataLoader
+
+    from trainer import Trainer
+
+    class Manual(Regression):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(super().training_step(batch, batch_idx))
+            opt.step()
+
+    waits = {}
+    for task in (Regression(), Manual()):
+        trainer = Trainer(**quiet(max_steps=2))
+        trainer.fit(task, DataLoader(regression_data(16), batch_size=4))
+        waits[type(task).__name__] = trainer._diagnosis.forward_waits
+    assert waits == {"Regression": False, "Manual": True}

@@ -256,12 +256,15 @@ def start_watchdog(trainer: Trainer) -> Watchdog | None:
 
 
 def performance_clock(trainer: Trainer) -> tuple[PhaseClock, Diagnosis]:
-    """A fresh phase clock from this step and the diagnosis of a fit (docs/performance.md): the ranks' host names,
-    gathered once (a collective), and whether the forward may wait for other ranks (FSDP gathers in it)."""
+    """A fresh phase clock from this step and the diagnosis of a fit (docs/slow-runs.md): the ranks' host names,
+    gathered once (a collective), and whether the forward may wait for other ranks: FSDP gathers in it, and under
+    manual optimization the whole step (backward and its gradient all-reduce too) is timed as the forward."""
     import socket
 
     hosts = comm.all_gather_object(socket.gethostname())
-    return PhaseClock(trainer.global_step), Diagnosis(hosts=hosts, forward_waits=trainer.strategy.name == "fsdp")
+    task = trainer.task
+    waits = trainer.strategy.name == "fsdp" or (task is not None and not task.automatic_optimization)
+    return PhaseClock(trainer.global_step), Diagnosis(hosts=hosts, forward_waits=waits)
 
 
 def finish_performance(trainer: Trainer, clock: PhaseClock, diagnosis: Diagnosis) -> None:
