@@ -93,25 +93,8 @@ def estimate_step(
     device: str = "cpu",
 ) -> MemoryEstimate:
     """The memory one rank needs for a training step of ``task`` on ``batch`` (one micro-batch of one rank):
-    :func:`trainer.memory.estimate_memory`, whose arguments these are, and ``trainer_class`` (the ``Trainer``
-    class: the task's hooks read a Trainer built of it, never fitted).
-
-    Args:
-        task: Builds the task (a TaskModule class or a function): it is called on fake tensors, so a model of any
-            size costs nothing to build here.
-        batch: One micro-batch as the training loader yields it (real tensors; only their shapes and dtypes are
-            used).
-        strategy: As the Trainer's ``strategy`` option: ``"ddp"``, ``"fsdp"``, or an object with its settings
-            (``FSDPStrategy(activation_checkpointing=["Block"], cpu_offload=True)``).
-        world_size: Ranks of the run.
-        precision: As the Trainer's ``precision`` option.
-        device: The device type to estimate for. Fake tensors cost nothing on any device, but kernels differ (on
-            CUDA, attention keeps far less than the CPU's math kernel): ``"cuda"`` needs a machine with CUDA.
-
-    Raises:
-        RuntimeError: this process belongs to a process group of another world size, or the step reads a
-            tensor's value on the host (fake tensors have none).
-    """
+    :func:`trainer.memory.estimate_memory`, whose arguments, returns and errors these are, and ``trainer_class``
+    (the ``Trainer`` class: the task's hooks read a Trainer built of it, never fitted)."""
     chosen = build_strategy(strategy)
     if isinstance(chosen, DDPStrategy) and world_size == 1:
         chosen = SingleDeviceStrategy(activation_checkpointing=chosen.activation_checkpointing)
@@ -365,6 +348,4 @@ def _tensor_slots(module: nn.Module) -> Iterator[tuple[dict[str, Any], str, torc
 
 def _remade(tensor: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     new = make(tensor.detach())
-    if new is tensor.detach() or new is tensor:
-        return tensor
     return nn.Parameter(new, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else new

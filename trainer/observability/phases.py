@@ -93,10 +93,10 @@ class Diagnosis:
         self.hosts = list(hosts) if hosts is not None else None
         self.forward_waits = forward_waits
         self.patience, self.min_excess, self.min_share, self.bound_share = patience, min_excess, min_share, bound_share
-        self.history: list[str | None] = []
+        self.history: list[str | None] = []  # per interval: what the verdict is about (rank and phase), or None
         self.seconds: list[list[float]] = []  # per rank, per phase: the seconds of every interval read
         self.steps = 0.0
-        self.said: str | None = None  # the verdict last warned about
+        self.said: str | None = None  # what the last warning was about
         self.warnings: list[str] = []  # every warning given, in order
 
     def update(self, rows: Sequence[Sequence[float]], *, speak: bool = True) -> dict[str, float]:
@@ -119,7 +119,7 @@ class Diagnosis:
             "perf/data_wait_frac": statistics.fmean(d / w for d, w in zip(data, walls) if w > 0),
             "perf/slowest_rank": float(slowest),
         }
-        self._judge(self._verdict(per_step, wall), speak)
+        self._judge(self._verdict(per_step, walls), speak)
         return metrics
 
     def add(self, rows: Sequence[Sequence[float]]) -> None:
@@ -168,11 +168,13 @@ class Diagnosis:
         own = phases[_DATA] + (0.0 if self.forward_waits else phases[_FORWARD])
         return sum(phases) - own
 
-    def _verdict(self, per_step: list[list[float]], wall: float) -> str | None:
-        walls = [sum(r) for r in per_step]
+    def _verdict(self, per_step: list[list[float]], walls: list[float]) -> tuple[str, str] | None:
+        """``(what it is about, the sentence)``: ``("data-bound", ...)`` or ``("rank 1 data", ...)``; None if
+        nothing is wrong."""
+        wall = max(walls)
         if all(w > 0 and r[_DATA] / w > self.bound_share for r, w in zip(per_step, walls)):
             waits = statistics.median(r[_DATA] for r in per_step)
-            return (
+            return "data-bound", (
                 f"every rank waits for data ({waits * 1e3:.0f} ms a step, median; the step takes "
                 f"{wall * 1e3:.0f} ms): the job is data-bound; raise the loaders' num_workers, prefetch, or make "
                 "the dataset cheaper to read"
@@ -196,25 +198,19 @@ class Diagnosis:
             cause = "its loader is the bottleneck; raise num_workers or check that node's disk and CPU"
         else:
             cause = "its compute is slower (another job on its GPU or CPU, a throttled device, a larger batch)"
-        return f"{where}: {name} {times[rank] * 1e3:.0f} ms/step vs median {median * 1e3:.0f} ms: {cause}"
+        return (
+            f"rank {rank} {name}",
+            f"{where}: {name} {times[rank] * 1e3:.0f} ms/step vs median {median * 1e3:.0f} ms: {cause}",
+        )
 
-    def _judge(self, verdict: str | None, speak: bool) -> None:
-        self.history.append(verdict)
+    def _judge(self, verdict: tuple[str, str] | None, speak: bool) -> None:
+        about = verdict[0] if verdict is not None else None
+        self.history.append(about)
         recent = self.history[-self.patience :]
-        if len(recent) < self.patience or any(_kind(v) != _kind(recent[-1]) for v in recent):
+        if len(recent) < self.patience or any(v != about for v in recent) or about == self.said:
             return
-        if _kind(verdict) == _kind(self.said):
-            return
-        self.said = verdict
+        self.said = about
         if verdict is not None:
-            self.warnings.append(verdict)
+            self.warnings.append(verdict[1])
             if speak:
-                log.warning("Slow run: %s.", verdict)
-
-
-def _kind(verdict: str | None) -> str | None:
-    """What a verdict is about (its rank and phase, or data-bound), without its numbers."""
-    if verdict is None:
-        return None
-    head = verdict.split(" ms")[0]
-    return head.rsplit(" ", 1)[0]
+                log.warning("Slow run: %s.", verdict[1])
