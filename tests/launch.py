@@ -472,8 +472,10 @@ def torchrun(
     max_restarts: int = 0,
     cwd: str | os.PathLike | None = None,
     module: bool = False,
+    retry: bool = True,
 ) -> LaunchResult:
-    """Run ``script`` under torchrun on one node with ``nproc`` workers (c10d rendezvous on 127.0.0.1)."""
+    """Run ``script`` under torchrun on one node with ``nproc`` workers (c10d rendezvous on 127.0.0.1).
+    ``retry=False``: a launch that hits :data:`KNOWN_ABORT` is not run again (its caller decides)."""
     cmd = [
         sys.executable,
         "-m",
@@ -496,9 +498,11 @@ def torchrun(
     if _has_local_addr():
         cmd += ["--local-addr", LOOPBACK]  # MASTER_ADDR of the workers = 127.0.0.1, not the FQDN
     cmd += _target(script, args, module)
-    return _retry_known_abort(lambda: _run([cmd], what="torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=False))[
-        0
-    ]
+
+    def launch() -> list[LaunchResult]:
+        return _run([cmd], what="torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=False)
+
+    return (_retry_known_abort(launch) if retry else launch())[0]
 
 
 # A rare SIGABRT of one gloo worker with this text from C++ (std::terminate), seen about once per full

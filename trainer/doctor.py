@@ -8,6 +8,9 @@ Run it the way the job will run, on every node::
         --rdzv-endpoint HOST:29500 -m trainer.doctor           # on each node
     srun python -m trainer.doctor                              # SLURM
 
+``python -m trainer.doctor goodput RUN_DIR`` instead prints a job's goodput across its restarts (the share of
+its wall time that produced kept training progress), from the run directory (docs/slow-runs.md).
+
 In order, it
 
 1. detects the launcher and this rank's place in the job (:func:`trainer.distributed.launcher.detect_env`)
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import os
 import platform
@@ -452,7 +456,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def goodput_main(argv: Sequence[str]) -> int:
+    """``python -m trainer.doctor goodput RUN_DIR``: the goodput of the job whose run directory that is."""
+    from trainer.observability import goodput
+
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.doctor goodput",
+        description="Goodput of a finished or running job across its restarts, from <run dir>/goodput.jsonl.",
+    )
+    parser.add_argument("run_dir", help="the run directory (trainer.log_dir: the folder of metrics.csv or events)")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    args = parser.parse_args(argv)
+    try:
+        figures = goodput.account(goodput.read(args.run_dir))
+    except (OSError, ValueError) as exc:
+        _say(f"doctor goodput: {exc}")
+        return EXIT_USAGE
+    _say(json.dumps(figures) if args.json else goodput.report(figures))
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["goodput"]:
+        return goodput_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
         _say("doctor: --iters must be >= 1 and --warmup >= 0")

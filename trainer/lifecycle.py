@@ -20,7 +20,6 @@ import torch
 from trainer.compat import warn_uncalled_hooks
 from trainer.distributed import comm
 from trainer.distributed.watchdog import Watchdog, nccl_flight_recorder_env_defaults, start_for_run
-from trainer.observability.phases import Diagnosis, PhaseClock
 from trainer.observability.rank_zero import rank_zero_only
 from trainer.options import SEED_DEFAULT, resolve_seed
 from trainer.storage import local_dir, sync_mirrors
@@ -253,34 +252,6 @@ def start_watchdog(trainer: Trainer) -> Watchdog | None:
         process_group_timeout=opts.process_group_timeout,
         run_dir=local_dir(trainer.log_dir),  # hang reports: local (a mirror of a run directory on object storage)
     )
-
-
-def performance_clock(trainer: Trainer) -> tuple[PhaseClock, Diagnosis]:
-    """A fresh phase clock from this step and the diagnosis of a fit (docs/slow-runs.md): the ranks' host names,
-    gathered once (a collective), and whether the forward may wait for other ranks: FSDP gathers in it, and under
-    manual optimization the whole step (backward and its gradient all-reduce too) is timed as the forward."""
-    import socket
-
-    hosts = comm.all_gather_object(socket.gethostname())
-    task = trainer.task
-    waits = trainer.strategy.name == "fsdp" or (task is not None and not task.automatic_optimization)
-    return PhaseClock(trainer.global_step), Diagnosis(hosts=hosts, forward_waits=waits)
-
-
-def finish_performance(trainer: Trainer, clock: PhaseClock, diagnosis: Diagnosis) -> None:
-    """At the end of fit: every rank's phase times since the last logging step (one collective), then on rank 0
-    the time budget of the fit logged and written to ``<run dir>/efficiency.json`` (docs/slow-runs.md)."""
-    import json
-
-    diagnosis.add(comm.all_gather_object(clock.take(trainer.global_step)))
-    if not trainer.is_global_zero:
-        return
-    log.info("%s", diagnosis.budget_line())
-    if trainer.loggers:  # a run directory (a local mirror of one on object storage, uploaded at teardown)
-        folder = local_dir(trainer.log_dir)
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "efficiency.json"), "w") as f:
-            f.write(json.dumps(diagnosis.budget(), indent=1) + "\n")
 
 
 def with_default_callbacks(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from trainer.checkpoint.files import (
@@ -244,15 +245,17 @@ def save(
         on_commit()
 
 
-def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
+def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> float:
     """Load ``ckpt_path`` (a path, ``"last"`` or ``"best"``) into the trainer: the whole run (``full``, fit)
-    or the weights. ``"last"`` falls back to the previous committed save when the newest is damaged."""
+    or the weights; the seconds it took. ``"last"`` falls back to the previous committed save when the newest
+    is damaged."""
+    began = time.perf_counter()
     if ckpt_path not in ("last", "best"):
         ckpt_path = location(ckpt_path, "ckpt_path")
     candidates = _candidates(trainer, ckpt_path)
     if not candidates:
         log.info("ckpt_path='last': no checkpoint saved yet; starting from scratch.")
-        return
+        return time.perf_counter() - began
     task = trainer.task
     assert task is not None
     state = checkpoint_state(trainer, full=full)
@@ -278,6 +281,7 @@ def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> None:
     log.info("Restored %s from %s.", "the run" if full else "the weights", trainer._ckpt_path)
     if full:
         log.info("Resumed at global step %d, epoch %d.", trainer.global_step, trainer.current_epoch)
+    return time.perf_counter() - began
 
 
 def _candidates(trainer: Trainer, ckpt_path: str) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any, Literal, cast
 
 import torch
 
-from trainer import lifecycle, run_state
+from trainer import efficiency, lifecycle, run_state
 from trainer.callback import Callback, check_callbacks
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.checkpoint.reader import CheckpointIO
@@ -38,7 +38,7 @@ from trainer.loggers.local import default_loggers, log_fit_start
 from trainer.loggers.logger import Logger
 from trainer.metrics import MetricCollector, logged_step, logger_row
 from trainer.module import DataModule, TaskModule, check_stage_inputs
-from trainer.observability.phases import Diagnosis, PhaseClock
+from trainer.observability.phases import PhaseClock
 from trainer.observability.progress import ProgressBar
 from trainer.observability.rank_zero import configure_logging
 from trainer.options import TrainerOptions, check_lightning_keywords
@@ -118,7 +118,8 @@ class Trainer(TrainerAttributes):
         self._run_step: Callable[[Any, int], Any] | None  # declared only: set with _model, the callable the loop runs
         self._train: AdaptedLoader | None = None
         self._hooks: TrainHooks | None = None  # the epoch's overridden per-batch hooks (trainer/hooks.py)
-        self._phases, self._diagnosis = PhaseClock(), Diagnosis()  # where each rank's time goes (observability)
+        self._phases = PhaseClock()  # where each rank's time goes (observability); with its accounting in fit:
+        self._efficiency: efficiency.Efficiency
         self.num_training_batches: int | None = None
         self.num_val_batches: list[int | None] = []  # per validation loader of the current fit
         self._metrics = MetricCollector(replica_ranks=self.strategy.tensor_parallel_size)
@@ -331,9 +332,8 @@ class Trainer(TrainerAttributes):
         self.global_step = self.current_epoch = self._epoch_batches_done = self._epoch_samples = 0
         self.should_stop = self._step_open = False
         self._nonfinite.reset()
-        if ckpt_path is not None:
-            run_state.restore(self, ckpt_path, full=True)
-        self._phases, self._diagnosis = lifecycle.performance_clock(self)  # the run's time, from this step
+        load_s = run_state.restore(self, ckpt_path, full=True) if ckpt_path is not None else 0.0
+        self._phases, self._efficiency = efficiency.start(self, load_s)  # the run's time, from this step
         if self.is_global_zero:
             own_summary = any(getattr(cb, "is_model_summary", False) for cb in self.callbacks)
             log_fit_start(self.loggers, task, opts.resolved(), summary=opts.enable_model_summary and not own_summary)
@@ -360,7 +360,7 @@ class Trainer(TrainerAttributes):
         finally:
             self._preemption.uninstall()
         self._nonfinite.check("at the end of fit")
-        lifecycle.finish_performance(self, self._phases, self._diagnosis)  # the time budget, efficiency.json
+        self._efficiency.finish(self, self._phases)  # the time budget, efficiency.json, the goodput ledger
         task.on_train_end()
         for cb in self.callbacks:
             cb.on_train_end(self, task)
@@ -619,9 +619,9 @@ class Trainer(TrainerAttributes):
         )
         if any_bad:
             self._nonfinite.fail(bad, f"at logging step {self.global_step}")  # raises on every rank
-        perf = self._diagnosis.update(self._metrics.rows, speak=self.is_global_zero)  # the same on every rank
+        perf, bar = self._efficiency.update(self, self._metrics.rows)  # the same on every rank
         if values := {**values, **perf}:  # the loggers get perf/ with the task's own row, never a row of its own
-            self._publish(values, {**to_logger, **perf} if to_logger else {}, to_bar)
+            self._publish(values, {**to_logger, **perf} if to_logger else {}, {**to_bar, **bar})
 
     def _publish(self, values: dict[str, float], to_logger: dict[str, float], to_bar: dict[str, float]) -> None:
         self.callback_metrics.update({k: torch.scalar_tensor(v, dtype=torch.float64) for k, v in values.items()})

@@ -1,9 +1,10 @@
 """A 2-rank DDP fit in which one cause of slowness is made to happen; dumps what keel's diagnosis said.
 
-Usage: slow_rank.py OUT --cause {data_rank1,data_all,step_rank0,none} [--steps S]
+Usage: slow_rank.py OUT --cause {data_rank1,data_all,step_rank0,save_every_step,none} [--steps S]
 
 ``data_rank1``: the loader of rank 1 sleeps 40 ms a batch; ``data_all``: every rank's loader sleeps 40 ms a batch;
-``step_rank0``: rank 0's training_step sleeps 40 ms; ``none``: nothing sleeps. Logging every 2 steps. OUT/rank{R}.pt
+``step_rank0``: rank 0's training_step sleeps 40 ms; ``save_every_step``: a checkpoint is saved after every step
+(nothing sleeps); ``none``: nothing sleeps. Logging every 2 steps. OUT/rank{R}.pt
 holds the diagnosis' warnings, the perf/ metrics of the last logging step and the steps; OUT/run/version_0 is the
 run directory (efficiency.json).
 """
@@ -22,6 +23,7 @@ from models import Regression, quiet, regression_data
 from torch.utils.data import DataLoader, Dataset
 
 from trainer import Trainer
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.loggers import CSVLogger
 
 SLEEP = 0.04
@@ -56,11 +58,19 @@ class Task(Regression):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--cause", choices=("data_rank1", "data_all", "step_rank0", "none"), required=True)
+    parser.add_argument(
+        "--cause", choices=("data_rank1", "data_all", "step_rank0", "save_every_step", "none"), required=True
+    )
     parser.add_argument("--steps", type=int, default=16)
     args = parser.parse_args()
     logger = CSVLogger(args.out, name="run", version=0)  # a run directory: efficiency.json goes there
-    trainer = Trainer(**quiet(max_steps=args.steps, log_every_n_steps=2, logger=logger))
+    saves = args.cause == "save_every_step"
+    checkpoint = [ModelCheckpoint(dirpath=str(Path(args.out) / "ckpt"), every_n_train_steps=1)] if saves else []
+    trainer = Trainer(
+        **quiet(
+            max_steps=args.steps, log_every_n_steps=2, logger=logger, enable_checkpointing=saves, callbacks=checkpoint
+        )
+    )
     rank = trainer.global_rank
     data_sleeps = args.cause == "data_all" or (args.cause == "data_rank1" and rank == 1)
     task = Task(sleeps=args.cause == "step_rank0" and rank == 0)
@@ -69,7 +79,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.save(
         {
-            "warnings": trainer._diagnosis.warnings,
+            "warnings": trainer._efficiency.diagnosis.warnings,
             "perf": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("perf/")},
             "global_step": trainer.global_step,
         },

@@ -4,11 +4,13 @@ Every rank keeps a :class:`PhaseClock`: the Trainer already marks the phases of 
 while it waits for the next batch, ``training_step``, ``backward``, ``optimizer_step``, the logging step's
 reduction, callbacks, evaluation, checkpoints), and each mark now also reads a monotonic clock
 (``time.perf_counter``) and adds the time since the previous one to that phase's total: no device sync, no
-collective. On a logging step each rank's totals since the last one ride on the collective the step already makes
-(:func:`trainer.metrics.exchange_step`'s small all-reduce, in one slot per rank), so every rank holds every rank's
-times; :class:`Diagnosis` turns them into metrics (``perf/...``) and, when one rank is slower than the others in
-a phase that waits for nobody (the loader, the forward under DDP) for several intervals, or when every rank waits
-for data, one WARNING that says so, repeated only when the diagnosis changes. See docs/performance.md.
+collective. Where the strategy tells when the backward launched its gradient all-reduce (DDP), the backward is
+split there into computing (``backward``) and waiting for the sync (``sync``). On a logging step each rank's totals
+since the last one ride on the collective the step already makes (:func:`trainer.metrics.exchange_step`'s small
+all-reduce, in one slot per rank), so every rank holds every rank's times; :class:`Diagnosis` turns them into
+metrics (``perf/...``) and, when one rank is slower than the others in a phase that waits for nobody for several
+intervals, or when the whole job is data-, checkpoint- or communication-bound, one WARNING that says so, repeated
+only when the diagnosis changes. See docs/slow-runs.md.
 
 On a GPU the step's kernels run after the Python that launches them: a phase's time is the host's (launches,
 waits in a collective or a sync), which is what a slow loader or a straggler costs the other ranks.
@@ -20,42 +22,55 @@ import logging
 import statistics
 import time
 from collections.abc import Sequence
-from typing import cast
+from typing import Protocol, cast
 
 log = logging.getLogger(__name__)
 
 #: The phases a rank's time is split into, in the order of the per-rank rows exchanged on logging steps.
-PHASES = ("data", "forward", "backward", "optimizer", "logging", "checkpoint", "evaluation", "other")
-_DATA, _FORWARD, _OTHER = 0, 1, len(PHASES) - 1
+PHASES = ("data", "forward", "backward", "sync", "optimizer", "logging", "checkpoint", "evaluation", "other")
+_DATA, _FORWARD, _BACKWARD, _SYNC, _CHECKPOINT, _OTHER = 0, 1, 2, 3, 6, len(PHASES) - 1
 # The watchdog's phase names (trainer/distributed/watchdog.py) -> the phase they start.
 _OF = {
     "data": 0,
     "training_step": 1,
     "backward": 2,
-    "optimizer_step": 3,
-    "metrics_reduction": 4,
-    "checkpoint": 5,
-    "validation_step": 6,
-    "test_step": 6,
-    "predict_step": 6,
+    "optimizer_step": 4,
+    "metrics_reduction": 5,
+    "checkpoint": 6,
+    "validation_step": 7,
+    "test_step": 7,
+    "predict_step": 7,
 }
 #: Per rank on a logging step: the phase seconds since the last one, then the optimizer steps they cover.
 ROW = len(PHASES) + 1
 
 
+class SyncMark(Protocol):
+    """When this rank last launched a gradient all-reduce (``time.perf_counter``), written by a strategy that can
+    tell (``Strategy.sync_mark``: DDP's communication hook) from whichever thread runs the backward."""
+
+    at: float
+
+
 class PhaseClock:
     """This rank's seconds per phase since the last :meth:`take`. :meth:`enter` is the only call on the hot path:
-    one clock read and one addition."""
+    one clock read and one addition. With a :class:`SyncMark` (``sync``), a backward that launched an all-reduce
+    is split there: the time before is ``backward`` (computing gradients), the time after is ``sync`` (waiting for
+    the last all-reduce to finish, which is where a rank waits for a slower one)."""
 
-    __slots__ = ("_current", "_since", "_steps_at", "totals")
+    __slots__ = ("_current", "_since", "_steps_at", "sync", "totals")
 
-    def __init__(self, global_step: int = 0) -> None:
+    def __init__(self, global_step: int = 0, sync: SyncMark | None = None) -> None:
         self.totals = [0.0] * len(PHASES)
-        self._current, self._since, self._steps_at = _OTHER, time.perf_counter(), global_step
+        self._current, self._since, self._steps_at, self.sync = _OTHER, time.perf_counter(), global_step, sync
 
     def enter(self, phase: str) -> None:
         now = time.perf_counter()
-        self.totals[self._current] += now - self._since
+        if self._current == _BACKWARD and self.sync is not None and (at := self.sync.at) > self._since:
+            self.totals[_BACKWARD] += at - self._since
+            self.totals[_SYNC] += now - at
+        else:
+            self.totals[self._current] += now - self._since
         self._since, self._current = now, _OF.get(phase, _OTHER)
 
     def take(self, global_step: int) -> list[float]:
@@ -75,29 +90,42 @@ class Diagnosis:
 
     A rank is *slow in a phase* when its seconds per step there exceed the fastest rank's by more than
     ``min_excess`` seconds and by more than ``min_share`` of the slowest rank's step; only phases that wait for no
-    other rank count (the loader; the forward when ``forward_waits`` is False, as under DDP), since a rank that
-    waits in a collective is waiting for someone else. The job is *data-bound* when every rank spends more than
-    ``bound_share`` of its time waiting for data. A verdict holds once it has held for ``patience`` intervals in a
-    row; the warning comes when the verdict changes (and again only when it changes again)."""
+    other rank count (:attr:`judged`: the loader; the forward unless ``forward_waits``; the backward unless
+    ``backward_waits``, i.e. where its sync is split out), since a rank that waits in a collective is waiting for
+    someone else. The job is *data-bound* (or *checkpoint-bound*) when every rank spends more than ``bound_share``
+    of its time waiting for data (or blocked by saves), and *communication-bound* when no rank is slow and every
+    rank spends more than that waiting in the gradient sync. A verdict holds once it has held for ``patience``
+    intervals in a row; the warning comes when the verdict changes (and again only when it changes again)."""
 
     def __init__(
         self,
         *,
         hosts: Sequence[str] | None = None,
         forward_waits: bool = False,
+        backward_waits: bool = True,
         patience: int = 3,
         min_excess: float = 0.005,
         min_share: float = 0.1,
         bound_share: float = 0.3,
     ) -> None:
         self.hosts = list(hosts) if hosts is not None else None
-        self.forward_waits = forward_waits
+        self.forward_waits, self.backward_waits = forward_waits, backward_waits
         self.patience, self.min_excess, self.min_share, self.bound_share = patience, min_excess, min_share, bound_share
         self.history: list[str | None] = []  # per interval: what the verdict is about (rank and phase), or None
         self.seconds: list[list[float]] = []  # per rank, per phase: the seconds of every interval read
         self.steps = 0.0
         self.said: str | None = None  # what the last warning was about
         self.warnings: list[str] = []  # every warning given, in order
+
+    @property
+    def judged(self) -> list[tuple[int, str]]:
+        """The phases that wait for no other rank, judged rank against rank: ``(index, name)``."""
+        own = [(_DATA, "data wait")]
+        if not self.forward_waits:
+            own.append((_FORWARD, "forward"))
+        if not self.backward_waits:
+            own.append((_BACKWARD, "backward"))
+        return own
 
     def update(self, rows: Sequence[Sequence[float]], *, speak: bool = True) -> dict[str, float]:
         """Read one interval (``rows[r]``: rank r's :meth:`PhaseClock.take`): the metrics to log, and a WARNING
@@ -164,24 +192,37 @@ class Diagnosis:
         return f"Time budget of fit: {b['steps']} steps in {b['wall_s']:.1f} s; the slowest rank, {where}: {shares}"
 
     def _waits(self, phases: Sequence[float]) -> float:
-        """The seconds a step of this rank spends where it may wait for another rank (all but data and forward)."""
-        own = phases[_DATA] + (0.0 if self.forward_waits else phases[_FORWARD])
-        return sum(phases) - own
+        """The seconds a step of this rank spends where it may wait for another rank (all but the judged phases)."""
+        return sum(phases) - sum(phases[p] for p, _ in self.judged)
 
     def _verdict(self, per_step: list[list[float]], walls: list[float]) -> tuple[str, str] | None:
-        """``(what it is about, the sentence)``: ``("data-bound", ...)`` or ``("rank 1 data", ...)``; None if
-        nothing is wrong."""
+        """``(what it is about, the sentence)``: ``("data-bound", ...)`` or ``("rank 1 data wait", ...)``; None if
+        nothing is wrong. A job-wide cause (every rank waiting for data, blocked by saves) comes first; then the
+        slowest rank in a phase that waits for nobody; then, with nobody slow, every rank waiting in the gradient
+        sync (communication-bound)."""
         wall = max(walls)
-        if all(w > 0 and r[_DATA] / w > self.bound_share for r, w in zip(per_step, walls)):
-            waits = statistics.median(r[_DATA] for r in per_step)
+
+        def every_rank(phase: int) -> bool:
+            return all(w > 0 and r[phase] / w > self.bound_share for r, w in zip(per_step, walls))
+
+        def median(phase: int) -> float:
+            return statistics.median(r[phase] for r in per_step)
+
+        if every_rank(_DATA):
             return "data-bound", (
-                f"every rank waits for data ({waits * 1e3:.0f} ms a step, median; the step takes "
+                f"every rank waits for data ({median(_DATA) * 1e3:.0f} ms a step, median; the step takes "
                 f"{wall * 1e3:.0f} ms): the job is data-bound; raise the loaders' num_workers, prefetch, or make "
                 "the dataset cheaper to read"
             )
-        checked = [(_DATA, "data wait")] + ([] if self.forward_waits else [(_FORWARD, "forward")])
+        if every_rank(_CHECKPOINT):
+            return "checkpoint-bound", (
+                f"saving checkpoints blocks every rank {median(_CHECKPOINT) * 1e3:.0f} ms a step (median; the step "
+                f"takes {wall * 1e3:.0f} ms): the job is checkpoint-bound; save less often (ModelCheckpoint's "
+                "every_n_train_steps or train_time_interval), or save asynchronously (async_save=True) so that "
+                "training goes on while the files are written"
+            )
         worst: tuple[float, int, int, str] | None = None
-        for phase, name in checked:
+        for phase, name in self.judged:
             times = [r[phase] for r in per_step]
             fastest = min(times)
             for rank, t in enumerate(times):
@@ -189,10 +230,17 @@ class Diagnosis:
                 if excess > self.min_excess and excess > self.min_share * wall and (worst is None or excess > worst[0]):
                     worst = (excess, rank, phase, name)
         if worst is None:
+            if not self.backward_waits and every_rank(_SYNC):
+                return "communication-bound", (
+                    f"every rank waits {median(_SYNC) * 1e3:.0f} ms a step for the gradient all-reduce to finish "
+                    f"after its backward (median; the step takes {wall * 1e3:.0f} ms) and no rank is slower than "
+                    "the others: the job is communication-bound; check the interconnect (python -m trainer.doctor "
+                    "measures its bandwidth; NCCL_SOCKET_IFNAME or NCCL_IB_* on the wrong interface), sync less "
+                    "often (accumulate_grad_batches), or put more work on each rank (a larger micro-batch)"
+                )
             return None
         _, rank, phase, name = worst
         times = [r[phase] for r in per_step]
-        median = statistics.median(times)
         where = f"rank {rank}" + (f" on {self.hosts[rank]}" if self.hosts else "")
         if phase == _DATA:
             cause = "its loader is the bottleneck; raise num_workers or check that node's disk and CPU"
@@ -200,7 +248,7 @@ class Diagnosis:
             cause = "its compute is slower (another job on its GPU or CPU, a throttled device, a larger batch)"
         return (
             f"rank {rank} {name}",
-            f"{where}: {name} {times[rank] * 1e3:.0f} ms/step vs median {median * 1e3:.0f} ms: {cause}",
+            f"{where}: {name} {times[rank] * 1e3:.0f} ms/step vs median {median(phase) * 1e3:.0f} ms: {cause}",
         )
 
     def _judge(self, verdict: tuple[str, str] | None, speak: bool) -> None:
