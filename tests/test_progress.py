@@ -40,6 +40,7 @@ def make_trainer(**overrides: Any) -> SimpleNamespace:
         max_epochs=2,
         accumulate_grad_batches=2,
         progress_bar_metrics={},
+        callback_metrics={},
         sanity_checking=False,
     )
     values.update(overrides)

@@ -254,17 +254,24 @@ def test_goodput_of_a_job_killed_and_restarted_by_torchrun(tmp_path: Path) -> No
     assert doctor(["goodput", str(run_dir)]) == 0
 
 
-def test_throughput_metrics_samples_tokens_and_mfu_in_the_loggers_and_the_progress_bar(monkeypatch, tmp_path) -> None:
+def test_throughput_metrics_samples_tokens_and_mfu_in_the_loggers_and_the_progress_bar(
+    monkeypatch, tmp_path, caplog
+) -> None:
     """samples/s is the global batch times steps/s; tokens/s and MFU come from what the task reports per
     micro-batch of one rank (``tokens_per_batch``; ``flops_per_batch``, Lightning's name) and the device's listed
-    peak (patched here: a CPU has none, so no MFU is logged without it)."""
+    peak (patched here: a CPU has none, so no MFU is logged without it). The progress bar shows them after the
+    task's own numbers; ``progress_bar_metrics`` keeps only what the task logged with ``prog_bar=True``, as in
+    Lightning."""
     import csv
+    import io
+    import logging
 
     from models import Regression, quiet, regression_data
     from torch.utils.data import DataLoader
 
     from trainer import Trainer
     from trainer.loggers import CSVLogger
+    from trainer.observability.progress import ProgressBar
 
     class Reporting(Regression):
         tokens_per_batch, flops_per_batch = 32, 2e6
@@ -273,16 +280,24 @@ def test_throughput_metrics_samples_tokens_and_mfu_in_the_loggers_and_the_progre
     for peak in (None, 1e9):
         monkeypatch.setattr("trainer.efficiency.device_peak_flops", lambda device, dtype, peak=peak: peak)
         logger = CSVLogger(str(tmp_path), name=f"peak{peak}", version=0)
-        trainer = Trainer(**quiet(max_steps=6, log_every_n_steps=3, accumulate_grad_batches=2, logger=logger))
-        trainer.fit(Reporting(), DataLoader(regression_data(64), batch_size=4))
+        bar = ProgressBar(log_every_n_steps_when_not_tty=3, stream=io.StringIO())  # not a terminal: log lines
+        options = quiet(max_steps=6, log_every_n_steps=3, accumulate_grad_batches=2, logger=logger)
+        trainer = Trainer(**{**options, "enable_progress_bar": True, "callbacks": [bar]})
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="trainer.observability.progress"):
+            trainer.fit(Reporting(), DataLoader(regression_data(64), batch_size=4))
         perf = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("perf/")}
-        shown[peak] = dict(trainer.progress_bar_metrics)
+        assert set(trainer.progress_bar_metrics) == {"loss"}  # keel's loss; the task logs nothing with prog_bar
+        lines = [r.getMessage() for r in caplog.records if r.name == "trainer.observability.progress"]
+        assert len(lines) == 2, lines  # steps 3 and 6
+        shown[peak] = dict(part.split("=") for part in lines[-1].split(" | ")[1].split(" ")[1:])  # after loss
     rate = perf["perf/steps_per_s"]
     assert perf["perf/samples_per_s"] == pytest.approx(rate * 8)  # micro-batch 4 x accumulation 2 x 1 rank
     assert perf["perf/tokens_per_s"] == pytest.approx(rate * 2 * 32)
     assert perf["perf/mfu"] == pytest.approx(rate * 2 * 2e6 / 1e9)
-    assert "mfu" not in shown[None] and {"data_wait", "samples/s", "tokens/s"} <= set(shown[None])
-    assert shown[1e9]["mfu"] == pytest.approx(perf["perf/mfu"], abs=1e-3)
+    assert set(shown[None]) == {"data_wait", "tokens/s"} and set(shown[1e9]) == {"data_wait", "tokens/s", "mfu"}
+    assert float(shown[1e9]["mfu"]) == pytest.approx(perf["perf/mfu"], rel=1e-3)
+    assert float(shown[1e9]["data_wait"]) == pytest.approx(perf["perf/data_wait_frac"], rel=1e-3)
     with open(tmp_path / "peak1000000000.0" / "version_0" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["step"] for r in rows if r["perf/mfu"]] == ["2", "5"]  # the logging steps' own rows (0-based step)

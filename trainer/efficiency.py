@@ -84,27 +84,26 @@ class Efficiency:
         dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "64": torch.float64}.get(precision)
         self.peak = device_peak_flops(trainer.device, dtype or torch.float32)
 
-    def update(self, trainer: Trainer, rows: list[list[float]]) -> tuple[dict[str, float], dict[str, float]]:
-        """A logging step: the interval's ``perf/`` metrics (for the loggers) and the progress bar's share of
-        them; the goodput ledger's line."""
+    def update(self, trainer: Trainer, rows: list[list[float]]) -> dict[str, float]:
+        """A logging step: the interval's ``perf/`` metrics (for the loggers and ``callback_metrics``, where
+        the progress bar finds them); the goodput ledger's line."""
         metrics = self.diagnosis.update(rows, speak=trainer.is_global_zero)
         if not metrics:
-            return {}, {}
+            return {}
         self.ledger.progress(trainer.global_step, self.diagnosis.seconds[0])
         per_second = metrics["perf/steps_per_s"]
         k, replicas = trainer.accumulate_grad_batches, trainer.strategy.data_parallel_size
-        bar = {"data_wait": round(metrics["perf/data_wait_frac"], 3)}
         samples = global_batch.checkpoint_record(trainer)[global_batch.R_SAMPLES]
         if samples:
-            metrics["perf/samples_per_s"] = bar["samples/s"] = per_second * samples
+            metrics["perf/samples_per_s"] = per_second * samples
         task = trainer.task
         tokens = getattr(task, "tokens_per_batch", None)  # one micro-batch of one rank
         if tokens:
-            metrics["perf/tokens_per_s"] = bar["tokens/s"] = per_second * k * replicas * float(tokens)
+            metrics["perf/tokens_per_s"] = per_second * k * replicas * float(tokens)
         flops = getattr(task, "flops_per_batch", None)  # Lightning's name: one micro-batch of one rank, fwd + bwd
         if flops and self.peak:
-            metrics["perf/mfu"] = bar["mfu"] = per_second * k * float(flops) / self.peak
-        return metrics, {key: round(v, 3) for key, v in bar.items()}
+            metrics["perf/mfu"] = per_second * k * float(flops) / self.peak
+        return metrics
 
     def finish(self, trainer: Trainer, clock: PhaseClock) -> None:
         """The end of fit: every rank's times since the last logging step (one collective); rank 0 logs the time

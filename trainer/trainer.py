@@ -619,9 +619,9 @@ class Trainer(TrainerAttributes):
         )
         if any_bad:
             self._nonfinite.fail(bad, f"at logging step {self.global_step}")  # raises on every rank
-        perf, bar = self._efficiency.update(self, self._metrics.rows)  # the same on every rank
+        perf = self._efficiency.update(self, self._metrics.rows)  # the same on every rank
         if values := {**values, **perf}:  # the loggers get perf/ with the task's own row, never a row of its own
-            self._publish(values, {**to_logger, **perf} if to_logger else {}, {**to_bar, **bar})
+            self._publish(values, {**to_logger, **perf} if to_logger else {}, to_bar)
 
     def _publish(self, values: dict[str, float], to_logger: dict[str, float], to_bar: dict[str, float]) -> None:
         self.callback_metrics.update({k: torch.scalar_tensor(v, dtype=torch.float64) for k, v in values.items()})

@@ -4,9 +4,11 @@ The Trainer adds a :class:`ProgressBar` unless ``enable_progress_bar=False`` or 
 ``is_progress_bar = True`` is already in the list. Like every callback it runs on every rank; only
 global rank 0 draws or logs anything (docs/design.md section 7).
 
-It never reads a tensor's value: the numbers it shows come from ``trainer.progress_bar_metrics``
-(host floats the Trainer refreshes on logging steps) and from batch shapes, so it adds no host-device
-sync to any step (docs/design.md section 11). tqdm is imported when the first bar is drawn.
+It never waits for a device: the numbers it shows come from ``trainer.progress_bar_metrics`` (host
+floats the Trainer refreshes on logging steps), from the ``perf/`` entries of ``trainer.callback_metrics``
+(CPU tensors the Trainer makes from host floats on logging steps, docs/slow-runs.md) and from batch
+shapes, so it adds no host-device sync to any step (docs/design.md section 11). tqdm is imported when
+the first bar is drawn.
 """
 
 from __future__ import annotations
@@ -37,6 +39,16 @@ def _format_metrics(metrics: dict[str, float]) -> str:
     return " ".join(f"{name}={value:.4g}" for name, value in metrics.items())
 
 
+# keel's own numbers shown after the task's: the name in the bar for each perf/ metric (docs/slow-runs.md)
+_PERF_SHOWN = {"perf/data_wait_frac": "data_wait", "perf/tokens_per_s": "tokens/s", "perf/mfu": "mfu"}
+
+
+def _perf_metrics(trainer: Trainer) -> dict[str, float]:
+    """The perf/ metrics of the last logging step, by their short names; samples/s the bar counts itself."""
+    logged = trainer.callback_metrics
+    return {short: float(logged[name]) for name, short in _PERF_SHOWN.items() if name in logged}
+
+
 def _format_eta(seconds: float) -> str:
     return str(datetime.timedelta(seconds=max(0, int(round(seconds)))))
 
@@ -53,7 +65,8 @@ class ProgressBar(Callback):
 
     On a terminal (``stream.isatty()``): one tqdm bar per training epoch counting micro-batches
     (total ``trainer.num_training_batches``, unknown when None), described ``"Epoch E"``, with a postfix
-    of ``step``, the ``trainer.progress_bar_metrics`` and ``samples/s``; the ETA is tqdm's. The counter
+    of ``step``, the ``trainer.progress_bar_metrics``, keel's ``data_wait``, ``tokens/s`` and ``mfu`` when
+    logged, and ``samples/s``; the ETA is tqdm's. The counter
     moves every micro-batch, the postfix is rebuilt every ``refresh_rate`` micro-batches. Validation and
     test get their own transient bar (``leave=False``).
 
@@ -155,8 +168,8 @@ class ProgressBar(Callback):
 
     def _postfix(self, trainer: Trainer) -> str:
         parts = [f"step={trainer.global_step}"]
-        if trainer.progress_bar_metrics:
-            parts.append(_format_metrics(trainer.progress_bar_metrics))
+        if shown := {**trainer.progress_bar_metrics, **_perf_metrics(trainer)}:
+            parts.append(_format_metrics(shown))
         elapsed = _now() - self._epoch_start
         if elapsed > 0 and self._epoch_samples:
             parts.append(f"samples/s={self._epoch_samples / elapsed:.4g}")
@@ -171,8 +184,8 @@ class ProgressBar(Callback):
         now = _now()
         total = self._total_steps(trainer)
         parts = [f"epoch {trainer.current_epoch} step {step}" + (f"/{total}" if total is not None else "")]
-        if trainer.progress_bar_metrics:
-            parts.append(_format_metrics(trainer.progress_bar_metrics))
+        if shown := {**trainer.progress_bar_metrics, **_perf_metrics(trainer)}:
+            parts.append(_format_metrics(shown))
         window = now - self._window_start
         if window > 0 and self._window_samples:
             parts.append(f"{self._window_samples / window:.1f} samples/s")
