@@ -302,3 +302,27 @@ def test_throughput_metrics_samples_tokens_and_mfu_in_the_loggers_and_the_progre
         rows = list(csv.DictReader(f))
     assert [r["step"] for r in rows if r["perf/mfu"]] == ["2", "5"]  # the logging steps' own rows (0-based step)
     assert all(r["train/loss"] for r in rows if r["perf/mfu"])
+
+
+def test_a_task_that_logs_a_perf_name_keeps_its_value_and_is_warned_once(caplog) -> None:
+    """keel's ``perf/`` names are its own; a task that logs one of them keeps its value (in every logged dict) and
+    hears once which name clashed; keel's other perf metrics are still logged."""
+    import logging
+
+    from models import Regression, quiet, regression_data
+    from torch.utils.data import DataLoader
+
+    from trainer import Trainer
+
+    class OwnSpeed(Regression):
+        def training_step(self, batch, batch_idx):
+            self.log("perf/steps_per_s", 123.0)
+            return super().training_step(batch, batch_idx)
+
+    trainer = Trainer(**quiet(max_steps=6, log_every_n_steps=2))
+    with caplog.at_level(logging.WARNING, logger="trainer.efficiency"):
+        trainer.fit(OwnSpeed(), DataLoader(regression_data(64), batch_size=4))
+    assert float(trainer.callback_metrics["perf/steps_per_s"]) == 123.0
+    assert "perf/data_wait_frac" in trainer.callback_metrics  # keel's others are still there
+    warnings = [r.getMessage() for r in caplog.records if "a name keel uses" in r.getMessage()]
+    assert len(warnings) == 1 and "perf/steps_per_s" in warnings[0], warnings

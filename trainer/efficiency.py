@@ -76,6 +76,7 @@ class Efficiency:
             backward_waits=trainer.strategy.sync_mark is None or manual,
         )
         self.folder = local_dir(trainer.log_dir) if trainer.loggers and trainer.is_global_zero else None
+        self.clash_warned = False
         self.ledger = goodput.Ledger(self.folder, run_identity())
         self.ledger.start(
             step=trainer.global_step, load_s=load_s, attempt=restart_count(), world_size=trainer.world_size
@@ -84,9 +85,23 @@ class Efficiency:
         dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "64": torch.float64}.get(precision)
         self.peak = device_peak_flops(trainer.device, dtype or torch.float32)
 
-    def update(self, trainer: Trainer, rows: list[list[float]]) -> dict[str, float]:
+    def update(self, trainer: Trainer, rows: list[list[float]], logged: dict[str, float]) -> dict[str, float]:
         """A logging step: the interval's ``perf/`` metrics (for the loggers and ``callback_metrics``, where
-        the progress bar finds them); the goodput ledger's line."""
+        the progress bar finds them), less any name the task logged itself (``logged``: the task's value stays,
+        with one warning); the goodput ledger's line."""
+        metrics = self._update(trainer, rows)
+        clash = sorted(metrics.keys() & logged.keys())
+        if clash and not self.clash_warned:
+            self.clash_warned = True
+            if trainer.is_global_zero:
+                log.warning(
+                    "The task logs %s, a name keel uses for its own throughput metrics (docs/slow-runs.md); the "
+                    "task's value is kept and keel's is not logged. Rename the task's metric to see keel's.",
+                    ", ".join(clash),
+                )
+        return {k: v for k, v in metrics.items() if k not in logged}
+
+    def _update(self, trainer: Trainer, rows: list[list[float]]) -> dict[str, float]:
         metrics = self.diagnosis.update(rows, speak=trainer.is_global_zero)
         if not metrics:
             return {}

@@ -619,7 +619,7 @@ class Trainer(TrainerAttributes):
         )
         if any_bad:
             self._nonfinite.fail(bad, f"at logging step {self.global_step}")  # raises on every rank
-        perf = self._efficiency.update(self, self._metrics.rows)  # the same on every rank
+        perf = self._efficiency.update(self, self._metrics.rows, values)  # the same on every rank
         if values := {**values, **perf}:  # the loggers get perf/ with the task's own row, never a row of its own
             self._publish(values, {**to_logger, **perf} if to_logger else {}, to_bar)
 
