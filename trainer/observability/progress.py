@@ -43,10 +43,12 @@ def _format_metrics(metrics: dict[str, float]) -> str:
 _PERF_SHOWN = {"perf/data_wait_frac": "data_wait", "perf/tokens_per_s": "tokens/s", "perf/mfu": "mfu"}
 
 
-def _perf_metrics(trainer: Trainer) -> dict[str, float]:
-    """The perf/ metrics of the last logging step, by their short names; samples/s the bar counts itself."""
+def _shown_metrics(trainer: Trainer) -> dict[str, float]:
+    """The task's bar metrics, then keel's perf/ metrics of the last logging step by their short names (samples/s
+    the bar counts itself)."""
     logged = trainer.callback_metrics
-    return {short: float(logged[name]) for name, short in _PERF_SHOWN.items() if name in logged}
+    perf = {short: float(logged[name]) for name, short in _PERF_SHOWN.items() if name in logged}
+    return {**trainer.progress_bar_metrics, **perf}
 
 
 def _format_eta(seconds: float) -> str:
@@ -168,7 +170,7 @@ class ProgressBar(Callback):
 
     def _postfix(self, trainer: Trainer) -> str:
         parts = [f"step={trainer.global_step}"]
-        if shown := {**trainer.progress_bar_metrics, **_perf_metrics(trainer)}:
+        if shown := _shown_metrics(trainer):
             parts.append(_format_metrics(shown))
         elapsed = _now() - self._epoch_start
         if elapsed > 0 and self._epoch_samples:
@@ -184,7 +186,7 @@ class ProgressBar(Callback):
         now = _now()
         total = self._total_steps(trainer)
         parts = [f"epoch {trainer.current_epoch} step {step}" + (f"/{total}" if total is not None else "")]
-        if shown := {**trainer.progress_bar_metrics, **_perf_metrics(trainer)}:
+        if shown := _shown_metrics(trainer):
             parts.append(_format_metrics(shown))
         window = now - self._window_start
         if window > 0 and self._window_samples:
