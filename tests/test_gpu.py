@@ -189,3 +189,19 @@ def test_the_memory_estimate_matches_the_cuda_peak_of_a_real_step(precision: str
 
     (plan,) = [cb for cb in trainer.callbacks if isinstance(cb, MemoryPlan)]
     assert plan.summary is not None and plan.summary.startswith(f"Memory plan: {estimate.summary()}; fits ")
+
+
+def test_the_device_times_of_the_phases_come_from_cuda_events(tmp_path) -> None:
+    """On CUDA the phase clock records a timing event at each mark; the time budget holds the device's seconds
+    per phase next to the host's, and the compute phases' device time is there (the stream ran the kernels)."""
+    import json
+
+    from trainer.loggers import CSVLogger
+
+    logger = CSVLogger(str(tmp_path), name="run", version=0)
+    trainer = Trainer(**quiet(max_steps=16, log_every_n_steps=2, accelerator="cuda", logger=logger))
+    trainer.fit(Regression(), DataLoader(regression_data(256), batch_size=4))
+    budget = json.loads((tmp_path / "run" / "version_0" / "efficiency.json").read_text())
+    (device,), (host,) = budget["per_rank_device_seconds"], budget["per_rank_seconds"]
+    assert device["forward"] > 0 and device["backward"] > 0 and device["optimizer"] > 0, device
+    assert sum(device.values()) <= sum(host.values()) * 1.05 + 0.01, (device, host)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,102 @@ def test_the_phase_clock_splits_a_backward_at_its_last_all_reduce_launch(monkeyp
     assert taken == row(steps=1, other=1000, backward=2500, sync=500, optimizer=1000, data=1000)
 
 
+class Stream:
+    """A device stream for the timing events below: ``queued`` seconds of work launched, ``done`` of them run."""
+
+    def __init__(self) -> None:
+        self.queued = self.done = 0.0
+        self.events = 0
+
+    def event(self) -> Event:
+        self.events += 1
+        return Event(self)
+
+
+class Event:
+    """``torch.cuda.Event(enable_timing=True)`` on a :class:`Stream`: recorded after the work launched so far."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream, self.at = stream, -1.0
+
+    def record(self) -> None:
+        self.at = self.stream.queued
+
+    def query(self) -> bool:
+        return self.stream.done >= self.at
+
+    def synchronize(self) -> None:
+        self.stream.done = max(self.stream.done, self.stream.queued)
+
+    def elapsed_time(self, end: Event) -> float:
+        assert self.query() and end.query(), "torch raises for an event that has not completed"
+        return (end.at - self.at) * 1e3
+
+
+def test_on_cuda_the_device_times_come_from_events_read_without_waiting_and_split_at_the_sync() -> None:
+    """Each mark records an event on the compute stream; a logging step reads the events the stream has passed
+    (no wait: the rest count in the next read); the hook's event at the last all-reduce launch splits the device's
+    backward into compute and sync; events are reused, not made each step."""
+    from trainer.observability.phases import DeviceTimeline
+
+    stream = Stream()
+    mark = type("Mark", (), {"at": 0.0, "event": stream.event()})()
+    clock = PhaseClock(sync=mark, device=DeviceTimeline(stream.event))
+    device = slice(len(PHASES) + 1, None)
+
+    def step() -> None:
+        clock.enter("training_step")
+        stream.queued += 0.030  # the forward's kernels
+        clock.enter("backward")
+        stream.queued += 0.050  # the gradients
+        mark.at = time.perf_counter()
+        mark.event.record()  # the hook launches the last bucket's all-reduce
+        stream.queued += 0.020  # the stream waits for it
+        clock.enter("optimizer_step")
+        stream.queued += 0.010
+        clock.enter("data")
+
+    step()
+    assert clock.take(global_step=1)[device] == [0.0] * len(PHASES)  # the host ran ahead: nothing has run yet
+    stream.done = stream.queued - 0.015  # the stream is in the sync
+    step()
+    taken = clock.take(global_step=2)
+    assert taken[device] == pytest.approx(row(steps=1, forward=30, backward=50)[: len(PHASES)])
+    for _ in range(5):
+        step()
+    clock.take(global_step=7, wait=True)  # the end of fit waits for the stream
+    made = stream.events
+    step()
+    taken = clock.take(global_step=8, wait=True)
+    assert taken[device] == pytest.approx(row(steps=1, forward=30, backward=50, sync=20, optimizer=10)[: len(PHASES)])
+    assert stream.events == made  # the events read are reused: none is made on the hot path any more
+
+
+def test_on_cuda_the_compute_phases_are_judged_by_the_device_not_by_the_launches() -> None:
+    """The host launches both ranks' forwards in 1 ms and waits for the device later (in the logging step's
+    read): only the device's times tell that rank 0 computes 40 ms a step and rank 1 10 ms."""
+    host = row(data=1, forward=1, backward=1, sync=1, optimizer=1, logging=45)
+    rows = [host + row(forward=40, backward=2, optimizer=1)[:-1], host + row(forward=10, backward=2, optimizer=1)[:-1]]
+    diagnosis = Diagnosis(hosts=["node-a", "node-b"], patience=2, backward_waits=False)
+    for _ in range(2):
+        metrics = diagnosis.update(rows)
+    assert diagnosis.warnings == [
+        "rank 0 on node-a: forward 40 ms/step vs median 25 ms: its compute is slower (another job on its GPU or CPU, "
+        "a throttled device, a larger batch)"
+    ]
+    assert metrics["perf/slowest_rank"] == 0
+    launches = Diagnosis(patience=2, backward_waits=False)
+    for _ in range(2):
+        launches.update([host, host])
+    assert launches.warnings == []
+    assert diagnosis.budget()["per_rank_device_seconds"][0]["forward"] == pytest.approx(0.8)
+    assert "per_rank_device_seconds" not in launches.budget()
+    comm = Diagnosis(patience=2, backward_waits=False)
+    for _ in range(2):
+        comm.update([host + row(forward=5, backward=5, sync=30)[:-1]] * 2)
+    assert comm.warnings[0].startswith("every rank waits 30 ms a step for the gradient all-reduce")
+
+
 def test_goodput_accounts_restarts_recomputed_steps_and_the_time_between_attempts() -> None:
     from trainer.observability.goodput import account, report
 
@@ -223,6 +320,18 @@ def test_a_save_every_step_is_called_checkpoint_bound(tmp_path: Path) -> None:
     torchrun(SCRIPT, str(tmp_path), "--cause", "save_every_step", nproc=2, timeout=180).check()
     (warning,) = torch.load(tmp_path / "rank0.pt", weights_only=False)["warnings"]
     assert warning.startswith("saving checkpoints blocks every rank") and "checkpoint-bound" in warning, warning
+
+
+@pytest.mark.multiprocess
+def test_a_gradient_all_reduce_that_outweighs_the_compute_is_called_communication_bound(tmp_path: Path) -> None:
+    """32 MB of gradients a step for almost no compute, over gloo: every rank spends most of its step in the sync
+    after its backward, and neither rank is slower than the other."""
+    torchrun(SCRIPT, str(tmp_path), "--cause", "comm_bound", nproc=2, timeout=180).check()
+    (warning,) = torch.load(tmp_path / "rank0.pt", weights_only=False)["warnings"]
+    assert warning.startswith("every rank waits") and "communication-bound" in warning, warning
+    budget = json.loads((tmp_path / "run" / "version_0" / "efficiency.json").read_text())
+    for seconds in budget["per_rank_seconds"]:
+        assert seconds["sync"] > 0.3 * sum(seconds.values()), seconds
 
 
 @pytest.mark.multiprocess

@@ -21,7 +21,7 @@ from trainer.data import global_batch
 from trainer.distributed import comm
 from trainer.loggers.logger import run_identity
 from trainer.observability import goodput
-from trainer.observability.phases import Diagnosis, PhaseClock
+from trainer.observability.phases import DeviceTimeline, Diagnosis, PhaseClock
 from trainer.storage import local_dir
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,7 +123,7 @@ class Efficiency:
     def finish(self, trainer: Trainer, clock: PhaseClock) -> None:
         """The end of fit: every rank's times since the last logging step (one collective); rank 0 logs the time
         budget and the goodput, and writes ``efficiency.json`` when the run has a run directory."""
-        self.diagnosis.add(comm.all_gather_object(clock.take(trainer.global_step)))
+        self.diagnosis.add(comm.all_gather_object(clock.take(trainer.global_step, wait=True)))
         if not trainer.is_global_zero:
             return
         log.info("%s", self.diagnosis.budget_line())
@@ -148,7 +148,11 @@ class Efficiency:
 
 
 def start(trainer: Trainer, load_s: float) -> tuple[PhaseClock, Efficiency]:
-    """A fresh phase clock from this step (split at the strategy's gradient sync where it can tell) and the
-    accounting of this fit; ``load_s``: the seconds the checkpoint it resumed from took to load."""
+    """A fresh phase clock from this step (split at the strategy's gradient sync where it can tell; on CUDA with
+    the device's times from timing events) and the accounting of this fit; ``load_s``: the seconds the checkpoint
+    it resumed from took to load."""
     efficiency = Efficiency(trainer, load_s=load_s)
-    return PhaseClock(trainer.global_step, sync=trainer.strategy.sync_mark), efficiency
+    device = None
+    if trainer.device.type == "cuda":
+        device = DeviceTimeline(lambda: torch.cuda.Event(enable_timing=True))
+    return PhaseClock(trainer.global_step, sync=trainer.strategy.sync_mark, device=device), efficiency

@@ -1,12 +1,13 @@
 """A 2-rank DDP fit in which one cause of slowness is made to happen; dumps what keel's diagnosis said.
 
-Usage: slow_rank.py OUT --cause {data_rank1,data_all,step_rank0,save_every_step,none} [--steps S]
+Usage: slow_rank.py OUT --cause {data_rank1,data_all,step_rank0,save_every_step,comm_bound,none} [--steps S]
 
 ``data_rank1``: the loader of rank 1 sleeps 40 ms a batch; ``data_all``: every rank's loader sleeps 40 ms a batch;
 ``step_rank0``: rank 0's training_step sleeps 40 ms; ``save_every_step``: a checkpoint is saved after every step
-(nothing sleeps); ``none``: nothing sleeps. Logging every 2 steps. OUT/rank{R}.pt
-holds the diagnosis' warnings, the perf/ metrics of the last logging step and the steps; OUT/run/version_0 is the
-run directory (efficiency.json).
+(nothing sleeps); ``comm_bound``: the task holds a parameter of 32 MB that costs almost nothing to compute, so
+every step's gradient all-reduce outweighs its compute (nothing sleeps); ``none``: nothing sleeps. Logging every 2
+steps. OUT/rank{R}.pt holds the diagnosis' warnings, the perf/ metrics of the last logging step and the steps;
+OUT/run/version_0 is the run directory (efficiency.json).
 """
 
 from __future__ import annotations
@@ -45,21 +46,26 @@ class Sleepy(Dataset):
 
 
 class Task(Regression):
-    def __init__(self, sleeps: bool) -> None:
+    def __init__(self, sleeps: bool, big: bool = False) -> None:
         super().__init__()
         self.sleeps = sleeps
+        # 8M numbers whose gradient is one fill: 32 MB to all-reduce a step for almost no compute.
+        self.big = torch.nn.Parameter(torch.zeros(8 << 20)) if big else None
 
     def training_step(self, batch, batch_idx):
         if self.sleeps:
             time.sleep(SLEEP)
-        return super().training_step(batch, batch_idx)
+        loss = super().training_step(batch, batch_idx)
+        return loss if self.big is None else loss + 0.0 * self.big.sum()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument(
-        "--cause", choices=("data_rank1", "data_all", "step_rank0", "save_every_step", "none"), required=True
+        "--cause",
+        choices=("data_rank1", "data_all", "step_rank0", "save_every_step", "comm_bound", "none"),
+        required=True,
     )
     parser.add_argument("--steps", type=int, default=16)
     args = parser.parse_args()
@@ -73,7 +79,7 @@ def main() -> None:
     )
     rank = trainer.global_rank
     data_sleeps = args.cause == "data_all" or (args.cause == "data_rank1" and rank == 1)
-    task = Task(sleeps=args.cause == "step_rank0" and rank == 0)
+    task = Task(sleeps=args.cause == "step_rank0" and rank == 0, big=args.cause == "comm_bound")
     trainer.fit(task, DataLoader(Sleepy(data_sleeps, 4), batch_size=4))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

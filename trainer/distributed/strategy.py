@@ -481,12 +481,15 @@ _UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for 
 
 class _SyncMark:
     """When the backward last launched a gradient all-reduce (``time.perf_counter``): the phase clock splits the
-    backward there into computing and waiting for the sync (trainer/observability/phases.py)."""
+    backward there into computing and waiting for the sync (trainer/observability/phases.py). On CUDA ``event``
+    is a timing event recorded on the compute stream at each launch, which splits the device's backward the same
+    way (the phase clock swaps in a fresh one after each backward)."""
 
-    __slots__ = ("at",)
+    __slots__ = ("at", "event")
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.at = 0.0
+        self.event = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
 
 
 def _marked_allreduce(mark, bucket):  # type: ignore[no-untyped-def]  # DDP refuses a bucket annotated otherwise
@@ -496,6 +499,8 @@ def _marked_allreduce(mark, bucket):  # type: ignore[no-untyped-def]  # DDP refu
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     mark.at = time.perf_counter()
+    if mark.event is not None:
+        mark.event.record()  # on the stream the gradients were computed on: the device's "gradients ready"
     return allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group
 
 
@@ -574,7 +579,7 @@ class DDPStrategy(Strategy):
             kwargs["bucket_cap_mb"] = self.bucket_cap_mb
         # Construction broadcasts rank 0's parameters and buffers: every rank starts equal.
         self.ddp = nn.parallel.DistributedDataParallel(adapter, **kwargs)
-        self.sync_mark = _SyncMark()
+        self.sync_mark = _SyncMark(self.root_device)
         self.ddp.register_comm_hook(self.sync_mark, _marked_allreduce)
         return self.ddp
 

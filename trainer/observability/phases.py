@@ -21,14 +21,17 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Sequence
-from typing import Protocol, cast
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
 
 log = logging.getLogger(__name__)
 
 #: The phases a rank's time is split into, in the order of the per-rank rows exchanged on logging steps.
 PHASES = ("data", "forward", "backward", "sync", "optimizer", "logging", "checkpoint", "evaluation", "other")
-_DATA, _FORWARD, _BACKWARD, _SYNC, _CHECKPOINT, _OTHER = 0, 1, 2, 3, 6, len(PHASES) - 1
+_DATA, _FORWARD, _BACKWARD, _SYNC, _OPTIMIZER, _CHECKPOINT, _OTHER = 0, 1, 2, 3, 4, 6, len(PHASES) - 1
+# On CUDA the device's times replace the host's (launches) for these phases in the diagnosis.
+_ON_DEVICE = (_FORWARD, _BACKWARD, _SYNC, _OPTIMIZER)
 # The watchdog's phase names (trainer/distributed/watchdog.py) -> the phase they start.
 _OF = {
     "data": 0,
@@ -41,47 +44,126 @@ _OF = {
     "test_step": 7,
     "predict_step": 7,
 }
-#: Per rank on a logging step: the phase seconds since the last one, then the optimizer steps they cover.
+#: Per rank on a logging step: the phase seconds since the last one, then the optimizer steps they cover; on CUDA
+#: the row goes on with the device's seconds per phase (:class:`DeviceTimeline`).
 ROW = len(PHASES) + 1
+_STEPS = len(PHASES)
 
 
 class SyncMark(Protocol):
     """When this rank last launched a gradient all-reduce (``time.perf_counter``), written by a strategy that can
-    tell (``Strategy.sync_mark``: DDP's communication hook) from whichever thread runs the backward."""
+    tell (``Strategy.sync_mark``: DDP's communication hook) from whichever thread runs the backward; on CUDA also
+    ``event``, a timing event the hook records on the compute stream at each launch (None elsewhere)."""
 
     at: float
+    event: Event | None
+
+
+class Event(Protocol):
+    """What :class:`DeviceTimeline` needs of ``torch.cuda.Event(enable_timing=True)``."""
+
+    def record(self) -> None: ...
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+    def elapsed_time(self, end: Any, /) -> float: ...  # milliseconds to ``end``, an event of the same kind
+
+
+class DeviceTimeline:
+    """The device's seconds per phase, from timing events recorded on the compute stream at the phase marks.
+
+    On a GPU the host launches kernels and runs ahead; its phase times are launch times and waits. The time from
+    the event recorded when a phase starts to the next one is what the device's stream spent on that phase's work
+    (or idle waiting for it). :meth:`mark` records one event (reused from a pool: no allocation on the hot path);
+    :meth:`read` adds up the intervals whose events have completed without waiting for the others (they count in
+    the next read), or waits for all of them (``wait``: the end of fit)."""
+
+    __slots__ = ("_free", "_last", "_new", "_pending", "totals")
+
+    def __init__(self, new_event: Callable[[], Event]) -> None:
+        self._new = new_event
+        self.totals = [0.0] * len(PHASES)
+        self._pending: deque[tuple[int, Event]] = deque()  # (the phase that starts at the event, the event)
+        self._free: list[Event] = []
+        self._last: tuple[int, Event] | None = None  # the newest event read: where its phase's interval starts
+
+    def fresh(self) -> Event:
+        """An event not in use (the pool's, or a new one)."""
+        return self._free.pop() if self._free else self._new()
+
+    def mark(self, phase: int) -> None:
+        event = self.fresh()
+        event.record()
+        self._pending.append((phase, event))
+
+    def adopt(self, phase: int, event: Event) -> None:
+        """An event someone else recorded (the sync mark's) starts ``phase`` here: it becomes this timeline's."""
+        self._pending.append((phase, event))
+
+    def read(self, *, wait: bool = False) -> list[float]:
+        """The device's seconds per phase since the last read, as far as its stream has got."""
+        while self._pending:
+            phase, event = self._pending[0]
+            if wait:
+                event.synchronize()
+            elif not event.query():
+                break
+            self._pending.popleft()
+            if self._last is not None:
+                started, at = self._last
+                self.totals[started] += max(0.0, at.elapsed_time(event) / 1e3)
+                self._free.append(at)
+            self._last = (phase, event)
+        totals, self.totals = self.totals, [0.0] * len(PHASES)
+        return totals
 
 
 class PhaseClock:
     """This rank's seconds per phase since the last :meth:`take`. :meth:`enter` is the only call on the hot path:
     one clock read and one addition. With a :class:`SyncMark` (``sync``), a backward that launched an all-reduce
     is split there: the time before is ``backward`` (computing gradients), the time after is ``sync`` (waiting for
-    the last all-reduce to finish, which is where a rank waits for a slower one)."""
+    the last all-reduce to finish, which is where a rank waits for a slower one). With a :class:`DeviceTimeline`
+    (``device``, on CUDA) each mark also records an event on the compute stream, and the sync mark's event splits
+    the device's backward the same way."""
 
-    __slots__ = ("_current", "_since", "_steps_at", "sync", "totals")
+    __slots__ = ("_current", "_since", "_steps_at", "device", "sync", "totals")
 
-    def __init__(self, global_step: int = 0, sync: SyncMark | None = None) -> None:
+    def __init__(
+        self, global_step: int = 0, sync: SyncMark | None = None, device: DeviceTimeline | None = None
+    ) -> None:
         self.totals = [0.0] * len(PHASES)
         self._current, self._since, self._steps_at, self.sync = _OTHER, time.perf_counter(), global_step, sync
+        self.device = device
+        if device is not None:
+            device.mark(_OTHER)
 
     def enter(self, phase: str) -> None:
         now = time.perf_counter()
+        device = self.device
         if self._current == _BACKWARD and self.sync is not None and (at := self.sync.at) > self._since:
             self.totals[_BACKWARD] += at - self._since
             self.totals[_SYNC] += now - at
+            if device is not None and (event := self.sync.event) is not None:
+                device.adopt(_SYNC, event)  # recorded by the hook in this backward: its last launch
+                self.sync.event = device.fresh()
         else:
             self.totals[self._current] += now - self._since
         self._since, self._current = now, _OF.get(phase, _OTHER)
+        if device is not None:
+            device.mark(self._current)
 
-    def take(self, global_step: int) -> list[float]:
+    def take(self, global_step: int, *, wait: bool = False) -> list[float]:
         """The totals since the last take (closing the current phase there) and the optimizer steps they span,
-        as one row of :data:`ROW` numbers; the totals restart at zero."""
+        as one row of :data:`ROW` numbers, then with a device timeline the device's seconds per phase as far as
+        its stream has got (all of them with ``wait``); the totals restart at zero."""
         now = time.perf_counter()
         self.totals[self._current] += now - self._since
         self._since = now
         row = [*self.totals, float(global_step - self._steps_at)]
         self.totals = [0.0] * len(PHASES)
         self._steps_at = global_step
+        if self.device is not None:
+            self.device.mark(self._current)  # closes the interval on the device too
+            row += self.device.read(wait=wait)
         return row
 
 
@@ -113,6 +195,7 @@ class Diagnosis:
         self.patience, self.min_excess, self.min_share, self.bound_share = patience, min_excess, min_share, bound_share
         self.history: list[str | None] = []  # per interval: what the verdict is about (rank and phase), or None
         self.seconds: list[list[float]] = []  # per rank, per phase: the seconds of every interval read
+        self.device_seconds: list[list[float]] = []  # the same on the device's stream (CUDA; zeros elsewhere)
         self.steps = 0.0
         self.said: str | None = None  # what the last warning was about
         self.warnings: list[str] = []  # every warning given, in order
@@ -132,15 +215,19 @@ class Diagnosis:
         when the verdict changes (``speak``: this rank logs it; every rank reads the same rows and keeps the same
         verdicts). Empty when no optimizer step happened in the interval."""
         self.add(rows)
-        steps = max((row[-1] for row in rows), default=0.0)
+        steps = max((row[_STEPS] for row in rows), default=0.0)
         if steps <= 0:
             return {}
-        per_step = [[t / steps for t in row[:-1]] for row in rows]
+        per_step = [[t / steps for t in row[:_STEPS]] for row in rows]
         walls = [sum(r) for r in per_step]
         wall = max(walls)
         if wall <= 0:
             return {}
         data = [r[_DATA] for r in per_step]
+        if all(sum(row[ROW:]) > 0 for row in rows):  # on CUDA: the device's compute phases, not the launches
+            for r, row in zip(per_step, rows):
+                for p in _ON_DEVICE:
+                    r[p] = row[ROW + p] / steps
         slowest = max(range(len(rows)), key=lambda r: walls[r] - self._waits(per_step[r]))
         metrics = {
             "perf/steps_per_s": 1.0 / wall,
@@ -154,10 +241,13 @@ class Diagnosis:
         """Count ``rows`` into the fit's totals (:meth:`budget`) without judging them."""
         if len(self.seconds) != len(rows):
             self.seconds = [[0.0] * len(PHASES) for _ in rows]
-        for total, row in zip(self.seconds, rows):
-            for p, t in enumerate(row[:-1]):
+            self.device_seconds = [[0.0] * len(PHASES) for _ in rows]
+        for total, device, row in zip(self.seconds, self.device_seconds, rows):
+            for p, t in enumerate(row[:_STEPS]):
                 total[p] += t
-        self.steps += max((row[-1] for row in rows), default=0.0)
+            for p, t in enumerate(row[ROW:]):
+                device[p] += t
+        self.steps += max((row[_STEPS] for row in rows), default=0.0)
 
     def budget(self) -> dict[str, object]:
         """The fit's time budget: every rank's seconds per phase, the slowest rank's shares (the rank with the most
@@ -180,6 +270,11 @@ class Diagnosis:
             },
             "per_rank_seconds": [dict(zip(PHASES, r)) for r in self.seconds],
             "diagnoses": list(self.warnings),
+            **(
+                {"per_rank_device_seconds": [dict(zip(PHASES, r)) for r in self.device_seconds]}
+                if any(any(r) for r in self.device_seconds)
+                else {}
+            ),
         }
 
     def budget_line(self) -> str:
