@@ -124,6 +124,7 @@ class Efficiency:
         """The end of fit: every rank's times since the last logging step (one collective); rank 0 logs the time
         budget and the goodput, and writes ``efficiency.json`` when the run has a run directory."""
         self.diagnosis.add(comm.all_gather_object(clock.take(trainer.global_step, wait=True)))
+        clock.device = None  # nothing reads the device's times after fit: no events pile up in validate/predict
         if not trainer.is_global_zero:
             return
         log.info("%s", self.diagnosis.budget_line())
