@@ -259,10 +259,13 @@ def main() -> None:
     if peak is None and not args.smoke_on_cpu:
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_name), None)
     out = tempfile.mkdtemp(prefix="keel-gpu-bench-")
-    results = {}
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    commands, ports = {}, set()
     for run in RUNS:
-        port = _free_port()
-        cmd = [
+        while (port := _free_port()) in ports:  # the runs may start together: one rendezvous port each
+            pass
+        ports.add(port)
+        commands[run] = [
             sys.executable,
             "-m",
             "torch.distributed.run",
@@ -283,12 +286,27 @@ def main() -> None:
             "--out",
             out,
         ] + (["--smoke-on-cpu"] if args.smoke_on_cpu else [])
-        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-        done = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
-        if done.returncode:
-            sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
-            raise SystemExit(f"benchmarks/gpu.py: the {run} run failed (exit {done.returncode})")
-        results[run] = json.loads(Path(out, f"{run}.json").read_text())
+    # On the GPU one run at a time (they are timed); the CPU smoke checks only that each run works: all at once.
+    batches = [list(RUNS)] if args.smoke_on_cpu else [[run] for run in RUNS]
+    results = {}
+    for batch in batches:
+        procs = {
+            run: subprocess.Popen(commands[run], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for run in batch
+        }
+        for run, proc in procs.items():
+            try:
+                stdout, stderr = proc.communicate(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                for other in procs.values():
+                    other.kill()
+                raise SystemExit(f"benchmarks/gpu.py: the {run} run took over {args.timeout} s; killed") from None
+            if proc.returncode:
+                sys.stderr.write(stdout[-4000:] + stderr[-4000:])
+                for other in procs.values():
+                    other.kill()
+                raise SystemExit(f"benchmarks/gpu.py: the {run} run failed (exit {proc.returncode})")
+            results[run] = json.loads(Path(out, f"{run}.json").read_text())
     cfg = results["loop_ddp"]["cfg"]
     params = results["loop_ddp"]["params"]
     flops_per_token = 6 * params + 12 * cfg["n_layer"] * cfg["block_size"] * cfg["n_embd"]

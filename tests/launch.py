@@ -435,7 +435,7 @@ class _Launch:
 
 
 def _run(cmds: list[list[str]], *, what: str, timeout: float, env, cwd, fail_fast: bool) -> list[LaunchResult]:
-    marker = uuid.uuid4().hex
+    marker, started = uuid.uuid4().hex, time.monotonic()
     launch = _Launch(cmds, _make_env(env, marker), os.fspath(cwd) if cwd is not None else None, marker)
     try:
         finished = launch.wait(timeout, fail_fast)
@@ -446,6 +446,7 @@ def _run(cmds: list[list[str]], *, what: str, timeout: float, env, cwd, fail_fas
     if not finished:
         launch.kill()
     results = launch.finish()
+    _log_launch(what, cmds, started)
     if not finished:
         parts = [f"{what} timed out after {timeout:g}s (all its processes were killed)"]
         for i, r in enumerate(results):
@@ -454,6 +455,18 @@ def _run(cmds: list[list[str]], *, what: str, timeout: float, env, cwd, fail_fas
             parts.append(f"--- last {TAIL_LINES} lines of output{label} ---\n{r.tail()}")
         raise AssertionError("\n".join(parts))
     return results
+
+
+def _log_launch(what: str, cmds: list[list[str]], started: float) -> None:
+    """With ``KEEL_LAUNCH_LOG`` set to a file: one JSON line a launch (the test, what, its commands, its seconds),
+    to see where the suite's time goes (``--durations`` names tests, not the launches inside them)."""
+    path = os.environ.get("KEEL_LAUNCH_LOG")
+    if path:
+        import json
+
+        record = {"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "what": what, "cmds": cmds}
+        with open(path, "a") as f:
+            f.write(json.dumps({**record, "seconds": round(time.monotonic() - started, 2)}) + "\n")
 
 
 def _target(script, args, module: bool) -> list[str]:
@@ -669,6 +682,7 @@ def elastic_agents(
         if not finished:
             launch.kill()
         results = launch.finish()
+        _log_launch("elastic torchrun agents", [r.cmd for r in results], launch.start)
         if not finished:
             parts = [f"elastic torchrun agents timed out after {timeout:g}s (all their processes were killed)"]
             for i, r in enumerate(results):
