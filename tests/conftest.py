@@ -192,6 +192,26 @@ def scripts_dir() -> Path:
     return TESTS_DIR / "scripts"
 
 
+# The uninterrupted runs of tests/scripts/resume_fit.py that several modules compare against (test_checkpoint,
+# test_async_checkpoint, test_s3): deterministic, so one run each serves the whole session.
+@pytest.fixture(scope="session")
+def resume_fit_one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder (``rank0.pt``) of resume_fit.py run uninterrupted in one process."""
+    root = tmp_path_factory.mktemp("resume_fit_one_process")
+    script = TESTS_DIR / "scripts" / "resume_fit.py"
+    launch.python(script, str(root / "out"), "--ckpt-dir", str(root / "ck"), timeout=120).check()
+    return root / "out"
+
+
+@pytest.fixture(scope="session")
+def resume_fit_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder (``rank0.pt``, ``rank1.pt``) of resume_fit.py run uninterrupted on 2 ranks (torchrun)."""
+    root = tmp_path_factory.mktemp("resume_fit_two_ranks")
+    script = TESTS_DIR / "scripts" / "resume_fit.py"
+    launch.torchrun(script, str(root / "out"), "--ckpt-dir", str(root / "ck"), nproc=2, timeout=180).check()
+    return root / "out"
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """The one-node SLURM cluster (tests/slurm/start.sh): reused when running, started when this is root and

@@ -39,7 +39,6 @@ from trainer.distributed.preemption import PREEMPTED_EXIT_CODE
 from trainer.distributed.strategy import Strategy
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "async_fit.py"
-SYNC_SCRIPT = REPO_ROOT / "tests" / "scripts" / "resume_fit.py"
 SAVE_FILES = [".metadata", "__0_0.distcp", "keel.json", "keel.pt"]  # one process, lightning_file=False
 
 
@@ -493,10 +492,8 @@ def test_a_leftover_temporary_folder_is_removed_by_the_first_async_save(tmp_path
 
 
 @pytest.fixture(scope="module")
-def sync_reference(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("sync_ref")
-    python(SYNC_SCRIPT, str(root / "out"), "--ckpt-dir", str(root / "ck"), timeout=120).check()
-    return result(root / "out")
+def sync_reference(resume_fit_one_process: Path) -> dict:
+    return result(resume_fit_one_process)  # resume_fit.py's uninterrupted synchronous run (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -538,11 +535,11 @@ def test_preemption_waits_then_saves_synchronously_and_resumes_exactly(tmp_path:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow  # a variant: the SIGKILL test below resumes 2-rank async saves bit-identically by default
-def test_two_rank_async_resume_equals_uninterrupted(tmp_path: Path, two_rank_reference: list[dict]) -> None:
+def test_two_rank_async_resume_equals_uninterrupted(
+    tmp_path: Path, two_rank_reference: list[dict], resume_fit_two_ranks: Path
+) -> None:
     assert_same(two_rank_reference[0], two_rank_reference[1])
-    sync = tmp_path / "sync"
-    torchrun(SYNC_SCRIPT, str(sync / "out"), "--ckpt-dir", str(sync / "ck"), nproc=2, timeout=180).check()
-    assert_same(result(sync / "out"), two_rank_reference[0])  # async DDP == sync DDP
+    assert_same(result(resume_fit_two_ranks), two_rank_reference[0])  # async DDP == sync DDP (resume_fit.py)
     args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck"), "--slow-write", "0.2"]
     first = torchrun(SCRIPT, *args, "--crash-at", "4", nproc=2, timeout=180)
     assert first.returncode != 0

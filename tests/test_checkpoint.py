@@ -33,17 +33,13 @@ def assert_same(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def single_reference(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("single_ref")
-    python(SCRIPT, str(root / "out"), "--ckpt-dir", str(root / "ck"), timeout=120).check()
-    return weights(root / "out")
+def single_reference(resume_fit_one_process: Path) -> dict:
+    return weights(resume_fit_one_process)
 
 
 @pytest.fixture(scope="module")
-def ddp_reference(tmp_path_factory) -> list[dict]:
-    root = tmp_path_factory.mktemp("ddp_ref")
-    torchrun(SCRIPT, str(root / "out"), "--ckpt-dir", str(root / "ck"), nproc=2, timeout=180).check()
-    ranks = [weights(root / "out", r) for r in (0, 1)]
+def ddp_reference(resume_fit_two_ranks: Path) -> list[dict]:
+    ranks = [weights(resume_fit_two_ranks, r) for r in (0, 1)]
     assert_same(ranks[0], ranks[1])
     return ranks
 

@@ -50,11 +50,9 @@ def _rank_weights(out: Path, rank: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ddp_reference(tmp_path_factory) -> list[dict]:
-    """resume_fit.py's uninterrupted 2-rank run, checkpoints on local disk."""
-    root = tmp_path_factory.mktemp("s3_ddp_ref")
-    torchrun(SCRIPTS / "resume_fit.py", str(root / "out"), "--ckpt-dir", str(root / "ck"), nproc=2, timeout=180).check()
-    return [_rank_weights(root / "out", r) for r in (0, 1)]
+def ddp_reference(resume_fit_two_ranks: Path) -> list[dict]:
+    """resume_fit.py's uninterrupted 2-rank run, checkpoints on local disk (tests/conftest.py)."""
+    return [_rank_weights(resume_fit_two_ranks, r) for r in (0, 1)]
 
 
 @pytest.mark.parametrize(
