@@ -47,8 +47,9 @@ def _shown_metrics(trainer: Trainer) -> dict[str, float]:
     """The task's bar metrics, then keel's perf/ metrics of the last logging step by their short names (samples/s
     the bar counts itself)."""
     logged = trainer.callback_metrics
-    perf = {short: float(logged[name]) for name, short in _PERF_SHOWN.items() if name in logged}
-    return {**trainer.progress_bar_metrics, **perf}
+    bar = trainer.progress_bar_metrics  # a task's own name wins, as for the perf/ names themselves
+    perf = {short: float(logged[name]) for name, short in _PERF_SHOWN.items() if name in logged and short not in bar}
+    return {**bar, **perf}
 
 
 def _format_eta(seconds: float) -> str:
