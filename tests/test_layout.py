@@ -64,8 +64,9 @@ def test_import_trainer_is_cheap() -> None:
     """``import trainer`` and what a script imports from it up front (the loggers, W&B's and MLflow's included,
     and the progress bar) load none of the integrations: each is imported when first used (docs/design.md
     section 11). Nor DCP (0.6 s, DTensor with it): trainer/checkpoint/dcp_io.py is imported on the first save or
-    load. The one import check of the suite: a fresh interpreter, through tests/launch.py's
-    ``import_check`` (exempt from the multiprocess marker, tests/conftest.py)."""
+    load. Nor dynamo (1.3 s): looking for a ``torch.compile``'d task (trainer/compat.py) does not import it. The one
+    import check of the suite: a fresh interpreter, through tests/launch.py's ``import_check`` (exempt from the
+    multiprocess marker, tests/conftest.py)."""
     from launch import import_check
 
     integrations = (
@@ -77,10 +78,12 @@ def test_import_trainer_is_cheap() -> None:
         "mlflow",
         "torch.distributed.checkpoint",
         "trainer.checkpoint.dcp_io",
+        "torch._dynamo",
     )
     code = (
-        "import sys, trainer, trainer.loggers, trainer.observability.progress; "
+        "import sys, torch, trainer, trainer.loggers, trainer.observability.progress; "
         "from trainer.loggers import CSVLogger, TensorBoardLogger, WandbLogger, MLFlowLogger; "
+        "from trainer.compat import unwrap_compiled; unwrap_compiled(torch.nn.Linear(1, 1)); "
         f"print(sorted(m for m in {integrations!r} if m in sys.modules))"
     )
     loaded = ast.literal_eval(import_check(code).stdout.strip())

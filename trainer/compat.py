@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
@@ -158,7 +159,10 @@ def unwrap_compiled(model: Any) -> tuple[Any, Any | None]:
     checkpoints hold its plain ``state_dict`` keys, hooks and ``self.log`` see the task) and compiles the
     training step with the same settings (:func:`compile_step`).
     """
-    optimized = getattr(torch._dynamo.eval_frame, "OptimizedModule", None) if hasattr(torch, "_dynamo") else None
+    # A compiled model means torch.compile imported dynamo. ``torch._dynamo`` here would import it (1.3 s on this
+    # machine's CPU) into a process that compiles nothing: a fit pays that anyway (torch's Optimizer constructor
+    # imports it), validate / test / predict from a fresh process no longer do.
+    optimized = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     if optimized is not None and isinstance(model, optimized):
         return model._orig_mod, model.dynamo_ctx
     return model, None
