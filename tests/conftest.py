@@ -208,7 +208,7 @@ def resume_fit_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The output folder (``rank0.pt``, ``rank1.pt``) of resume_fit.py run uninterrupted on 2 ranks (torchrun)."""
     root = tmp_path_factory.mktemp("resume_fit_two_ranks")
     script = TESTS_DIR / "scripts" / "resume_fit.py"
-    launch.torchrun(script, str(root / "out"), "--ckpt-dir", str(root / "ck"), nproc=2, timeout=180).check()
+    launch.spawn_ranks(script, str(root / "out"), "--ckpt-dir", str(root / "ck"), nproc=2, timeout=180).check()
     return root / "out"
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "MissingMarker",
     "free_port",
     "torchrun",
+    "spawn_ranks",
     "two_nodes",
     "elastic_agents",
     "python",
@@ -314,19 +315,23 @@ class _Launch:
         self.outs = []
         self.procs: list[subprocess.Popen] = []
         self.notes: list[list[str]] = []
+        self.texts: list[str] = []  # each process's output, read by finish()
         self.start = time.monotonic()
         for cmd in cmds:
             self.add(cmd)
 
-    def add(self, cmd: list[str], extra_env: dict[str, str] | None = None) -> None:
-        """Start one more launcher of this launch (same marker), e.g. a node that joins later."""
-        out = tempfile.TemporaryFile()
-        try:
-            import fcntl
+    def add(self, cmd: list[str], extra_env: dict[str, str] | None = None, *, out=None) -> None:
+        """Start one more launcher of this launch (same marker), e.g. a node that joins later. ``out``: a file
+        to write to that another process of the launch writes too (the ranks of :func:`spawn_ranks` share one, as
+        torchrun's workers share their agent's)."""
+        if out is None:
+            out = tempfile.TemporaryFile()
+            try:
+                import fcntl
 
-            fcntl.fcntl(out.fileno(), fcntl.F_SETFL, fcntl.fcntl(out.fileno(), fcntl.F_GETFL) | os.O_APPEND)
-        except Exception:
-            pass
+                fcntl.fcntl(out.fileno(), fcntl.F_SETFL, fcntl.fcntl(out.fileno(), fcntl.F_GETFL) | os.O_APPEND)
+            except Exception:
+                pass
         env = dict(self.env, **(extra_env or {}))
         try:
             proc = subprocess.Popen(
@@ -370,7 +375,7 @@ class _Launch:
                 for i, c in enumerate(codes):
                     if c is None:
                         self.notes[i].append(
-                            f"[launch] killed this launcher because launcher {bad} exited with {codes[bad]}"
+                            f"[launch] killed process {i} of the launch because process {bad} exited with {codes[bad]}"
                         )
                 self.kill()
                 return True
@@ -423,10 +428,14 @@ class _Launch:
         else:
             _reap(self.tracked, time.monotonic() + 5)
         results = []
-        for p, out, cmd, notes in zip(self.procs, self.outs, self.cmds, self.notes):
-            out.seek(0)
-            text = out.read().decode("utf-8", errors="replace")
-            out.close()
+        texts: dict[int, str] = {}  # one read of each output file (the ranks of spawn_ranks() share one)
+        for out in self.outs:
+            if id(out) not in texts:
+                out.seek(0)
+                texts[id(out)] = out.read().decode("utf-8", errors="replace")
+                out.close()
+        self.texts = [texts[id(out)] for out in self.outs]
+        for p, text, cmd, notes in zip(self.procs, self.texts, self.cmds, self.notes):
             if notes:
                 text += ("" if text.endswith("\n") or not text else "\n") + "\n".join(notes) + "\n"
             rc = p.returncode if p.returncode is not None else -signal.SIGKILL
@@ -532,6 +541,63 @@ def _retry_known_abort(launch: Callable[[], list[LaunchResult]]) -> list[LaunchR
             r.stdout = f"[launch] first attempt hit {KNOWN_ABORT!r}; retried once\n" + r.stdout
         return retried
     return results
+
+
+def spawn_ranks(
+    script: str | os.PathLike,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    module: bool = False,
+) -> LaunchResult:
+    """Run ``script`` as ``nproc`` ranks of one job without a launcher agent: each rank is a plain ``python``
+    with the variables torchrun gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so rank 0 hosts the job's store. For tests whose subject is
+    what the ranks compute, not what torchrun does (restarts, elastic membership, the agent's store and its error
+    summary: use :func:`torchrun` for those): a torchrun agent costs a 2-rank launch ~1.7 s of its ~5 s here, its
+    own ``import torch`` before any worker starts.
+
+    The ranks share one output, as torchrun's workers share their agent's. Like torchrun, the first rank to exit
+    non-zero ends the launch: the others get a few seconds to exit by themselves, then are killed. The result's
+    ``returncode`` is that of the first rank that failed by itself (0 when every rank succeeded); the known gloo
+    exit abort is retried once.
+    """
+    out_env = {"MASTER_ADDR": LOOPBACK, "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}
+    cmd = [sys.executable] + _target(script, args, module)
+
+    def once() -> list[LaunchResult]:
+        marker, started = uuid.uuid4().hex, time.monotonic()
+        job_env = dict(_make_env(env, marker), MASTER_PORT=str(free_port()), **out_env)
+        launch = _Launch([], job_env, os.fspath(cwd) if cwd is not None else None, marker)
+        out = tempfile.TemporaryFile()
+        try:
+            for rank in range(nproc):
+                launch.add(cmd, {"RANK": str(rank), "LOCAL_RANK": str(rank)}, out=out)
+            finished = launch.wait(timeout, fail_fast=True)
+        except BaseException:
+            launch.kill()
+            launch.finish()
+            raise
+        if not finished:
+            launch.kill()
+        results = launch.finish()
+        _log_launch(f"{nproc} ranks", [cmd], started)
+        notes = [note for rank_notes in launch.notes for note in rank_notes]
+        text = launch.texts[0] + ("" if launch.texts[0].endswith("\n") or not launch.texts[0] else "\n")
+        text += "".join(f"{note}\n" for note in notes)
+        if not finished:
+            raise AssertionError(
+                f"{nproc} ranks of {' '.join(cmd)} timed out after {timeout:g}s (all their processes were killed)\n"
+                f"--- last {TAIL_LINES} lines of output ---\n{_tail(text)}"
+            )
+        codes = [r.returncode for r in results]
+        killed = (-signal.SIGTERM, -signal.SIGKILL)
+        failed = [c for c in codes if c not in (0, *killed)] or [c for c in codes if c != 0] or [0]
+        return [LaunchResult(failed[0], text, results[0].elapsed, cmd)]
+
+    return _retry_known_abort(once)[0]
 
 
 def two_nodes(

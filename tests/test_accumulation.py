@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO_ROOT, python, torchrun
+from launch import REPO_ROOT, python, spawn_ranks
 from models import Regression, loader, make_net, quiet, regression_data
 from torch.nn import functional as F
 
@@ -23,7 +23,7 @@ def test_token_weighted_loss_is_split_invariant(tmp_path: Path) -> None:
     """(k=1, 1 rank, B=16) == (k=4, 1 rank, 4) == (k=2, 2 ranks, 4), to 1e-12 in float64."""
     python(TOKENS, str(tmp_path / "a"), "--batch", "16", "--accumulate", "1", timeout=120).check()
     python(TOKENS, str(tmp_path / "b"), "--batch", "4", "--accumulate", "4", timeout=120).check()
-    torchrun(TOKENS, str(tmp_path / "c"), "--batch", "4", "--accumulate", "2", nproc=2, timeout=180).check()
+    spawn_ranks(TOKENS, str(tmp_path / "c"), "--batch", "4", "--accumulate", "2", nproc=2, timeout=180).check()
     runs = [torch.load(tmp_path / d / "rank0.pt", weights_only=False) for d in "abc"]
     runs.append(torch.load(tmp_path / "c" / "rank1.pt", weights_only=False))
     reference = runs[0]

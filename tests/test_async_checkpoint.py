@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO_ROOT, python, torchrun
+from launch import REPO_ROOT, python, spawn_ranks, torchrun
 from models import Regression, loader, quiet, regression_data
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
@@ -500,7 +500,7 @@ def sync_reference(resume_fit_one_process: Path) -> dict:
 def two_rank_reference(tmp_path_factory) -> list[dict]:
     """The uninterrupted async fit under torchrun with 2 ranks."""
     root = tmp_path_factory.mktemp("two_rank_ref")
-    torchrun(SCRIPT, str(root / "out"), "--ckpt-dir", str(root / "ck"), nproc=2, timeout=180).check()
+    spawn_ranks(SCRIPT, str(root / "out"), "--ckpt-dir", str(root / "ck"), nproc=2, timeout=180).check()
     return [result(root / "out", r) for r in (0, 1)]
 
 
@@ -541,11 +541,11 @@ def test_two_rank_async_resume_equals_uninterrupted(
     assert_same(two_rank_reference[0], two_rank_reference[1])
     assert_same(result(resume_fit_two_ranks), two_rank_reference[0])  # async DDP == sync DDP (resume_fit.py)
     args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck"), "--slow-write", "0.2"]
-    first = torchrun(SCRIPT, *args, "--crash-at", "4", nproc=2, timeout=180)
+    first = spawn_ranks(SCRIPT, *args, "--crash-at", "4", nproc=2, timeout=180)
     assert first.returncode != 0
     assert read_pointer(tmp_path / "ck")[0] == "epoch=1-step=4.ckpt"
     assert sorted(os.listdir(tmp_path / "ck" / "epoch=1-step=4.ckpt")) == sorted(SAVE_FILES + ["__1_0.distcp"])
-    torchrun(SCRIPT, *args, "--resumed", nproc=2, timeout=180).check()
+    spawn_ranks(SCRIPT, *args, "--resumed", nproc=2, timeout=180).check()
     for rank in (0, 1):
         assert_same(result(tmp_path / "out", rank), two_rank_reference[rank])
 
@@ -574,7 +574,7 @@ def test_sigkill_during_a_background_write_under_torchrun_restarts_and_ends_bit_
 @pytest.mark.multiprocess
 def test_a_background_write_failing_on_one_rank_is_raised_on_every_rank_at_the_same_step(tmp_path: Path) -> None:
     out, ck = tmp_path / "out", tmp_path / "ck"
-    run = torchrun(SCRIPT, str(out), "--ckpt-dir", str(ck), "--fail-write-at", "5", "--fail-rank", "1", timeout=180)
+    run = spawn_ranks(SCRIPT, str(out), "--ckpt-dir", str(ck), "--fail-write-at", "5", "--fail-rank", "1", timeout=180)
     assert run.returncode != 0
     errors = [json.loads((out / f"error{rank}.json").read_text()) for rank in (0, 1)]
     assert errors[0]["step"] == errors[1]["step"] == 6, errors  # the next step boundary, on both ranks

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO_ROOT, python, torchrun
+from launch import REPO_ROOT, python, spawn_ranks, torchrun
 from models import Regression, loader, quiet, regression_data
 
 from trainer import Trainer
@@ -57,9 +57,9 @@ def test_resume_after_crash_equals_uninterrupted(tmp_path: Path, single_referenc
 
 def test_two_rank_resume_equals_uninterrupted(tmp_path: Path, ddp_reference: list[dict]) -> None:
     args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck")]
-    first = torchrun(SCRIPT, *args, "--crash-at", "4", nproc=2, timeout=180)
+    first = spawn_ranks(SCRIPT, *args, "--crash-at", "4", nproc=2, timeout=180)
     assert first.returncode != 0
-    torchrun(SCRIPT, *args, "--resumed", nproc=2, timeout=180).check()
+    spawn_ranks(SCRIPT, *args, "--resumed", nproc=2, timeout=180).check()
     for rank in (0, 1):
         assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])
 
@@ -109,11 +109,11 @@ def test_sigterm_saves_at_the_current_step_and_resumes_exactly(tmp_path: Path, s
 
 def test_sigterm_on_one_rank_stops_both(tmp_path: Path, ddp_reference: list[dict]) -> None:
     args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck")]
-    first = torchrun(SCRIPT, *args, "--sigterm-at", "3", "--kill-rank", "1", nproc=2, timeout=180)
+    first = spawn_ranks(SCRIPT, *args, "--sigterm-at", "3", "--kill-rank", "1", nproc=2, timeout=180)
     assert first.returncode != 0
     # Checked every 2 steps (preemption_check_interval=2): both ranks agree at step 4 and save there.
     assert "step=4-preempted" in read_pointer(tmp_path / "ck")[0]
-    torchrun(SCRIPT, *args, "--resumed", nproc=2, timeout=180).check()
+    spawn_ranks(SCRIPT, *args, "--resumed", nproc=2, timeout=180).check()
     for rank in (0, 1):
         assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])
 
@@ -125,10 +125,10 @@ def test_sigterm_during_a_logging_steps_hooks_is_acted_on_at_that_step(
     a signal that arrives in on_train_batch_end of step 3 (after the step's metric reduction) stops both
     ranks at step 3, not one interval later."""
     args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck"), "--check-on-logging-steps"]
-    first = torchrun(SCRIPT, *args, "--sigterm-at", "3", "--kill-rank", "1", nproc=2, timeout=180)
+    first = spawn_ranks(SCRIPT, *args, "--sigterm-at", "3", "--kill-rank", "1", nproc=2, timeout=180)
     assert first.returncode != 0
     assert "step=3-preempted" in read_pointer(tmp_path / "ck")[0], first.tail()
-    torchrun(SCRIPT, *args, "--resumed", nproc=2, timeout=180).check()
+    spawn_ranks(SCRIPT, *args, "--resumed", nproc=2, timeout=180).check()
     for rank in (0, 1):
         assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])
 
@@ -233,7 +233,7 @@ def test_checkpoint_from_two_ranks_resumes_on_one_at_the_global_cursor(tmp_path:
     """2 ranks x batch 4 crash at step 4 (epoch 1, 16 of 48 samples consumed); 1 rank x batch 8 resumes at
     sample 16 of epoch 1's permutation: nothing re-read, nothing skipped."""
     args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck")]
-    first = torchrun(
+    first = spawn_ranks(
         SCRIPT, *args, "--crash-at", "4", "--save-on-crash-dir", str(tmp_path / "crash"), nproc=2, timeout=180
     )
     assert first.returncode != 0

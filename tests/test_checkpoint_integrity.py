@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from launch import REPO_ROOT, torchrun
+from launch import REPO_ROOT, spawn_ranks
 from models import Regression, loader, quiet, regression_data
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -830,7 +830,7 @@ def test_two_ranks_fall_back_from_a_damaged_rank1_file(tmp_path: Path) -> None:
     script = tmp_path / "fallback_fit.py"
     script.write_text(TWO_RANK_SCRIPT)
     out, ck = tmp_path / "out", tmp_path / "ck"
-    torchrun(script, str(out), str(ck), str(REPO_ROOT / "tests"), nproc=2, timeout=180).check()
+    spawn_ranks(script, str(out), str(ck), str(REPO_ROOT / "tests"), nproc=2, timeout=180).check()
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert ranks[1]["flipped"], "rank 1 wrote no tensor to __1_0.distcp"
     for result in ranks:

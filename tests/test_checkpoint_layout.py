@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO_ROOT, python, torchrun
+from launch import REPO_ROOT, python, spawn_ranks
 from models import Regression, loader, quiet
 
 from trainer import Trainer
@@ -98,7 +98,7 @@ class Runs:
                 ckpt_fit.main(args + ["--batch", "8"])
                 ranks = 1
             else:
-                torchrun(SCRIPT, *args, "--strategy", strategy, "--batch", "4", nproc=2, timeout=240).check()
+                spawn_ranks(SCRIPT, *args, "--strategy", strategy, "--batch", "4", nproc=2, timeout=240).check()
                 ranks = 2
             self.done[run] = [torch.load(where / "out" / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
         return self.done[run]
@@ -184,7 +184,7 @@ def test_two_async_pruning_callbacks_under_ddp(tmp_path: Path) -> None:
     """Two async ModelCheckpoints in one 2-rank fit share the process's one save in flight: their background
     collectives never interleave on the checkpoint group (before they did: a gloo mismatch, or a hang)."""
     args = [str(tmp_path / "out"), "--prune-dir", str(tmp_path / "prune"), "--async-save", "ab"]
-    torchrun(SCRIPT, *args, "--strategy", "ddp", "--batch", "4", nproc=2, timeout=60).check()
+    spawn_ranks(SCRIPT, *args, "--strategy", "ddp", "--batch", "4", nproc=2, timeout=60).check()
     assert set(os.listdir(tmp_path / "prune" / "a")) == {name(STEPS), "last"}
 
 

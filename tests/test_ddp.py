@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO_ROOT, python, torchrun, two_nodes
+from launch import REPO_ROOT, python, spawn_ranks, two_nodes
 
 from trainer.memory import estimate_memory
 
@@ -33,7 +33,7 @@ def assert_weights_close(a: dict, b: dict, tol: float) -> None:
 def test_two_ranks_equal_one_process_with_global_batch(tmp_path: Path, shuffle: bool) -> None:
     flag = ["--shuffle"] if shuffle else []
     python(SCRIPT, str(tmp_path / "single"), "--batch", "16", *flag, timeout=120).check()
-    torchrun(SCRIPT, str(tmp_path / "ddp"), "--batch", "8", "--memory-plan", *flag, nproc=2, timeout=180).check()
+    spawn_ranks(SCRIPT, str(tmp_path / "ddp"), "--batch", "8", "--memory-plan", *flag, nproc=2, timeout=180).check()
     single = load(tmp_path / "single", 0)
     rank0, rank1 = load(tmp_path / "ddp", 0), load(tmp_path / "ddp", 1)
     assert rank0["world_size"] == 2 and single["global_step"] == rank0["global_step"] == 8
@@ -72,8 +72,8 @@ def test_two_ranks_equal_one_process_with_global_batch(tmp_path: Path, shuffle: 
 
 
 def test_shuffled_run_repeats_exactly(tmp_path: Path) -> None:
-    torchrun(SCRIPT, str(tmp_path / "a"), "--batch", "8", "--shuffle", nproc=2, timeout=180).check()
-    torchrun(SCRIPT, str(tmp_path / "b"), "--batch", "8", "--shuffle", nproc=2, timeout=180).check()
+    spawn_ranks(SCRIPT, str(tmp_path / "a"), "--batch", "8", "--shuffle", nproc=2, timeout=180).check()
+    spawn_ranks(SCRIPT, str(tmp_path / "b"), "--batch", "8", "--shuffle", nproc=2, timeout=180).check()
     for rank in (0, 1):
         a, b = load(tmp_path / "a", rank), load(tmp_path / "b", rank)
         assert a["seen"] == b["seen"]
@@ -96,7 +96,7 @@ def test_the_same_first_batch_on_every_rank_is_warned_about() -> None:
     """An unsharded stream gives both ranks the same first batch: warned, on each rank (the fingerprints are
     digests, equal across processes whatever PYTHONHASHSEED); a stream sharded by rank is not."""
     script = REPO_ROOT / "tests" / "scripts" / "unsharded.py"
-    result = torchrun(script, nproc=2, timeout=180, env={"PYTHONHASHSEED": "random"}).check()
+    result = spawn_ranks(script, nproc=2, timeout=180, env={"PYTHONHASHSEED": "random"}).check()
     for rank in (0, 1):
         assert f"rank {rank} same 1" in result.stdout, result.tail()
         assert f"rank {rank} sharded 0" in result.stdout, result.tail()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO_ROOT, python, torchrun
+from launch import REPO_ROOT, python, spawn_ranks, torchrun
 
 from trainer.checkpoint.files import read_pointer
 
@@ -30,7 +30,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def run2(tmp: Path, name: str, *args: str, timeout: float = 240) -> dict:
-    torchrun(SCRIPT, str(tmp / name), *args, nproc=2, timeout=timeout).check()
+    spawn_ranks(SCRIPT, str(tmp / name), *args, nproc=2, timeout=timeout).check()
     r0, r1 = load(tmp / name, 0), load(tmp / name, 1)
     assert max_diff(r0["weights"], r1["weights"]) == 0.0  # every rank holds the same (gathered) model
     return r0
@@ -298,7 +298,7 @@ def test_async_sharded_save_refuses_non_finite_weights_on_every_rank(tmp_path: P
     step, neither left to die in the next step's all-gather; nothing is committed for that step, and `last`
     stays at the step before."""
     ck = tmp_path / "ck"
-    result = torchrun(
+    result = spawn_ranks(
         SCRIPT,
         str(tmp_path / "out"),
         "--strategy",

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import REPO_ROOT, torchrun
+from launch import REPO_ROOT, spawn_ranks
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "hook_order.py"
 
@@ -106,7 +106,7 @@ def test_single_process_order_matches_the_docstring() -> None:
 
 @pytest.mark.multiprocess
 def test_two_ranks_call_the_same_hooks_in_the_same_order(tmp_path: Path) -> None:
-    torchrun(SCRIPT, str(tmp_path), nproc=2, timeout=150).check()  # the harness kills it after 150 s
+    spawn_ranks(SCRIPT, str(tmp_path), nproc=2, timeout=150).check()  # the harness kills it after 150 s
     expected = expected_events()
     for rank in (0, 1):
         events = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO_ROOT, torchrun
+from launch import REPO_ROOT, spawn_ranks
 from models import Regression, quiet, regression_data
 from torch import nn
 from torch.nn import functional as F
@@ -95,7 +95,7 @@ def test_nan_at_step_three_of_a_run_that_never_logs_is_caught(tmp_path: Path) ->
 @pytest.mark.multiprocess
 def test_ports_on_two_ranks(tmp_path: Path) -> None:
     cases = ["autoencoder", "gan", "transformer"] + (["imagenet", "hydra_mnist"] if HAS_TORCHMETRICS else [])
-    torchrun(SCRIPT, str(tmp_path), *cases, nproc=2, timeout=400).check()
+    spawn_ranks(SCRIPT, str(tmp_path), *cases, nproc=2, timeout=400).check()
     ranks = {case: [json.loads((tmp_path / case / f"rank{r}.json").read_text()) for r in (0, 1)] for case in cases}
     ae = ranks["autoencoder"]
     assert ae[0]["global_step"] == ae[1]["global_step"] == 10  # the data is sharded over the 2 ranks
@@ -116,7 +116,7 @@ def test_ports_on_two_ranks(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_nan_on_one_rank_stops_both_ranks_naming_the_step(tmp_path: Path) -> None:
-    torchrun(SCRIPT, str(tmp_path), "nan", nproc=2, timeout=150).check()
+    spawn_ranks(SCRIPT, str(tmp_path), "nan", nproc=2, timeout=150).check()
     for rank in (0, 1):
         result = json.loads((tmp_path / "nan" / f"rank{rank}.json").read_text())
         assert "Non-finite training loss (nan) at step 3 on rank 1" in result["error"], result

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO_ROOT, torchrun
+from launch import REPO_ROOT, spawn_ranks
 from models import Regression, quiet, regression_data
 from torch import nn, optim
 from torch.nn import functional as F
@@ -427,7 +427,7 @@ def test_lightning_model_checkpoint_paths_load_with_torch_load_on_one_device(tmp
 
 @pytest.mark.multiprocess
 def test_lightning_model_checkpoint_paths_load_with_torch_load_under_ddp(tmp_path: Path) -> None:
-    torchrun(PORT_DDP, str(tmp_path), "checkpoint", nproc=2, timeout=300).check()
+    spawn_ranks(PORT_DDP, str(tmp_path), "checkpoint", nproc=2, timeout=300).check()
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert ranks[0]["strategy"] == "DDPStrategy"
     assert ranks[0]["best_model_path"] == ranks[1]["best_model_path"]  # every rank reports the same save

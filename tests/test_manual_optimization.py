@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from gan import GAN, gan_data, hand_written_gan
-from launch import REPO_ROOT, python, torchrun
+from launch import REPO_ROOT, python, spawn_ranks
 from models import quiet
 from torch.utils.data import DataLoader
 
@@ -45,7 +45,7 @@ def test_manual_optimizers_and_toggle() -> None:
 @pytest.mark.multiprocess
 def test_gan_two_ranks_equal_one_process_with_global_batch(tmp_path: Path) -> None:
     python(SCRIPT, str(tmp_path / "one"), "16", timeout=120).check()
-    torchrun(SCRIPT, str(tmp_path / "two"), "8", nproc=2, timeout=180).check()
+    spawn_ranks(SCRIPT, str(tmp_path / "two"), "8", nproc=2, timeout=180).check()
     one = torch.load(tmp_path / "one" / "rank0.pt", weights_only=False)
     ranks = [torch.load(tmp_path / "two" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     for rank in ranks:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from launch import REPO_ROOT, torchrun
+from launch import REPO_ROOT, spawn_ranks
 from models import Regression, quiet, regression_data
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -408,7 +408,7 @@ def test_task_log_forwards_rank_zero_only() -> None:
 
 @pytest.mark.multiprocess
 def test_two_ranks_reduce_fx_rank_zero_only_and_metric_objects(tmp_path: Path) -> None:
-    torchrun(DDP_SCRIPT, str(tmp_path), nproc=2, timeout=180).check()
+    spawn_ranks(DDP_SCRIPT, str(tmp_path), nproc=2, timeout=180).check()
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["world_size"] == 2
     for key in ("steps", "epochs", "validations", "validated"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import torchrun
+from launch import spawn_ranks
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -168,7 +168,7 @@ def test_pytorch_profiler_traces_of_a_fit(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_two_ranks_write_one_trace_each_and_rank_zero_logs_the_table(tmp_path: Path) -> None:
-    result = torchrun(SCRIPT, str(tmp_path / "run"), nproc=2, timeout=180).check()
+    result = spawn_ranks(SCRIPT, str(tmp_path / "run"), nproc=2, timeout=180).check()
     traces = sorted(n for n in os.listdir(tmp_path / "run" / "profiler") if n.endswith(".pt.trace.json"))
     assert [n.split(".")[:2] for n in traces] == [["rank0", "fit"], ["rank1", "fit"]], traces
     for name in traces:  # every rank's trace holds its own phases

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from launch import REPO_ROOT, torchrun
+from launch import REPO_ROOT, spawn_ranks
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "rank_zero_output.py"
 # configure_logging's format: "HH:MM:SS LEVEL logger: [rank N] message"
@@ -20,7 +20,7 @@ LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (?P<level>DEBUG|INFO|WARNING|ERROR|CRITI
 def test_rank_zero_logging_and_rank_local_metrics(tmp_path: Path) -> None:
     # The harness kills every process after 150 s: a rank waiting in a collective the other never
     # entered (a key logged on one rank, a callback's broadcast) fails the test instead of hanging it.
-    result = torchrun(SCRIPT, str(tmp_path), nproc=2, timeout=150).check()
+    result = spawn_ranks(SCRIPT, str(tmp_path), nproc=2, timeout=150).check()
     records = [m.groupdict() for m in map(LOG_LINE.match, result.stdout.splitlines()) if m]
     info = [f"{r['name']}: {r['message']}" for r in records if r["level"] == "INFO"]
 

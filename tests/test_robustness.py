@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO_ROOT, free_port, python, torchrun
+from launch import REPO_ROOT, free_port, python, spawn_ranks, torchrun
 
 from trainer.data.loaders import shard_iterable
 
@@ -39,7 +39,7 @@ def test_unreachable_rendezvous_fails_within_the_init_timeout(rank: str) -> None
 
 
 def test_nan_loss_error_stops_all_ranks_at_that_step(tmp_path: Path) -> None:
-    result = torchrun(SCRIPT, "--case", "nan-error", "--out", str(tmp_path), nproc=2, timeout=120)
+    result = spawn_ranks(SCRIPT, "--case", "nan-error", "--out", str(tmp_path), nproc=2, timeout=120)
     assert result.returncode != 0
     assert "Non-finite training loss (nan) at step 3" in result.stdout
     for rank in (0, 1):  # the loop stopped inside step 3: its on_train_batch_end never ran
@@ -47,7 +47,7 @@ def test_nan_loss_error_stops_all_ranks_at_that_step(tmp_path: Path) -> None:
 
 
 def test_nan_loss_skip_keeps_the_previous_weights_and_continues(tmp_path: Path) -> None:
-    result = torchrun(SCRIPT, "--case", "nan-skip", "--out", str(tmp_path), nproc=2, timeout=120).check()
+    result = spawn_ranks(SCRIPT, "--case", "nan-skip", "--out", str(tmp_path), nproc=2, timeout=120).check()
     assert "rank 0 finished at step 6" in result.stdout and "rank 1 finished at step 6" in result.stdout
     assert "Non-finite loss at step 3: the optimizer step is skipped" in result.stdout
     for rank in (0, 1):
@@ -58,19 +58,19 @@ def test_nan_loss_skip_keeps_the_previous_weights_and_continues(tmp_path: Path) 
 
 
 def test_unused_parameters_error_names_them() -> None:
-    result = torchrun(SCRIPT, "--case", "unused", nproc=2, timeout=120)
+    result = spawn_ranks(SCRIPT, "--case", "unused", nproc=2, timeout=120)
     assert result.returncode != 0
     assert "spare.weight" in result.stdout and "find_unused_parameters=True" in result.stdout
 
 
 @pytest.mark.parametrize("case,steps", [("uneven-sampler", 6), ("uneven-stream", 4)])
 def test_ranks_with_different_batch_counts_do_not_hang(case: str, steps: int) -> None:
-    result = torchrun(SCRIPT, "--case", case, nproc=2, timeout=120).check()
+    result = spawn_ranks(SCRIPT, "--case", case, nproc=2, timeout=120).check()
     assert f"rank 0 done: {steps} steps" in result.stdout and f"rank 1 done: {steps} steps" in result.stdout
 
 
 def test_uneven_batches_error_policy() -> None:
-    result = torchrun(SCRIPT, "--case", "uneven-sampler-error", nproc=2, timeout=120)
+    result = spawn_ranks(SCRIPT, "--case", "uneven-sampler-error", nproc=2, timeout=120)
     assert result.returncode != 0 and "different numbers of training batches" in result.stdout
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO_ROOT, elastic_agents, python, torchrun
+from launch import REPO_ROOT, elastic_agents, python, spawn_ranks, torchrun
 from models import Regression, loader, quiet, regression_data
 
 from trainer import Callback, Trainer, storage
@@ -97,10 +97,10 @@ def test_ddp_async_saves_on_s3_resume_after_a_crash_and_equal_the_sync_run(
     save in flight to the bucket, resume from it, and end equal to the local synchronous reference."""
     ck = s3.url(s3.bucket("ddpasync"), "checkpoints")
     args = [str(tmp_path / "out"), "--ckpt-dir", ck]
-    first = torchrun(SCRIPTS / "async_fit.py", *args, "--crash-at", "4", nproc=2, timeout=180, env=s3.env())
+    first = spawn_ranks(SCRIPTS / "async_fit.py", *args, "--crash-at", "4", nproc=2, timeout=180, env=s3.env())
     assert first.returncode != 0
     assert committed(ck) == ["epoch=1-step=4.ckpt"]  # the exception waited for the save in flight
-    second = torchrun(SCRIPTS / "async_fit.py", *args, "--resumed", nproc=2, timeout=180, env=s3.env()).check()
+    second = spawn_ranks(SCRIPTS / "async_fit.py", *args, "--resumed", nproc=2, timeout=180, env=s3.env()).check()
     assert "Resumed at global step 4" in second.stdout
     for rank in (0, 1):
         run, ref = _rank_weights(tmp_path / "out", rank), ddp_reference[rank]
@@ -111,7 +111,7 @@ def test_ddp_async_saves_on_s3_resume_after_a_crash_and_equal_the_sync_run(
 def test_fsdp_async_saves_on_s3_survive_a_sigkill_reshard_to_one_process_and_export(s3, tmp_path: Path) -> None:
     script = SCRIPTS / "fsdp_fit.py"
     local = tmp_path / "ref_ck"
-    torchrun(script, str(tmp_path / "ref"), "--strategy", "fsdp", "--ckpt-dir", str(local), "--async-save", nproc=2,
+    spawn_ranks(script, str(tmp_path / "ref"), "--strategy", "fsdp", "--ckpt-dir", str(local), "--async-save", nproc=2,
              timeout=240).check()  # fmt: skip
     reference = torch.load(tmp_path / "ref" / "rank0.pt", weights_only=False)
     ck = s3.url(s3.bucket("fsdp"), "checkpoints")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import KNOWN_ABORT, REPO_ROOT, torchrun
+from launch import KNOWN_ABORT, REPO_ROOT, spawn_ranks, torchrun
 
 from trainer.observability.phases import PHASES, ROW, Diagnosis, PhaseClock
 
@@ -105,7 +105,7 @@ def test_the_phase_clock_adds_each_mark_to_the_phase_it_closes(monkeypatch) -> N
     ],
 )
 def test_two_ranks_name_the_cause_that_was_made_to_happen(tmp_path: Path, cause: str, said: str) -> None:
-    torchrun(SCRIPT, str(tmp_path), "--cause", cause, nproc=2, timeout=180).check()
+    spawn_ranks(SCRIPT, str(tmp_path), "--cause", cause, nproc=2, timeout=180).check()
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert ranks[0]["global_step"] == 16
     assert ranks[0]["warnings"] == ranks[1]["warnings"]  # every rank reads the same rows (rank 0 logs them)
@@ -317,7 +317,7 @@ def test_goodput_accounts_restarts_recomputed_steps_and_the_time_between_attempt
 
 @pytest.mark.multiprocess
 def test_a_save_every_step_is_called_checkpoint_bound(tmp_path: Path) -> None:
-    torchrun(SCRIPT, str(tmp_path), "--cause", "save_every_step", nproc=2, timeout=180).check()
+    spawn_ranks(SCRIPT, str(tmp_path), "--cause", "save_every_step", nproc=2, timeout=180).check()
     (warning,) = torch.load(tmp_path / "rank0.pt", weights_only=False)["warnings"]
     assert warning.startswith("saving checkpoints blocks every rank") and "checkpoint-bound" in warning, warning
 
@@ -326,7 +326,7 @@ def test_a_save_every_step_is_called_checkpoint_bound(tmp_path: Path) -> None:
 def test_a_gradient_all_reduce_that_outweighs_the_compute_is_called_communication_bound(tmp_path: Path) -> None:
     """32 MB of gradients a step for almost no compute, over gloo: every rank spends most of its step in the sync
     after its backward, and neither rank is slower than the other."""
-    torchrun(SCRIPT, str(tmp_path), "--cause", "comm_bound", nproc=2, timeout=180).check()
+    spawn_ranks(SCRIPT, str(tmp_path), "--cause", "comm_bound", nproc=2, timeout=180).check()
     (warning,) = torch.load(tmp_path / "rank0.pt", weights_only=False)["warnings"]
     assert warning.startswith("every rank waits") and "communication-bound" in warning, warning
     budget = json.loads((tmp_path / "run" / "version_0" / "efficiency.json").read_text())

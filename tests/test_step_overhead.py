@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import REPO_ROOT, torchrun
+from launch import REPO_ROOT, spawn_ranks
 
 pytestmark = pytest.mark.multiprocess
 
 
 def test_no_sync_and_no_collective_on_non_logging_steps(tmp_path: Path) -> None:
-    torchrun(REPO_ROOT / "tests" / "scripts" / "count_syncs.py", str(tmp_path), nproc=2, timeout=180).check()
+    spawn_ranks(REPO_ROOT / "tests" / "scripts" / "count_syncs.py", str(tmp_path), nproc=2, timeout=180).check()
     for rank in (0, 1):
         windows = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(windows) == 24  # 12 steps x 2 micro-batches

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO_ROOT, python, torchrun
+from launch import REPO_ROOT, python, spawn_ranks, torchrun
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.data.loaders import adapt_train_loader
@@ -88,7 +88,7 @@ def test_sigkill_two_ranks_two_workers_resumes_exactly(tmp_path: Path) -> None:
     trained samples equal the uninterrupted run's, none repeated or skipped, and the weights are bit-identical."""
     common = ["--loader", "iterable", "--workers", "2"]
     ref = tmp_path / "ref"
-    torchrun(SCRIPT, str(ref / "out"), "--ckpt-dir", str(ref / "ck"), *common, nproc=2, timeout=240).check()
+    spawn_ranks(SCRIPT, str(ref / "out"), "--ckpt-dir", str(ref / "ck"), *common, nproc=2, timeout=240).check()
     run = tmp_path / "run"
     result = torchrun(
         SCRIPT,
@@ -264,6 +264,8 @@ def launch(root: Path, work: Path, *args: str, nproc: int = 2, max_restarts: int
     args = (*args, "--data", str(root.parent))
     if nproc == 1:
         return python(SCRIPT, out, "--ckpt-dir", ck, *args, timeout=timeout)
+    if max_restarts == 0:  # no agent needed: the ranks alone (tests/launch.py's spawn_ranks)
+        return spawn_ranks(SCRIPT, out, "--ckpt-dir", ck, *args, nproc=nproc, timeout=timeout)
     return torchrun(SCRIPT, out, "--ckpt-dir", ck, *args, nproc=nproc, max_restarts=max_restarts, timeout=timeout)
 
 

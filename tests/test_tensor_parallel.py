@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO_ROOT, python, torchrun
+from launch import REPO_ROOT, python, spawn_ranks
 
 from trainer.distributed.fsdp import FSDPStrategy
 from trainer.distributed.launcher import DistEnv
@@ -45,7 +45,7 @@ def single(tmp: Path, name: str, *args: str) -> dict:
 
 
 def launch(tmp: Path, name: str, nproc: int, *args: str) -> list[dict]:
-    torchrun(SCRIPT, str(tmp / name), *args, nproc=nproc, timeout=240).check()
+    spawn_ranks(SCRIPT, str(tmp / name), *args, nproc=nproc, timeout=240).check()
     ranks = [load(tmp / name, r) for r in range(nproc)]
     for other in ranks[1:]:
         assert max_diff(other["weights"], ranks[0]["weights"]) == 0.0  # every rank gathers the same model
