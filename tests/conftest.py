@@ -153,6 +153,10 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The SLURM tests share one two-CPU node: one test worker runs them all, one after the other (--dist loadgroup).
+    for item in items:
+        if item.get_closest_marker("slurm") is not None:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if gpu_items and not _cuda_available():
         skip = pytest.mark.skip(reason="needs CUDA; torch.cuda.is_available() is False")
