@@ -25,7 +25,8 @@ from trainer import Trainer
 from trainer.checkpoint.files import CheckpointError, read_pointer
 from trainer.checkpoint.reader import committed, export_weights
 
-pytestmark = pytest.mark.multiprocess
+# One test worker runs the whole module: its module-scoped runs are made once (tests/conftest.py, --dist loadgroup).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("checkpoint_layout")]
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "ckpt_fit.py"
 COMPAT = REPO_ROOT / "tests" / "scripts" / "ckpt_compat.py"
@@ -195,6 +196,7 @@ def test_one_format_and_a_ddp_save_is_spread_over_both_ranks(runs: Runs) -> None
 
     layouts = {}
     for run, ranks in (("single", 1), ("ddp", 2), ("fsdp", 2)):
+        runs.ensure(run)
         folder = runs.dir(run) / "keep" / name(RESUME_AT)
         data = {f"__{r}_0.distcp" for r in range(ranks)}
         assert set(os.listdir(folder)) == {".metadata", "keel.pt", "keel.json"} | data, run
