@@ -1,13 +1,15 @@
 """A 2-rank DDP fit in which one cause of slowness is made to happen; dumps what keel's diagnosis said.
 
 Usage: slow_rank.py OUT --cause {data_rank1,data_all,step_rank0,save_every_step,comm_bound,none} [--steps S]
+    [--log-every N]
 
 ``data_rank1``: the loader of rank 1 sleeps 40 ms a batch; ``data_all``: every rank's loader sleeps 40 ms a batch;
 ``step_rank0``: rank 0's training_step sleeps 40 ms; ``save_every_step``: a checkpoint is saved after every step
 (nothing sleeps); ``comm_bound``: the task holds a parameter of 32 MB that costs almost nothing to compute, so
 every step's gradient all-reduce outweighs its compute (nothing sleeps); ``none``: nothing sleeps. Logging every 2
-steps. OUT/rank{R}.pt holds the diagnosis' warnings, the perf/ metrics of the last logging step and the steps;
-OUT/run/version_0 is the run directory (efficiency.json).
+steps unless ``--log-every`` says otherwise. OUT/rank{R}.pt holds the diagnosis' warnings and its verdict on each
+logging interval, the perf/ metrics of the last logging step and the steps; OUT/run/version_0 is the run directory
+(efficiency.json).
 """
 
 from __future__ import annotations
@@ -68,13 +70,18 @@ def main() -> None:
         required=True,
     )
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--log-every", type=int, default=2, help="log_every_n_steps: the diagnosis' interval")
     args = parser.parse_args()
     logger = CSVLogger(args.out, name="run", version=0)  # a run directory: efficiency.json goes there
     saves = args.cause == "save_every_step"
     checkpoint = [ModelCheckpoint(dirpath=str(Path(args.out) / "ckpt"), every_n_train_steps=1)] if saves else []
     trainer = Trainer(
         **quiet(
-            max_steps=args.steps, log_every_n_steps=2, logger=logger, enable_checkpointing=saves, callbacks=checkpoint
+            max_steps=args.steps,
+            log_every_n_steps=args.log_every,
+            logger=logger,
+            enable_checkpointing=saves,
+            callbacks=checkpoint,
         )
     )
     rank = trainer.global_rank
@@ -86,6 +93,7 @@ def main() -> None:
     torch.save(
         {
             "warnings": trainer._efficiency.diagnosis.warnings,
+            "history": trainer._efficiency.diagnosis.history,  # what each logging interval was judged to be
             "perf": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("perf/")},
             "global_step": trainer.global_step,
         },
