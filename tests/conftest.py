@@ -157,6 +157,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("slurm") is not None:
             item.add_marker(pytest.mark.xdist_group("slurm"))
+    # The tests that launch processes first, in-process ones (a few ms each) last: two workers then finish together
+    # instead of one waiting out the last module's long launches (collection is alphabetical, and test_s3,
+    # test_slurm, test_streams, test_tensor_parallel and test_tracking_dist are among the slowest).
+    items.sort(key=lambda item: item.get_closest_marker("multiprocess") is None)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if gpu_items and not _cuda_available():
         skip = pytest.mark.skip(reason="needs CUDA; torch.cuda.is_available() is False")

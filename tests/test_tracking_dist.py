@@ -14,7 +14,8 @@ from launch import torchrun
 
 from trainer.loggers import wandb_records
 
-pytestmark = pytest.mark.multiprocess
+# One test worker runs the whole module: its module-scoped runs are made once (tests/conftest.py, --dist loadgroup).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("tracking_dist")]
 
 pytest.importorskip("mlflow", reason="pip install -e '.[dev]' (or .[mlflow])")
 pytest.importorskip("wandb", reason="pip install -e '.[dev]' (or .[wandb])")
