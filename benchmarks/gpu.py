@@ -22,8 +22,9 @@ MFU = FLOPs/s over the GPU's dense bf16 peak (table below, or ``--peak-tflops``)
 a 256 MiB pinned copy queued behind ~50 ms of matmuls, on the compute stream vs keel's copy stream
 (trainer.data.transfer.BatchCopier): with overlap the second is close to the compute time alone.
 
-Refuses to run without CUDA, naming why. ``--smoke-on-cpu`` runs a tiny configuration on CPU/gloo
-(the test suite's check that the script itself works; its numbers mean nothing).
+Refuses to run without CUDA, naming why. ``--smoke-on-cpu`` runs a tiny configuration on CPU/gloo, each run one
+process with torchrun's variables but no agent (the test suite's check that the script itself works; its numbers
+mean nothing).
 """
 
 from __future__ import annotations
@@ -260,11 +261,17 @@ def main() -> None:
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_name), None)
     out = tempfile.mkdtemp(prefix="keel-gpu-bench-")
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    commands, ports = {}, set()
+    commands, envs, ports = {}, {}, set()
     for run in RUNS:
         while (port := _free_port()) in ports:  # the runs may start together: one rendezvous port each
             pass
         ports.add(port)
+        worker = [__file__, "--worker", "--case", run, "--out", out]
+        if args.smoke_on_cpu:  # the variables torchrun gives one worker, without its agent (the smoke times nothing)
+            commands[run] = [sys.executable, *worker, "--smoke-on-cpu"]
+            job = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0"}
+            envs[run] = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **job)
+            continue
         commands[run] = [
             sys.executable,
             "-m",
@@ -279,19 +286,17 @@ def main() -> None:
             f"127.0.0.1:{port}",
             "--local-addr",
             "127.0.0.1",
-            __file__,
-            "--worker",
-            "--case",
-            run,
-            "--out",
-            out,
-        ] + (["--smoke-on-cpu"] if args.smoke_on_cpu else [])
+            *worker,
+        ]
+        envs[run] = env
     # On the GPU one run at a time (they are timed); the CPU smoke checks only that each run works: all at once.
     batches = [list(RUNS)] if args.smoke_on_cpu else [[run] for run in RUNS]
     results = {}
     for batch in batches:
         procs = {
-            run: subprocess.Popen(commands[run], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            run: subprocess.Popen(
+                commands[run], env=envs[run], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
             for run in batch
         }
         for run, proc in procs.items():

@@ -90,6 +90,9 @@ def test_ddp_sigkill_with_checkpoints_on_s3_restarts_and_ends_bit_identical(
     assert all(o.endswith(("/last", "/keel.json")) or o.count("/") >= 5 for o in objects), objects
 
 
+# A variant: async saves on the store surviving a crash are test_fsdp_async_saves_on_s3_survive_a_sigkill_..., and
+# async equal to sync is test_async_checkpoint's test_async_fit_equals_sync_and_resumes_exactly_after_a_crash.
+@pytest.mark.slow
 def test_ddp_async_saves_on_s3_resume_after_a_crash_and_equal_the_sync_run(
     s3, tmp_path: Path, ddp_reference: list[dict]
 ) -> None:
