@@ -324,14 +324,8 @@ class _Launch:
         """Start one more launcher of this launch (same marker), e.g. a node that joins later. ``out``: a file
         to write to that another process of the launch writes too (the ranks of :func:`spawn_ranks` share one, as
         torchrun's workers share their agent's)."""
-        if out is None:
-            out = tempfile.TemporaryFile()
-            try:
-                import fcntl
-
-                fcntl.fcntl(out.fileno(), fcntl.F_SETFL, fcntl.fcntl(out.fileno(), fcntl.F_GETFL) | os.O_APPEND)
-            except Exception:
-                pass
+        own = out is None
+        out = _output_file() if out is None else out
         env = dict(self.env, **(extra_env or {}))
         try:
             proc = subprocess.Popen(
@@ -344,7 +338,8 @@ class _Launch:
                 start_new_session=True,
             )
         except BaseException:
-            out.close()
+            if own:
+                out.close()
             self.kill()
             raise
         self.cmds.append(cmd)
@@ -441,6 +436,18 @@ class _Launch:
             rc = p.returncode if p.returncode is not None else -signal.SIGKILL
             results.append(LaunchResult(rc, text, elapsed, list(cmd)))
         return results
+
+
+def _output_file():  # type: ignore[no-untyped-def]
+    """A temporary file for a launch's output, in append mode: processes that share it never overwrite each other."""
+    out = tempfile.TemporaryFile()
+    try:
+        import fcntl
+
+        fcntl.fcntl(out.fileno(), fcntl.F_SETFL, fcntl.fcntl(out.fileno(), fcntl.F_GETFL) | os.O_APPEND)
+    except Exception:
+        pass
+    return out
 
 
 def _run(cmds: list[list[str]], *, what: str, timeout: float, env, cwd, fail_fast: bool) -> list[LaunchResult]:
@@ -561,17 +568,17 @@ def spawn_ranks(
 
     The ranks share one output, as torchrun's workers share their agent's. Like torchrun, the first rank to exit
     non-zero ends the launch: the others get a few seconds to exit by themselves, then are killed. The result's
-    ``returncode`` is that of the first rank that failed by itself (0 when every rank succeeded); the known gloo
+    ``returncode`` is that of the lowest rank that failed by itself (0 when every rank succeeded); the known gloo
     exit abort is retried once.
     """
-    out_env = {"MASTER_ADDR": LOOPBACK, "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}
+    job = {"MASTER_ADDR": LOOPBACK, "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}
     cmd = [sys.executable] + _target(script, args, module)
 
     def once() -> list[LaunchResult]:
         marker, started = uuid.uuid4().hex, time.monotonic()
-        job_env = dict(_make_env(env, marker), MASTER_PORT=str(free_port()), **out_env)
+        job_env = dict(_make_env(env, marker), MASTER_PORT=str(free_port()), **job)
         launch = _Launch([], job_env, os.fspath(cwd) if cwd is not None else None, marker)
-        out = tempfile.TemporaryFile()
+        out = _output_file()
         try:
             for rank in range(nproc):
                 launch.add(cmd, {"RANK": str(rank), "LOCAL_RANK": str(rank)}, out=out)
