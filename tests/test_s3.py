@@ -148,6 +148,10 @@ def test_fsdp_async_saves_on_s3_survive_a_sigkill_reshard_to_one_process_and_exp
     assert one["global_step"] == 12 and one["world_size"] == 1
 
 
+# A variant: node loss is test_elastic's test_with_the_store_outside_the_job_any_node_may_die (the survivor finds
+# `last`), resuming from the store after a kill is test_ddp_sigkill_with_checkpoints_on_s3_..., and the run directory
+# on the store is test_a_run_directory_on_s3_holds_logs_config_and_checkpoints_and_no_secret.
+@pytest.mark.slow
 def test_elastic_node_loss_with_checkpoints_and_logs_on_s3_only(s3, tmp_path: Path) -> None:
     """test_elastic's node-loss scenario, with the checkpoints and the CSV log on the store: the agents share no
     local folder for them (the survivor becomes rank 0 and must find `last` there)."""
