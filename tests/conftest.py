@@ -10,8 +10,9 @@ recipe, ``python -m trainer.doctor``, a benchmark, ``python -c`` code), and ``mu
 
 * :func:`pytest_runtest_protocol` records the running test (for its setup, call and teardown, so module- and
   session-scoped fixtures count as part of the test that sets them up) in ``launch.running_test``;
-* every launch helper of tests/launch.py (``python``, ``torchrun``, ``two_nodes``, ``elastic_agents``) and
-  of tests/slurm/cluster.py (``srun``, ``command``, ``job``) refuses to start in a test without the marker;
+* every launch helper of tests/launch.py (``python``, ``torchrun``, ``spawn_ranks``, ``two_nodes``,
+  ``elastic_agents``) and of tests/slurm/cluster.py (``srun``, ``command``, ``job``) refuses to start in a test
+  without the marker;
 * an audit hook refuses ``subprocess.Popen`` of such a command started any other way (``subprocess.run``
   directly), and the spawn and forkserver process starters of ``multiprocessing`` refuse too.
 
@@ -213,7 +214,7 @@ def resume_fit_one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def resume_fit_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The output folder (``rank0.pt``, ``rank1.pt``) of resume_fit.py run uninterrupted on 2 ranks (torchrun)."""
+    """The output folder (``rank0.pt``, ``rank1.pt``) of resume_fit.py run uninterrupted on 2 ranks (spawn_ranks)."""
     root = tmp_path_factory.mktemp("resume_fit_two_ranks")
     script = TESTS_DIR / "scripts" / "resume_fit.py"
     launch.spawn_ranks(script, str(root / "out"), "--ckpt-dir", str(root / "ck"), nproc=2, timeout=180).check()

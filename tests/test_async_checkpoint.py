@@ -498,7 +498,7 @@ def sync_reference(resume_fit_one_process: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def two_rank_reference(tmp_path_factory) -> list[dict]:
-    """The uninterrupted async fit under torchrun with 2 ranks."""
+    """The uninterrupted async fit on 2 ranks."""
     root = tmp_path_factory.mktemp("two_rank_ref")
     spawn_ranks(SCRIPT, str(root / "out"), "--ckpt-dir", str(root / "ck"), nproc=2, timeout=180).check()
     return [result(root / "out", r) for r in (0, 1)]

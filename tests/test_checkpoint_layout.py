@@ -4,7 +4,7 @@ the previous release's checkpoints still resume bit for bit, and weights-only sa
 
 Runs of tests/scripts/ckpt_fit.py (float64, 48 shuffled samples, a global batch of 8: 6 steps an epoch,
 10 steps) are shared through :class:`Runs`: each configuration is launched once, when a test first needs
-it. One device runs in this process (no process group), DDP and FSDP on 2 ranks under torchrun.
+it. One device runs in this process (no process group), DDP and FSDP on 2 ranks (spawn_ranks).
 """
 
 from __future__ import annotations

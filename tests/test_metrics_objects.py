@@ -2,7 +2,7 @@
 
 Cross-rank rules are checked two ways: in one process with a simulated world (one MetricCollector per
 "rank" in a thread, ``all_gather_object`` replaced by a thread barrier: fast, exact), and on 2 real ranks
-under torchrun (``tests/scripts/lightning_port_ddp.py``).
+(``tests/scripts/lightning_port_ddp.py``).
 """
 
 from __future__ import annotations

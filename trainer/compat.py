@@ -159,8 +159,8 @@ def unwrap_compiled(model: Any) -> tuple[Any, Any | None]:
     checkpoints hold its plain ``state_dict`` keys, hooks and ``self.log`` see the task) and compiles the
     training step with the same settings (:func:`compile_step`).
     """
-    # A compiled model means torch.compile imported dynamo. ``torch._dynamo`` here would import it (1.3 s on this
-    # machine's CPU) into a process that compiles nothing: a fit pays that anyway (torch's Optimizer constructor
+    # A compiled model means torch.compile imported dynamo. ``torch._dynamo`` here would import it (1.3 s on a
+    # 2-core CPU) into a process that compiles nothing: a fit pays that anyway (torch's Optimizer constructor
     # imports it), validate / test / predict from a fresh process no longer do.
     optimized = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     if optimized is not None and isinstance(model, optimized):
