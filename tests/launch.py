@@ -44,6 +44,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 __all__ = [
     "LaunchResult",
@@ -438,7 +439,7 @@ class _Launch:
         return results
 
 
-def _output_file():  # type: ignore[no-untyped-def]
+def _output_file() -> IO[bytes]:
     """A temporary file for a launch's output, in append mode: processes that share it never overwrite each other."""
     out = tempfile.TemporaryFile()
     try:
