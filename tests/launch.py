@@ -41,10 +41,12 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+from launch_state import Snapshot
 
 __all__ = [
     "LaunchResult",
@@ -532,23 +534,38 @@ def torchrun(
     def launch() -> list[LaunchResult]:
         return _run([cmd], what="torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=False)
 
-    return (_retry_known_abort(launch) if retry else launch())[0]
+    return (_retry_known_abort(launch, args, env, cwd) if retry else launch())[0]
 
 
 # A rare SIGABRT of one gloo worker with this text from C++ (std::terminate), seen about once per full
 # suite on a loaded 2-core machine and never reproduced in targeted loops (see the note on issue 2).
-# A launch that dies with it is run once more, and the retry is written at the top of its output.
+# A launch that dies with it is run once more, from the files and objects it found (tests/launch_state.py: the
+# first attempt may have saved a checkpoint the retry would resume from), and the retry says so in its output.
 KNOWN_ABORT = "terminate called without an active exception"
 
 
-def _retry_known_abort(launch: Callable[[], list[LaunchResult]]) -> list[LaunchResult]:
-    results = launch()
-    if any(r.returncode != 0 and KNOWN_ABORT in r.stdout for r in results):
+def _retry_known_abort(
+    launch: Callable[[], list[LaunchResult]], args: Iterable[object], env: dict[str, str] | None, cwd
+) -> list[LaunchResult]:
+    names = [str(a) for a in args] + list((env or {}).values()) + ([os.fspath(cwd)] if cwd is not None else [])
+    state = Snapshot(names, {**os.environ, **(env or {})})
+    try:
+        results = launch()
+        if not any(r.returncode != 0 and KNOWN_ABORT in r.stdout for r in results):
+            return results
+        if state.why_not:
+            for r in results:
+                r.stdout = f"[launch] hit {KNOWN_ABORT!r}; not retried: {state.why_not}\n" + r.stdout
+            return results
+        state.restore()
         retried = launch()
         for r in retried:
-            r.stdout = f"[launch] first attempt hit {KNOWN_ABORT!r}; retried once\n" + r.stdout
+            r.stdout = (
+                f"[launch] first attempt hit {KNOWN_ABORT!r}; retried once from the state it started from\n" + r.stdout
+            )
         return retried
-    return results
+    finally:
+        state.discard()
 
 
 def spawn_ranks(
@@ -605,7 +622,7 @@ def spawn_ranks(
         failed = [c for c in codes if c not in (0, *killed)] or [c for c in codes if c != 0] or [0]
         return [LaunchResult(failed[0], text, results[0].elapsed, cmd)]
 
-    return _retry_known_abort(once)[0]
+    return _retry_known_abort(once, args, env, cwd)[0]
 
 
 def two_nodes(
@@ -654,7 +671,7 @@ def two_nodes(
             cmd += ["--local-addr", LOOPBACK]
         cmds.append(cmd + _target(script, args, module))
     return _retry_known_abort(
-        lambda: _run(cmds, what="two_nodes torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=True)
+        lambda: _run(cmds, what="two_nodes torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=True), args, env, cwd
     )
 
 
@@ -765,7 +782,7 @@ def elastic_agents(
             raise AssertionError("\n".join(parts))
         return results
 
-    return _retry_known_abort(once)
+    return _retry_known_abort(once, args, env, cwd)
 
 
 def python(

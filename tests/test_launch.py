@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
-from launch import LaunchResult, free_port, python, torchrun, two_nodes
+from launch import LaunchResult, free_port, python, spawn_ranks, torchrun, two_nodes
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -95,3 +96,45 @@ def test_two_nodes_dead_rank_fails_both():
     results = two_nodes(SCRIPTS / "die.py", nproc_per_node=1, timeout=timeout)  # a timeout would raise
     assert all(r.returncode != 0 for r in results), "\n=====\n".join(r.tail() for r in results)
     assert any(re.search(r"exitcode\s*:\s*3\b", r.stdout) for r in results)
+
+
+def _abort_once_state(tmp_path: Path) -> Path:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "count").write_text("0")
+    (state / "keep").write_text("")
+    return state
+
+
+def test_a_launch_retried_after_the_known_abort_starts_from_the_files_it_found(tmp_path: Path) -> None:
+    """The first attempt changes, removes and creates files under the paths it is given, then aborts; the retry
+    finds them as they were before the first attempt (a run that resumes from `last` would otherwise resume from
+    its own final save and train nothing)."""
+    state, out = _abort_once_state(tmp_path), tmp_path / "out"
+    result = spawn_ranks(SCRIPTS / "abort_once.py", str(state), str(out), nproc=1, timeout=60)
+    assert result.check().stdout.startswith("[launch] first attempt hit"), result.tail()
+    assert (tmp_path / "attempts.log").read_text().count("attempt") == 2
+    assert (out / "saw").read_text() == "0" and (state / "count").read_text() == "1"
+
+
+def test_a_launch_whose_remote_state_cannot_be_put_back_is_not_retried(tmp_path: Path) -> None:
+    state, out = _abort_once_state(tmp_path), tmp_path / "out"
+    result = spawn_ranks(SCRIPTS / "abort_once.py", str(state), str(out), "gs://keel-bucket/ck", nproc=1, timeout=60)
+    assert result.returncode != 0 and (tmp_path / "attempts.log").read_text().count("attempt") == 1
+    assert "not retried: it names gs://keel-bucket/ck, whose state this harness cannot put back" in result.stdout
+
+
+def test_the_state_of_a_launch_is_what_it_names_in_the_temporary_directory(tmp_path: Path) -> None:
+    """Arguments, --opt=value and key=value values, os.pathsep lists; never the checkout or the interpreter."""
+    from launch_state import REPO_ROOT, Snapshot, _local_paths
+
+    run, ck, lib = tmp_path / "run", tmp_path / "run" / "ck", tmp_path / "lib"
+    words = [sys.executable, str(REPO_ROOT / "tests"), str(ck), f"--dir={run}", f"logger.dir={lib}", f"/nope:{lib}"]
+    assert _local_paths(words) == sorted([lib, run])  # ck lies inside run
+    (tmp_path / "big").write_bytes(b"x" * 2048)
+    assert "holds over 1024 bytes" in Snapshot([str(tmp_path / "big")], {}, limit=1024).why_not
+    state = Snapshot([str(tmp_path / "big")], {})
+    copies = state._store
+    assert copies is not None and (copies / "0").read_bytes() == b"x" * 2048
+    state.discard()
+    assert not copies.exists()

@@ -61,6 +61,26 @@ def test_put_get_list_delete(s3_server: S3Server) -> None:
         fs.cat_file(f"{bucket}/top.txt")
 
 
+def test_a_retried_launch_finds_the_objects_its_first_attempt_found(s3_server: S3Server) -> None:
+    """tests/launch_state.py: what lies under a launch's s3:// URL is put back before a retry (changed objects
+    rewritten, deleted ones restored, new ones removed); objects beside the URL are left as they are."""
+    from launch_state import Snapshot
+
+    fs, bucket = s3_server.filesystem(), s3_server.bucket()
+    fs.pipe_file(f"{bucket}/ck/last", b"step=2")
+    fs.pipe_file(f"{bucket}/ck/step=2/keel.json", b"{}")
+    state = Snapshot(["--ckpt-dir", s3_server.url(bucket, "ck"), s3_server.endpoint], s3_server.env())
+    assert state.why_not == ""
+    fs.pipe_file(f"{bucket}/ck/last", b"step=4")
+    fs.rm_file(f"{bucket}/ck/step=2/keel.json")
+    fs.pipe_file(f"{bucket}/ck/step=4/keel.json", b"{}")
+    fs.pipe_file(f"{bucket}/beside", b"kept")
+    state.restore()
+    fs.invalidate_cache()
+    assert sorted(fs.find(bucket)) == [f"{bucket}/beside", f"{bucket}/ck/last", f"{bucket}/ck/step=2/keel.json"]
+    assert fs.cat_file(f"{bucket}/ck/last") == b"step=2"
+
+
 def test_a_missing_bucket_is_not_created_on_write(s3_server: S3Server) -> None:
     fs = s3_server.filesystem()
     with pytest.raises(FileNotFoundError, match="bucket does not exist"):

@@ -155,8 +155,10 @@ class Cluster:
         self, *args: str, timeout: float, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None
     ) -> launch.LaunchResult:
         """``srun args...`` through the launch harness: ends within ``timeout``, leaves no process
-        (the tasks inherit the harness's marker), retried once on the known gloo abort at exit."""
-        return launch._retry_known_abort(lambda: [self.command("srun", *args, timeout=timeout, env=env, cwd=cwd)])[0]
+        (the tasks inherit the harness's marker), retried once on the known gloo abort at exit, from the files
+        it found (tests/launch_state.py)."""
+        run = lambda: [self.command("srun", *args, timeout=timeout, env=env, cwd=cwd)]  # noqa: E731
+        return launch._retry_known_abort(run, args, env, cwd)[0]
 
     def command(
         self, *cmd: str, timeout: float, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None
