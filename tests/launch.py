@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -64,6 +65,10 @@ __all__ = [
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
 TAIL_LINES = 80
+# A launch that times out reports each process's stacks (py-spy), the last STACK_LINES lines of each, for at
+# most STACKS_BUDGET seconds (a dump takes ~0.3 s here).
+STACK_LINES = 60
+STACKS_BUDGET = 60.0
 KILL_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
 FAIL_FAST_GRACE = 3.0  # two_nodes: seconds the other agent gets to exit by itself after one failed
 _MARKER_VAR = "KEEL_LAUNCH_ID"
@@ -353,6 +358,35 @@ class _Launch:
     def _track(self) -> None:
         self.tracked |= _marked_pids(self.marker)
 
+    def stacks(self) -> str:
+        """Where every live process of the launch stands, for the message of a launch that timed out: the Python
+        and native stacks of each thread (``py-spy dump --native``; launchers, ranks, data-loader workers)."""
+        spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+        if spy is None:
+            return "(no stacks: py-spy is not installed; the dev extra brings it)"
+        pids = sorted({p.pid for p in self.procs if p.poll() is None} | _marked_pids(self.marker))
+        deadline, parts = time.monotonic() + STACKS_BUDGET, []
+        for pid in pids:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                parts.append(f"--- no more stacks: {STACKS_BUDGET:g} s spent ---")
+                break
+            try:
+                cmdline = (
+                    Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                )
+            except OSError:
+                continue  # it has exited since
+            try:
+                dump = subprocess.run(
+                    [spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=left
+                )
+                text = (dump.stdout + dump.stderr).strip()
+            except subprocess.TimeoutExpired:
+                text = f"py-spy did not answer within {left:.0f} s"
+            parts.append(f"--- stacks of process {pid}: {cmdline[:200]} ---\n{_tail(text, STACK_LINES)}")
+        return "\n".join(parts)
+
     def wait(self, timeout: float, fail_fast: bool) -> bool:
         """Wait for all launchers; False on timeout.  With fail_fast, the first
         non-zero exit kills the remaining launchers."""
@@ -462,6 +496,7 @@ def _run(cmds: list[list[str]], *, what: str, timeout: float, env, cwd, fail_fas
         launch.kill()
         launch.finish()
         raise
+    stacks = "" if finished else launch.stacks()
     if not finished:
         launch.kill()
     results = launch.finish()
@@ -472,7 +507,7 @@ def _run(cmds: list[list[str]], *, what: str, timeout: float, env, cwd, fail_fas
             label = f" of launcher {i}" if len(results) > 1 else ""
             parts.append(f"command{label}: {' '.join(r.cmd)}")
             parts.append(f"--- last {TAIL_LINES} lines of output{label} ---\n{r.tail()}")
-        raise AssertionError("\n".join(parts))
+        raise AssertionError("\n".join([*parts, stacks]))
     return results
 
 
@@ -605,6 +640,7 @@ def spawn_ranks(
             launch.kill()
             launch.finish()
             raise
+        stacks = "" if finished else launch.stacks()
         if not finished:
             launch.kill()
         results = launch.finish()
@@ -615,7 +651,7 @@ def spawn_ranks(
         if not finished:
             raise AssertionError(
                 f"{nproc} ranks of {' '.join(cmd)} timed out after {timeout:g}s (all their processes were killed)\n"
-                f"--- last {TAIL_LINES} lines of output ---\n{_tail(text)}"
+                f"--- last {TAIL_LINES} lines of output ---\n{_tail(text)}\n{stacks}"
             )
         codes = [r.returncode for r in results]
         killed = (-signal.SIGTERM, -signal.SIGKILL)
@@ -770,6 +806,7 @@ def elastic_agents(
             if store is not None:  # the store outlives the agents by design: stop it before the stray check
                 store.kill()
                 store.wait(timeout=10)
+        stacks = "" if finished else launch.stacks()
         if not finished:
             launch.kill()
         results = launch.finish()
@@ -779,7 +816,7 @@ def elastic_agents(
             for i, r in enumerate(results):
                 parts.append(f"command of agent {i}: {' '.join(r.cmd)}")
                 parts.append(f"--- last {TAIL_LINES} lines of output of agent {i} ---\n{r.tail()}")
-            raise AssertionError("\n".join(parts))
+            raise AssertionError("\n".join([*parts, stacks]))
         return results
 
     return _retry_known_abort(once, args, env, cwd)

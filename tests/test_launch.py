@@ -73,6 +73,10 @@ def test_hang_times_out_and_leaves_nothing(tmp_path):
         worker, agent = _read_pids(f)
         assert _gone(worker), f"worker {worker} still alive (or an unreaped zombie)"
         assert _gone(agent), f"torchrun agent {agent} still alive"
+        # where each process stood when the launch timed out: py-spy's stacks, taken before the kill
+        stacks = str(info.value).split(f"--- stacks of process {worker}: ", 1)[1].split("\n--- ", 1)[0]
+        assert re.search(r"<module> \(hang\.py:\d+\)", stacks), stacks
+    assert f"--- stacks of process {agent}: " in str(info.value)  # the agent's too
 
 
 def test_stubborn_processes_are_killed_and_reaped(tmp_path):
