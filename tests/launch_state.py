@@ -42,9 +42,9 @@ def _local_paths(words: Iterable[str]) -> list[Path]:
     tmp = Path(tempfile.gettempdir()).resolve()
     keep_out = [REPO_ROOT, Path(sys.prefix).resolve()]
     found: set[Path] = set()
-    for word in words:
+    for word in (w for w in words if "://" not in w):  # a URL is remote state, not a path
         for part in {word, word.rsplit("=", 1)[-1], *word.split(os.pathsep)}:
-            if not part.startswith("/") or "://" in word:
+            if not part.startswith("/"):
                 continue
             path = Path(os.path.normpath(part))
             path = path.parent.resolve() / path.name  # the path itself, as named, even where it is a link
@@ -116,10 +116,6 @@ def _s3(url: str, env: Mapping[str, str]) -> tuple[int, Callable[[], None]]:
     return sum(map(len, saved.values())), put_back
 
 
-# scheme -> function(url, environment) that reads what lies under url now: (its bytes, the function to put it back)
-REMOTE: dict[str, Callable[[str, Mapping[str, str]], tuple[int, Callable[[], None]]]] = {"s3": _s3}
-
-
 class Snapshot:
     """The state a launch names, taken before it starts: ``words`` are its arguments, the values of the
     environment the test gave it and its working directory; ``env`` is the environment it runs with.
@@ -135,11 +131,11 @@ class Snapshot:
         for url, scheme in {(m.group(0), m.group(1)) for w in words for m in _URL.finditer(w)}:
             if scheme in ("http", "https", "tcp", "env"):  # endpoints and rendezvous addresses, not stored state
                 continue
-            if scheme not in REMOTE:
+            if scheme != "s3":
                 self.why_not = f"it names {url}, whose state this harness cannot put back"
                 return
             try:
-                size, put_back = REMOTE[scheme](url, env)
+                size, put_back = _s3(url, env)
             except Exception as error:
                 self.why_not = f"the state under {url} could not be read ({type(error).__name__}: {error})"
                 return
