@@ -95,6 +95,22 @@ def test_readme_is_short_and_keeps_the_quickstart_commands() -> None:
     assert "**With a GPU**, install the torch build for your platform first" in flat, "README lost the GPU advice"
 
 
+def test_ci_runs_readme_development_commands_and_they_hold_the_quickstart_test_command() -> None:
+    spec = importlib.util.spec_from_file_location("keel_ci_readme_commands", ROOT / ".ci" / "readme_commands.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    commands = [line.split("  #")[0].strip() for line in module.development_commands(README.read_text())]
+    install, test = QUICKSTART[1].split(" && ")
+    assert install in commands and test in commands, f"README's Development block lost {QUICKSTART[1]!r}: {commands}"
+    assert commands.index(install) == 0 and commands[-1] == test, commands
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python .ci/readme_commands.py" in ci, ".ci/run no longer runs README's Development commands"
+    # Nothing besides README's commands installs or tests: an `uninstall` or another pip line in .ci/run is drift.
+    own = [line.strip() for line in ci.splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in own if "uninstall" in line or "pytest" in line or "pip install -c" in line]
+
+
 def test_readme_has_no_dated_measurements() -> None:
     dates = re.findall(r"\b20\d\d-\d\d-\d\d\b", README.read_text())
     assert not dates, f"README.md holds dated measurements {dates}: they belong in benchmarks/results/"
