@@ -166,7 +166,6 @@ def test_crafted_metadata_is_refused_naming_the_file(tmp_path: Path) -> None:
         ({"reduce_grads": "sometimes"}, "FSDPStrategy(reduce_grads='sometimes'): expected 'every_micro_batch'"),
         ({"units": [3]}, "FSDPStrategy(units=[3]): expected a non-empty list of module class names"),
         ({"cpu_offload": 1}, "FSDPStrategy(cpu_offload=1): expected True or False"),
-        ({"bf16_params": True}, "FSDPStrategy(bf16_params=True) needs Trainer(precision='bf16-mixed')"),
     ],
 )
 def test_bad_fsdp_settings_are_refused_before_any_group(
@@ -217,7 +216,6 @@ def test_strategy_objects_carry_their_settings_into_the_run() -> None:
         "reshard_after_forward": True,
         "cpu_offload": True,
         "reduce_grads": "last_micro_batch",
-        "bf16_params": False,
         "activation_checkpointing": None,
         "tensor_parallel_size": 1,
     }

@@ -1,7 +1,8 @@
 """keel: a Lightning-style trainer for PyTorch (DDP and FSDP2), from one GPU to many nodes.
 
 ``from trainer import Trainer, TaskModule, DataModule, Callback, seed_everything`` is the user-facing core, with the
-strategy objects ``DDPStrategy`` and ``FSDPStrategy`` (``Trainer(strategy=FSDPStrategy(units=["Block"]))``).
+strategy objects ``DDPStrategy`` and ``FSDPStrategy`` (``Trainer(strategy=FSDPStrategy(units=["Block"]))``), and
+``export_weights`` (a checkpoint as safetensors or one plain weights file, :mod:`trainer.checkpoint.hf`).
 
 The core sits at the top of this package: ``trainer.py`` (the fit loop and the optimizer step), ``module.py``
 (TaskModule, DataModule), ``callback.py`` (the Callback base and its hook order), ``options.py`` (every option,
@@ -15,11 +16,21 @@ None of them imports ``trainer.py`` at run time. See docs/design.md.
 """
 
 from trainer.callback import Callback
+from trainer.checkpoint.hf import export_weights
 from trainer.distributed.fsdp import FSDPStrategy
 from trainer.distributed.strategy import DDPStrategy
 from trainer.lifecycle import seed_everything
 from trainer.module import DataModule, TaskModule
 from trainer.trainer import Trainer
 
-__all__ = ["Callback", "DDPStrategy", "DataModule", "FSDPStrategy", "TaskModule", "Trainer", "seed_everything"]
+__all__ = [
+    "Callback",
+    "DDPStrategy",
+    "DataModule",
+    "FSDPStrategy",
+    "TaskModule",
+    "Trainer",
+    "export_weights",
+    "seed_everything",
+]
 __version__ = "0.1.0"

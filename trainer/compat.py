@@ -17,11 +17,12 @@ Nothing here imports the Trainer: what a function needs comes in as arguments (t
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -34,6 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainer.checkpoint.model_checkpoint import ModelCheckpoint
     from trainer.data.loaders import AdaptedLoader
     from trainer.distributed.launcher import DistEnv
+    from trainer.distributed.strategy import Strategy
     from trainer.loggers.logger import Logger
     from trainer.module import TaskModule
     from trainer.observability.profiler import Profiler
@@ -258,6 +260,8 @@ class TrainerAttributes:
 
     options: TrainerOptions
     env: DistEnv
+    device: torch.device
+    strategy: Strategy
     task: TaskModule | None
     loggers: list[Logger]
     callbacks: list[Callback]
@@ -318,6 +322,20 @@ class TrainerAttributes:
         self._stop_requested = bool(value)
         if not value:
             self._min_logged = False
+
+    # ------------------------------------------------------------------ building the model
+    def init_module(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager[None]:
+        """Lightning's ``trainer.init_module``: the layers built inside the block start on the meta device (no
+        memory) when ``empty_init`` is True, or is None and the strategy shards the model (FSDP); otherwise on this
+        rank's device, in the run's dtype (float64 under precision ``"64"``). keel shards a meta-device model first
+        and then materialises each rank's part, initialised by ``TaskModule.init_weights`` (each module's
+        ``reset_parameters()`` by default), so unlike Lightning's ``empty_init=True`` the weights are never left
+        uninitialised. Use it in ``configure_model`` (``with self.trainer.init_module(empty_init=True):``) or around
+        the task's construction."""
+        sharded = getattr(self.strategy, "name", None) == "fsdp"
+        meta = bool(empty_init) or (empty_init is None and sharded)
+        dtype = torch.float64 if self.options.precision == "64" else None
+        return _building(torch.device("meta") if meta else self.device, dtype)
 
     # ------------------------------------------------------------------ what runs
     @property
@@ -457,3 +475,16 @@ class TrainerAttributes:
     @property
     def progress_bar_callback(self) -> Callback | None:
         return next((cb for cb in self.callbacks if getattr(cb, "is_progress_bar", False)), None)
+
+
+@contextlib.contextmanager
+def _building(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]:
+    """Tensors made inside are on ``device`` and, when given, floating-point ones in ``dtype``."""
+    previous = torch.get_default_dtype()
+    with device:
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)

@@ -161,6 +161,8 @@ def _build(
     module._trainer = host
     with where:  # the layers it builds, and its tensor-parallel plan on self.device_mesh (FSDP)
         module.configure_model()
+    if isinstance(strategy, FSDPStrategy):
+        strategy.shard(module)  # a run shards in the stage setup (FSDPStrategy.prepare_model)
     run = strategy.setup(module, manual=False)
     optimizers, _ = parse_optimizers(module.configure_optimizers())
     fake = tree_map(lambda t: mode.from_tensor(t).to(where) if isinstance(t, torch.Tensor) else t, batch)

@@ -5,9 +5,11 @@ precision, the metric collector, the watchdog's beat) and is handed the rest per
 object that callbacks receive as their first argument, the task, the callbacks, the adapted loaders
 and their batch limits, and where reduced metrics go. It never reads the Trainer's private state.
 
-Ranks: evaluation shards hold different numbers of batches, so nothing inside the batch loop is
-collective; the epoch-end reduction (one per loader) and predict's gather are, and every rank reaches
-them once per loader (docs/design.md sections 6 and 7).
+Ranks: evaluation shards hold different numbers of batches, so nothing the task computes inside the batch loop
+may communicate; the strategy hands out the batches (``Strategy.eval_batches``: under FSDP every rank takes part in
+every forward's all-gathers, running the forwards of ranks with more batches without a batch of its own). The
+epoch-end reduction (one per loader) and predict's gather are collectives every rank reaches once per loader
+(docs/design.md sections 6 and 7).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class EvaluationLoop:
         strategy: Strategy,
     ) -> None:
         self.device = device
-        self.strategy = strategy  # eval_context: e.g. FSDP keeps the parameters gathered for the whole loop
+        self.strategy = strategy  # eval_context and eval_batches: under FSDP, every rank in every forward
         self.precision = precision
         self.metrics = metrics
         self.beat = beat
@@ -187,9 +189,7 @@ class EvaluationLoop:
         many, starts, ends = len(loaders) > 1, hooks.start, hooks.end
         with torch.no_grad(), self.strategy.eval_context(task):
             for loader_idx, (adapted, limit) in enumerate(zip(loaders, limits)):
-                for batch_idx, batch in enumerate(adapted.loader):
-                    if limit is not None and batch_idx >= limit:
-                        break
+                for batch_idx, batch in self.strategy.eval_batches(adapted.loader, limit):
                     self.beat(phase)
                     batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
                     self.metrics.batch = batch
@@ -283,9 +283,7 @@ class EvaluationLoop:
         with torch.no_grad(), self.strategy.eval_context(task):
             for loader_idx, (adapted, limit) in enumerate(zip(loaders, limits)):
                 local: list[Any] = []
-                for batch_idx, batch in enumerate(adapted.loader):
-                    if limit is not None and batch_idx >= limit:
-                        break
+                for batch_idx, batch in self.strategy.eval_batches(adapted.loader, limit):
                     batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
                     args = (batch, batch_idx, loader_idx) if many else (batch, batch_idx)  # Lightning's call
                     for hook in starts:

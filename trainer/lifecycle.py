@@ -75,10 +75,11 @@ def _seed_generators(seed: int) -> None:
 def setup_stage(trainer: Trainer, stage: str) -> None:
     """Seed (``seed + global_rank`` per rank; :func:`stage_seed`), agree on the run directory's version (a
     collective), set up the profiler (it knows the run directory then), prepare and set up the data
-    (``prepare_data`` on local rank 0, the others wait at a barrier), then ``task.setup``, the callbacks'
-    ``setup`` and ``task.configure_model``, in that order; last, the previous stage's ``callback_metrics``,
-    ``logged_metrics`` and ``progress_bar_metrics`` are emptied (Lightning's reset, at the same point). Reads the
-    Trainer's public attributes only."""
+    (``prepare_data`` on local rank 0, the others wait at a barrier), then ``task.setup`` and the callbacks'
+    ``setup``, in that order; last, the previous stage's ``callback_metrics``, ``logged_metrics`` and
+    ``progress_bar_metrics`` are emptied (Lightning's reset, at the same point). The Trainer then has the strategy
+    prepare the task (``configure_model``, its device and dtype, sharded and materialised:
+    :meth:`~trainer.distributed.strategy.Strategy.prepare_model`). Reads the Trainer's public attributes only."""
     task, datamodule, callbacks, profiler = trainer.task, trainer.datamodule, trainer.callbacks, trainer.profiler
     assert task is not None
     seed, deterministic = stage_seed(trainer, stage), trainer.options.deterministic
@@ -105,7 +106,6 @@ def setup_stage(trainer: Trainer, stage: str) -> None:
     task.setup(stage)
     for cb in callbacks:
         cb.setup(trainer, task, stage)
-    trainer.strategy.configure_model(task)  # large layers built late, a TP plan applied; setup shards the rest
     # Each stage's metrics only, as in Lightning (after fit: fit's; after test: test's; after predict: none).
     for metrics in (trainer.callback_metrics, trainer.logged_metrics, trainer.progress_bar_metrics):
         metrics.clear()

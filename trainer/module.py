@@ -397,8 +397,38 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
         """Build large layers here instead of in ``__init__`` (Lightning's hook). Called on every rank in
         every stage, after ``setup`` and before the task is moved to its device and wrapped or sharded
         (``strategy="fsdp"`` shards what exists after it). It may run more than once per task (fit, then
-        test): build only what is missing. The weights rank 0 builds are broadcast to every rank before
-        training, so the initial weights are the same at every world size."""
+        test): build only what is missing. It runs with rank 0's random state on every rank, and weights built
+        eagerly in ``__init__`` are rank 0's, so the initial weights are the same at every world size.
+
+        A model too large for one device is built on the meta device (``with torch.device("meta"):`` here or in
+        ``__init__``, or ``with self.trainer.init_module(empty_init=True):``): nothing is allocated until the strategy
+        has sharded it, then each rank materialises its own part and :meth:`init_weights` initialises it."""
+
+    def init_weights(self, module: torch.nn.Module) -> None:
+        """Initialise the parameters and buffers of ``module`` itself (not its submodules'), which keel has just
+        allocated, uninitialised, at their full size: called once per module that was built on the meta device, in
+        ``self.modules()`` order, on every rank with the same random state (so the weights do not depend on the
+        world size; under FSDP each rank then keeps its shard). Default: ``module.reset_parameters()``, which
+        every torch layer has and which is what its constructor ran.
+
+        Override it for your own initialisation (call ``super().init_weights(module)`` for the modules you leave
+        alone), and for a module of your own that holds parameters or buffers without a ``reset_parameters``.
+
+        Raises:
+            TypeError: ``module`` holds tensors of its own and has no ``reset_parameters()``, naming it.
+        """
+        reset = getattr(module, "reset_parameters", None)
+        if not callable(reset):
+            own = [n for n, _ in module.named_parameters(recurse=False)] + [
+                n for n, _ in module.named_buffers(recurse=False)
+            ]
+            where = "the task itself" if module is self else f"a {type(module).__name__}"
+            raise TypeError(
+                f"{type(self).__name__} was built on the meta device, and {where} holds tensors of its own ({own}) "
+                f"but has no reset_parameters() to initialise them: override {type(self).__name__}.init_weights("
+                "module) to fill them in place for that module (and call super().init_weights(module) for the rest)."
+            )
+        reset()
 
     def teardown(self, stage: str) -> None:
         """Called on every rank at the end of a stage, also after an exception."""

@@ -537,7 +537,6 @@ MOVED_TO_STRATEGY: dict[str, tuple[str, str]] = {
     "fsdp_reshard_after_forward": ("FSDPStrategy", "reshard_after_forward"),
     "fsdp_cpu_offload": ("FSDPStrategy", "cpu_offload"),
     "fsdp_reduce_grads": ("FSDPStrategy", "reduce_grads"),
-    "fsdp_bf16_params": ("FSDPStrategy", "bf16_params"),
 }
 
 

@@ -23,7 +23,7 @@ _REFUSED = {
     "checkpoint_io": "keel writes its own checkpoint folders (docs/checkpoints.md)",
     "precision_plugin": "pass Trainer(precision=...)",
     "precision": "pass Trainer(precision=...)",
-    "mixed_precision": "pass Trainer(precision='bf16-mixed'), and FSDPStrategy's bf16_params for bf16 gathers",
+    "mixed_precision": "pass Trainer(precision='bf16-mixed'): FSDP then gathers and computes in bf16 over fp32 shards",
     "ddp_comm_state": "keel registers no DDP communication hooks",
     "ddp_comm_hook": "keel registers no DDP communication hooks",
     "ddp_comm_wrapper": "keel registers no DDP communication hooks",

@@ -6,12 +6,14 @@
 * :mod:`~trainer.checkpoint.store`: writing and committing a save (DCP data files from every rank, then
   ``keel.pt`` and the manifest from rank 0, then the rename), synchronous or in the background.
 * :mod:`~trainer.checkpoint.reader`: resolving ``last`` / ``best``, verifying a save and loading it.
+* :mod:`~trainer.checkpoint.hf`: Hugging Face safetensors in and out (``open_weights``, ``write_safetensors``,
+  ``export_weights``), tensor by tensor.
 * :mod:`~trainer.checkpoint.async_save`: the background writer.
 * :mod:`~trainer.checkpoint.dcp_io`: keel's pieces of DCP (safe reader and planners, hashing writer, CPU staging of
   async saves), imported on the first save or load.
 * :mod:`~trainer.checkpoint.model_checkpoint`: the ``ModelCheckpoint`` callback: when to save, what to keep.
 
 May import: torch (``torch.distributed.checkpoint`` included), :mod:`trainer.distributed`, :mod:`trainer.data`,
-:mod:`trainer.callback`, :mod:`trainer.storage`. The Trainer is never imported or read: it hands in the state objects
-(trainer/run_state.py builds them).
+:mod:`trainer.callback`, :mod:`trainer.storage`; safetensors (the ``hf`` extra), when a safetensors file is read.
+The Trainer is never imported or read: it hands in the state objects (trainer/run_state.py builds them).
 """

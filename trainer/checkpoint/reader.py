@@ -15,12 +15,13 @@ load, without the checksum check, which they predate.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 import zlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any
 
 from trainer.checkpoint import store
 from trainer.checkpoint.files import (
@@ -38,7 +39,6 @@ from trainer.checkpoint.files import (
     CorruptCheckpointError,
     load_file,
     read_pointer,
-    save_file,
 )
 from trainer.checkpoint.stateful import check_classes
 from trainer.checkpoint.store import (
@@ -50,7 +50,7 @@ from trainer.checkpoint.store import (
     quiet_dcp,
 )
 from trainer.distributed import comm
-from trainer.storage import AnyPath, RemotePath, as_path, describe_error, location
+from trainer.storage import AnyPath, RemotePath, as_path, describe_error
 
 log = logging.getLogger(__name__)
 
@@ -285,6 +285,14 @@ def load_weights(path: str | os.PathLike) -> dict[str, Any]:
     if not _is_save_folder(folder):
         return load_file(folder)
     manifest, checkpoint = _verified(folder, collective=False)
+    checkpoint[K_STATE_DICT] = read_model(folder, manifest)
+    return checkpoint
+
+
+def read_model(folder: AnyPath, manifest: dict[str, Any] | None, keys: Collection[str] = ("model",)) -> dict[str, Any]:
+    """The model entries of a save already verified (:func:`_verified` gave ``manifest``), as CPU tensors, in one
+    DCP read without a process group. ``keys``: DCP keys to read, ``"model"`` (every entry) or flattened ones
+    (``"model.net.0.weight"``): only their bytes are read (trainer/checkpoint/hf.py reads a few at a time)."""
     tensors: dict[str, Any] = {}
     try:
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -295,13 +303,12 @@ def load_weights(path: str | os.PathLike) -> dict[str, Any]:
             _load_state_dict(
                 tensors,
                 storage_reader=dcp_io.reader(data_root(folder, manifest)),
-                planner=dcp_io.SafeEmptyPlanner(keys={"model"}),
+                planner=dcp_io.SafeEmptyPlanner(keys=set(keys)),
                 no_dist=True,
             )
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         raise _load_error(folder, exc, "could not be read") from exc
-    checkpoint[K_STATE_DICT] = dict(tensors["model"])
-    return checkpoint
+    return dict(tensors.get("model", {}))
 
 
 # ---------------------------------------------------------------------- which save
@@ -395,17 +402,16 @@ def resolve_best(directory: str | os.PathLike, state_key: str, best_k: dict[str,
     return out
 
 
-def export_weights(ckpt_path: str | os.PathLike, out_path: str | os.PathLike) -> None:
-    """Write the task weights of a keel checkpoint (any strategy, any world size, this release's or the
-    previous one's) as one plain ``state_dict`` file, without a process group.
+if TYPE_CHECKING:
+    from trainer.checkpoint.hf import export_weights as export_weights
+else:
 
-    The result loads with bare PyTorch: ``model.load_state_dict(torch.load(out_path, weights_only=True))``.
-    """
-    source, target = (
-        location(ckpt_path, "export_weights(ckpt_path)"),
-        location(out_path, "export_weights(out_path)"),
-    )
-    save_file(dict(load_weights(source)[K_STATE_DICT]), target)
+    def __getattr__(name: str) -> Any:
+        """``export_weights`` moved to :mod:`trainer.checkpoint.hf` (which imports this module, so this module
+        names it only when asked for it): ``from trainer.checkpoint.reader import export_weights`` gives it."""
+        if name == "export_weights":
+            return importlib.import_module("trainer.checkpoint.hf").export_weights
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class CheckpointIO:

@@ -12,6 +12,7 @@ from torch import nn
 
 from trainer.distributed import comm
 from trainer.distributed.launcher import DistEnv
+from trainer.distributed.materialize import broadcast_tensors, has_meta, materialize, shared_rng
 from trainer.distributed.strategy import (
     _NO_CONTEXT,
     StepAdapter,
@@ -25,6 +26,8 @@ from trainer.distributed.strategy import (
 from trainer.options import TrainerOptions
 
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Iterable, Iterator, Sequence
+
     from torch.distributed.fsdp import FSDPModule
 
     from trainer.module import TaskModule
@@ -37,12 +40,12 @@ class FSDPStrategy(Strategy):
 
     The task itself is the root unit (``task(x)``, ``validation_step`` and the others run on the sharded
     task), plus one unit per module of ``units`` (default: every module held in an ``nn.ModuleList``,
-    the usual transformer blocks); parameters outside every unit belong to the root. ``training_step`` is
-    registered as an FSDP forward method, so it all-gathers the root's parameters like ``forward`` does;
-    the evaluation loops run inside :meth:`eval_context`, with every unit gathered once for the whole loop
-    (registering the evaluation steps too would reshard after each nested ``self(x)`` and all-gather per
-    batch, which hangs when ranks run different numbers of batches).
-    Initial weights are rank 0's, broadcast before sharding, so they are the same at every world size.
+    the usual transformer blocks); parameters outside every unit belong to the root. The task is sharded in
+    every stage's setup (:meth:`prepare_model`), so no stage holds the whole model: a task built on the meta
+    device is sharded while empty and then materialised shard by shard, one built eagerly is moved to the device
+    a unit at a time. ``training_step`` is registered as an FSDP forward method, so it all-gathers the root's
+    parameters like ``forward`` does. Evaluation gathers unit by unit as training does, every rank running the
+    same number of forwards (:meth:`eval_batches`). Initial weights do not depend on the world size.
     Checkpoints are the same folders as under DDP (each rank writes its shards). See docs/fsdp.md.
     """
 
@@ -55,7 +58,6 @@ class FSDPStrategy(Strategy):
         "reshard_after_forward",
         "cpu_offload",
         "reduce_grads",
-        "bf16_params",
         "activation_checkpointing",
         "tensor_parallel_size",
     )
@@ -69,7 +71,6 @@ class FSDPStrategy(Strategy):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         reduce_grads: str = "every_micro_batch",
-        bf16_params: bool = False,
         activation_checkpointing: _ModuleClasses | None = None,
         tensor_parallel_size: int = 1,
     ) -> None:
@@ -84,8 +85,6 @@ class FSDPStrategy(Strategy):
                 step runs on the CPU).
             reduce_grads: Under accumulation, reduce-scatter gradients after ``"every_micro_batch"`` (less
                 memory) or after the ``"last_micro_batch"`` of each window (less traffic). Same maths either way.
-            bf16_params: With ``precision="bf16-mixed"`` only: all-gather and compute with bf16 parameters (half
-                the traffic and unsharded memory, but bf16 numerics).
             activation_checkpointing: Module classes whose forward is recomputed in backward (for example the
                 blocks: ``["Block"]``), as for every strategy (:meth:`Strategy.__init__`). None: off.
             tensor_parallel_size: Ranks that split each layer between them (tensor parallelism). With T > 1 the
@@ -109,7 +108,6 @@ class FSDPStrategy(Strategy):
         self.reshard_after_forward = _check_bool(owner, "reshard_after_forward", reshard_after_forward)
         self.cpu_offload = _check_bool(owner, "cpu_offload", cpu_offload)
         self.reduce_grads = reduce_grads
-        self.bf16_params = _check_bool(owner, "bf16_params", bf16_params)
         if (
             isinstance(tensor_parallel_size, bool)
             or not isinstance(tensor_parallel_size, int)
@@ -120,6 +118,8 @@ class FSDPStrategy(Strategy):
         self.task: nn.Module | None = None
         self._sync: bool | None = None  # the requires_gradient_sync flag last set on the units
         self.device_mesh: Any = None  # the DeviceMesh the parameters are sharded over (setup_mesh)
+        self._eval_forward: list[tuple[Any, bool]] = []  # the units the last evaluation forward gathered (eval_batches)
+        self._recording: list[tuple[Any, bool]] | None = None  # the forward being recorded (_EvalForwards)
 
     def settings(self) -> dict[str, Any]:
         return {
@@ -128,11 +128,6 @@ class FSDPStrategy(Strategy):
         }
 
     def connect(self, env: DistEnv, device: torch.device, options: TrainerOptions) -> None:
-        if self.bf16_params and options.precision != "bf16-mixed":
-            raise ValueError(
-                f"{type(self).__name__}(bf16_params=True) needs Trainer(precision='bf16-mixed') "
-                f"(precision={options.precision!r}): pass bf16_params=False or precision='bf16-mixed'."
-            )
         tp = self.tensor_parallel_size
         if env.world_size % tp:
             raise ValueError(
@@ -142,72 +137,79 @@ class FSDPStrategy(Strategy):
             )
         super().connect(env, device, options)
 
-    def configure_model(self, task: TaskModule) -> None:
-        """Make the mesh (``task.device_mesh``), then run ``task.configure_model()`` so that every rank builds
-        rank 0's weights: an unsharded task first gets rank 0's weights and buffers (one broadcast per tensor), and
-        ``configure_model`` runs with rank 0's random state (restored after it on the other ranks). So the
-        initial weights do not depend on the world size, whether ``configure_model`` builds layers, applies a
-        tensor-parallel plan (which splits full tensors) or calls ``fully_shard`` itself. The task moves to its
-        device first, so a plan splits tensors already there (and NCCL broadcasts device tensors). Collective."""
-        self.setup_mesh()
-        task.to(self.root_device)
-        if self.world_size == 1:
-            task.configure_model()
-            return
-        if not any(_is_dtensor(p) for p in task.parameters()):  # not sharded by an earlier stage
-            for tensor in task.state_dict().values():
-                comm.broadcast(tensor, 0)
-        devices = [self.root_device] if self.root_device.type == "cuda" else []
-        states = comm.broadcast_object(_rng_states(devices), 0)
-        if self.global_rank == 0:
-            task.configure_model()
-            return
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(states[0])
-            if devices:
-                torch.cuda.set_rng_state(states[1], devices[0])
-            task.configure_model()
+    def prepare_model(self, task: TaskModule, *, dtype: torch.dtype | None) -> None:
+        """Every stage: the task sharded, on its device, every weight real, with the same initial weights at every
+        world size (a collective; docs/fsdp.md, "What a rank holds").
 
-    def setup(self, task: TaskModule, *, manual: bool) -> nn.Module:
+        1. Tensors the task built eagerly get rank 0's values (one broadcast per tensor, through the device).
+        2. ``task.configure_model()`` runs with rank 0's random state (restored after it on the other ranks): the
+           layers it builds and the tensor-parallel plan it applies start as rank 0's.
+        3. The task takes ``dtype`` (precision ``"64"``) and is sharded (:meth:`shard`): ``fully_shard`` moves each
+           unit's tensors to the device and keeps this rank's shard, so the device never holds the whole model.
+        4. What is still on the meta device is materialised shard by shard (:func:`materialize`): each module's
+           parameters at full size, ``task.init_weights(module)`` under rank 0's random state, this rank's slice
+           kept. The peak beyond the shards is one module's full parameters.
+
+        A task an earlier stage sharded only runs ``configure_model`` again (it should build only what is missing).
+        An eager task under tensor parallelism moves to the device whole before its plan splits it (the plan
+        splits full tensors); build it on the meta device to avoid that.
+        """
+        self.setup_mesh()
+        if any(_is_dtensor(p) for p in task.parameters()):  # sharded by an earlier stage
+            with shared_rng(self.root_device):
+                task.configure_model()
+            return
+        broadcast_tensors(task, self.root_device)
+        if self.tensor_parallel_size > 1 and not has_meta(task):
+            task.to(self.root_device)  # the plan's distribute_tensor splits full tensors already on the device
+        with shared_rng(self.root_device):
+            task.configure_model()
+        if dtype is not None:
+            task.to(dtype=dtype)
+        self.shard(task)
+        with shared_rng(self.root_device):
+            materialize(task, self.root_device, task.init_weights)
+        task.to(self.root_device)  # buffers outside every unit, and a task without parameters
+
+    def shard(self, task: nn.Module) -> None:
+        """``fully_shard`` each unit (:meth:`units`) and then the task as root, over :meth:`shard_mesh`, with the
+        precision and offload policies of the run. A task whose ``configure_model`` called ``fully_shard`` itself
+        keeps its units (only a root it left plain is sharded). BatchNorm is refused without ``sync_batchnorm``.
+
+        Under ``bf16-mixed`` the units gather and compute with bf16 parameters (``param_dtype``) and reduce
+        gradients in fp32, over fp32 sharded master weights, so no bf16 copy of the whole model builds up; the
+        precision plugin's autocast stays on top (its fp32 ops, norms and softmax among them, still run in fp32), and
+        the units neither cast their inputs nor their outputs: activations keep the dtypes autocast gives them, as
+        under autocast alone.
+        """
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
+            FSDPModule,
             MixedPrecisionPolicy,
             OffloadPolicy,
             fully_shard,
-            register_fsdp_forward_method,
         )
 
-        opts = self.options
         self._check_batchnorm(task)
-        if opts.sync_batchnorm:
+        if self.options.sync_batchnorm:
             converted = nn.SyncBatchNorm.convert_sync_batchnorm(task)
             if converted is not task:
                 raise TypeError("sync_batchnorm: the task itself must not be a BatchNorm layer.")
-        if not any(p.requires_grad for p in task.parameters()):
-            raise ValueError(f"{type(task).__name__} has no trainable parameters; FSDP has nothing to shard.")
-        # Every rank holds rank 0's weights here (configure_model saw to it).
-        mesh = self.shard_mesh()
         self._check_tensor_parallel(task)
-        # bf16-mixed: fp32 sharded master weights and fp32 gradient reduction; compute in bf16 through the
-        # precision plugin's autocast (the numerics of DDP's bf16-mixed, and Lightning's FSDP mapping).
-        # bf16_params also gathers and computes with bf16 parameters: half the all-gather traffic and
-        # unsharded-parameter memory, at a measured cost in accuracy (benchmarks/results/charlm.md).
-        mp = (
-            MixedPrecisionPolicy(reduce_dtype=torch.float32)
-            if opts.precision == "bf16-mixed"
-            else MixedPrecisionPolicy()
-        )
-        if self.bf16_params:
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy()
+        if self.options.precision == "bf16-mixed":
+            mp = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16,
+                reduce_dtype=torch.float32,
+                cast_forward_inputs=False,
+            )
         offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else OffloadPolicy()
         kwargs: dict[str, Any] = dict(
-            mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp, offload_policy=offload
+            mesh=self.shard_mesh(),
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=mp,
+            offload_policy=offload,
         )
-        self.checkpoint_activations(task)  # inside the units: FSDP's hooks gather around the recomputed forward
-        from torch.distributed.fsdp import FSDPModule
-
-        # A task whose configure_model called fully_shard itself (Lightning's ModelParallelStrategy) chose its units:
-        # nothing is sharded twice, and only a root it left plain is sharded here.
         if not any(isinstance(m, FSDPModule) for m in task.modules()):
             for unit in self.units(task):
                 fully_shard(unit, **kwargs)
@@ -215,6 +217,15 @@ class FSDPStrategy(Strategy):
             # The root: every parameter left outside the units. It keeps them gathered from forward to backward,
             # which needs them first (FSDP2's own choice for a root: one all-gather a step fewer).
             fully_shard(task, **{**kwargs, "reshard_after_forward": False})
+
+    def setup(self, task: TaskModule, *, manual: bool) -> nn.Module:
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        if not any(p.requires_grad for p in task.parameters()):
+            raise ValueError(f"{type(task).__name__} has no trainable parameters; FSDP has nothing to shard.")
+        # The forward of the activation-checkpointing classes recomputes in backward; FSDP's hooks on the units
+        # gather around it (its pre-backward hook unshards a unit before its recomputed forward runs).
+        self.checkpoint_activations(task)
         adapter = StepAdapter(task)  # before registration: it reads training_step's own signature
         for method in self.STEP_METHODS:
             if callable(getattr(task, method, None)):
@@ -317,7 +328,80 @@ class FSDPStrategy(Strategy):
             nn.utils.clip_grad_value_(group, clip_value, foreach=True)
 
     def eval_context(self, task: nn.Module) -> AbstractContextManager[Any]:
-        return _Unsharded(task, reshard_after_forward=self.reshard_after_forward)
+        return _EvalForwards(self, task)
+
+    def eval_batches(self, batches: Iterable[Any], limit: int | None) -> Iterator[tuple[int, Any]]:
+        """This rank's evaluation batches, then as many forwards without a batch as the ranks with the most
+        batches still run, so that every rank takes part in every all-gather (:class:`_EvalForwards`). The number
+        is agreed before the first batch when the loader has a length (one all-gather), else one small all-reduce
+        per batch.
+
+        Raises:
+            RuntimeError: on every rank, when some rank has no batch to take part with and has never run an
+                evaluation forward (fewer samples than data-parallel ranks), naming the fix.
+        """
+        if self.world_size == 1:
+            yield from super().eval_batches(batches, limit)
+            return
+        known = _length(batches)
+        if known is not None:
+            mine = known if limit is None else min(known, limit)
+            rows = comm.all_gather_tensor(torch.tensor([mine, int(bool(self._eval_forward))], device=self.root_device))
+            counts = [(int(r[0]), bool(r[1])) for r in rows]
+            most = max(n for n, _ in counts)
+            self._refuse_if_unrecorded([r for r, (n, recorded) in enumerate(counts) if n == 0 < most and not recorded])
+            for batch_idx, batch in enumerate(batches):
+                if batch_idx >= mine:
+                    break
+                yield from self._recorded(batch_idx, batch)
+            for _ in range(most - mine):
+                self._replay()
+            return
+        iterator, batch_idx = iter(batches), 0
+        while True:
+            batch = next(iterator, _END) if limit is None or batch_idx < limit else _END
+            here = batch is not _END
+            flags = comm.all_reduce(
+                torch.tensor([float(here), -float(here or bool(self._eval_forward))], device=self.root_device), "max"
+            )
+            if flags[0] == 0:
+                return
+            if -flags[1] == 0:
+                self._refuse_if_unrecorded(None)
+            if here:
+                yield from self._recorded(batch_idx, batch)
+                batch_idx += 1
+            else:
+                self._replay()
+
+    def _recorded(self, batch_idx: int, batch: Any) -> Iterator[tuple[int, Any]]:
+        forward: list[tuple[Any, bool]] = []
+        self._recording = forward
+        try:
+            yield batch_idx, batch
+        finally:
+            self._recording = None
+        if forward:
+            self._eval_forward = forward
+
+    def _replay(self) -> None:
+        """The collectives of one evaluation forward without running it: each unit the last recorded forward
+        gathered, all-gathered and freed again in the same order (FSDP's ``unshard`` / ``reshard``)."""
+        for unit, resharded in self._eval_forward:
+            unit.unshard()
+            if resharded:
+                unit.reshard()
+
+    def _refuse_if_unrecorded(self, ranks: list[int] | None) -> None:
+        if ranks == []:
+            return
+        which = f"rank(s) {ranks}" if ranks else "a rank"
+        raise RuntimeError(
+            f"FSDP evaluation: {which} of {self.data_parallel_size} data-parallel ranks got no batch of this loader, "
+            "and every rank must run the same number of forwards (each one all-gathers parameters from every rank). "
+            f"Give the loader at least {self.data_parallel_size} samples (one per data-parallel rank), or evaluate "
+            "on fewer ranks."
+        )
 
 
 def _is_dtensor(tensor: Any) -> bool:
@@ -343,27 +427,71 @@ def _by_mesh(params: list[Any]) -> list[list[Any]]:
     return list(groups.values())
 
 
-def _rng_states(devices: list[torch.device]) -> list[torch.Tensor]:
-    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+_END = object()
 
 
-class _Unsharded:
-    """FSDP evaluation: all-gather every unit once on entry (collectives, every rank in the same order)
-    and keep the parameters unsharded until exit, so per-batch forwards never communicate while ranks
-    run different numbers of batches. Costs the full parameters' memory for the loop's duration."""
+def _length(batches: Any) -> int | None:
+    try:
+        return len(batches)
+    except TypeError:
+        return None
 
-    def __init__(self, task: nn.Module, *, reshard_after_forward: bool) -> None:
-        units = [m for m in task.modules() if hasattr(m, "unshard") and hasattr(m, "set_reshard_after_forward")]
-        self.modules = cast("list[FSDPModule]", units)  # the FSDP units (fully_shard made them FSDPModules)
-        self.root, self.reshard_after_forward = task, reshard_after_forward
+
+class _EvalForwards:
+    """Around an FSDP evaluation loop: records, for each forward, which units it gathered and whether each was
+    freed after its forward (hooks on every unit), so that a rank out of batches can take part in the other ranks'
+    forwards (:meth:`FSDPStrategy.eval_batches`). On exit every unit is resharded: nothing stays gathered."""
+
+    def __init__(self, strategy: FSDPStrategy, task: nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.strategy = strategy
+        self.units = [m for m in task.modules() if isinstance(m, FSDPModule)]
+        self.handles: list[Any] = []
 
     def __enter__(self) -> None:
-        for m in self.modules:
-            m.set_reshard_after_forward(False, recurse=False)
-            m.unshard()
+        strategy = self.strategy
+        strategy._recording = None
+        open_units: list[int] = []  # indices into the recording of the units whose forward is running
+        for unit in self.units:
+            owner, name = _managed_parameter(unit, self.units)
+
+            def before(module: nn.Module, args: Any) -> None:
+                if strategy._recording is not None:
+                    open_units.append(len(strategy._recording))
+                    strategy._recording.append((module, False))
+
+            def after(module: nn.Module, args: Any, output: Any, owner: Any = owner, name: str = name) -> None:
+                if strategy._recording is not None and open_units:
+                    # FSDP frees a unit's gathered parameters by registering its shards (DTensors) again.
+                    freed = owner is not None and _is_dtensor(owner._parameters.get(name))
+                    strategy._recording[open_units.pop()] = (module, freed)
+
+            # Registered after FSDP's own hooks: `after` sees the unit once FSDP has freed (or kept) its parameters.
+            self.handles += [unit.register_forward_pre_hook(before), unit.register_forward_hook(after)]
 
     def __exit__(self, *exc: object) -> None:
-        for m in self.modules:
-            m.reshard()
-            root = m is cast("FSDPModule", self.root)
-            m.set_reshard_after_forward(self.reshard_after_forward and not root, recurse=False)
+        for handle in self.handles:
+            handle.remove()
+        self.strategy._recording = None
+        for unit in self.units:
+            cast("FSDPModule", unit).reshard()
+
+
+def _managed_parameter(unit: nn.Module, units: Sequence[nn.Module]) -> tuple[nn.Module | None, str]:
+    """One parameter ``unit`` gathers itself (its nearest enclosing unit is ``unit``), as (owning module, name);
+    ``(None, "")`` when every parameter below it belongs to a nested unit."""
+    nested = {id(m) for m in units if m is not unit}
+
+    def search(module: nn.Module) -> tuple[nn.Module | None, str]:
+        for name, param in module._parameters.items():
+            if param is not None:
+                return module, name
+        for child in module.children():
+            if id(child) not in nested:
+                found = search(child)
+                if found[0] is not None:
+                    return found
+        return None, ""
+
+    return search(unit)

@@ -45,9 +45,12 @@ from torch import nn
 from trainer.compat import takes_batch_idx
 from trainer.distributed import comm
 from trainer.distributed.launcher import DistEnv
+from trainer.distributed.materialize import has_meta, materialize, shared_rng
 from trainer.options import TrainerOptions
 
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Iterable, Iterator
+
     from trainer.module import TaskModule
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it costs nothing on the hot path
@@ -228,10 +231,20 @@ class Strategy:
         return torch.stack(comm.all_gather_tensor(tensor))
 
     # ------------------------------------------------------------------ lifecycle
-    def configure_model(self, task: TaskModule) -> None:
-        """Call ``task.configure_model()`` (every stage, before the task is moved to its device and before
-        :meth:`setup`): a strategy that gives the task a device mesh makes it first."""
-        task.configure_model()
+    def prepare_model(self, task: TaskModule, *, dtype: torch.dtype | None) -> None:
+        """Every stage, at the end of its setup (``trainer.lifecycle.setup_stage``), on every rank: run
+        ``task.configure_model()`` with rank 0's random state (the layers it builds start equal on every rank),
+        give the task ``dtype`` (precision ``"64"``; None: keep it) and put it on :attr:`root_device`. What the task
+        built on the meta device is materialised there whole (DDP replicates the model): ``task.init_weights(module)``
+        per module, under rank 0's random state, so the weights do not depend on the world size. A collective with
+        several ranks. :class:`~trainer.distributed.fsdp.FSDPStrategy` shards before it materialises."""
+        with shared_rng(self.root_device):
+            task.configure_model()
+            if dtype is not None:
+                task.to(dtype=dtype)
+            if has_meta(task):
+                materialize(task, self.root_device, task.init_weights)
+        task.to(self.root_device)
 
     def setup(self, task: TaskModule, *, manual: bool) -> nn.Module:
         """Prepare ``task`` for training; return the module the loop calls as ``model(batch, batch_idx)``
@@ -296,9 +309,18 @@ class Strategy:
         nn.utils.clip_grad_value_(params, clip_value, foreach=True)
 
     def eval_context(self, task: nn.Module) -> AbstractContextManager[Any]:
-        """Entered by every rank around a whole validation / test / predict loop. Ranks run different
-        numbers of evaluation batches, so inside it nothing the task computes may communicate."""
+        """Entered by every rank around a whole validation / test / predict loop (inside ``torch.no_grad()``)."""
         return _NO_CONTEXT
+
+    def eval_batches(self, batches: Iterable[Any], limit: int | None) -> Iterator[tuple[int, Any]]:
+        """``(batch_idx, batch)`` for this rank's batches of one evaluation loader, at most ``limit`` (None: all),
+        inside :meth:`eval_context`. Here ranks run different numbers of batches, so nothing the task computes
+        in its step may communicate; a sharding strategy whose forward communicates makes the ranks take part in
+        every forward (FSDP)."""
+        for batch_idx, batch in enumerate(batches):
+            if limit is not None and batch_idx >= limit:
+                return
+            yield batch_idx, batch
 
     def weights_finite(self, task: nn.Module) -> bool:
         """Whether every weight is finite (before a checkpoint is written), the same answer on every rank:
@@ -427,12 +449,9 @@ def match_modules(task: nn.Module, wanted: list[str | type[nn.Module]], setting:
     names = {w for w in wanted if isinstance(w, str)}
     types = tuple(w for w in wanted if isinstance(w, type))
     found = [
-        m
-        for m in task.modules()
-        if m is not task
-        and (type(m).__name__ in names or type(m).__qualname__ in names or (types and isinstance(m, types)))
+        m for m in task.modules() if m is not task and (_class_names(m) & names or (types and isinstance(m, types)))
     ]
-    present = {type(m).__name__ for m in found} | {type(m).__qualname__ for m in found}
+    present = {n for m in found for n in _class_names(m)}
     missing = sorted(n for n in names if n not in present)
     missing += sorted(t.__name__ for t in types if not any(isinstance(m, t) for m in found))
     if missing:
@@ -441,6 +460,17 @@ def match_modules(task: nn.Module, wanted: list[str | type[nn.Module]], setting:
             f"{setting} names {missing}, which no submodule of {type(task).__name__} is; its module classes: {classes}."
         )
     return found
+
+
+def _class_names(module: nn.Module) -> set[str]:
+    """The names a module's class answers to: its own, and for a class FSDP made for a sharded module
+    (``FSDPBlock``, a subclass of ``FSDPModule`` and ``Block``), the user's class it was made from."""
+    cls = type(module)
+    names = {cls.__name__, cls.__qualname__}
+    for base in cls.__bases__:
+        if cls.__name__ == "FSDP" + base.__name__:
+            names |= {base.__name__, base.__qualname__}
+    return names
 
 
 def _recompute_in_backward(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

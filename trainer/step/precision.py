@@ -42,11 +42,6 @@ class Precision:
             self.backward = torch.Tensor.backward  # type: ignore[method-assign]
             self.optimizer_step = operator.methodcaller("step")  # type: ignore[method-assign, assignment]
 
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        if self.param_dtype is not None:
-            module.to(dtype=self.param_dtype)
-        return module
-
     def autocast(self) -> AbstractContextManager[Any]:
         if self.precision == "bf16-mixed":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
