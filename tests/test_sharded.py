@@ -136,4 +136,3 @@ def test_ddp_materialises_a_meta_built_task_whole(tmp_path: Path, reference: dic
     assert ddp["world_size"] == 2
     assert max_diff(ddp["initial"], reference["initial"]) == 0.0
     assert ddp["sizes"]["shard"] == ddp["sizes"]["whole"]
-
