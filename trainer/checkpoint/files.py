@@ -285,6 +285,20 @@ def save_file(state: dict[str, Any], path: str | os.PathLike) -> None:
     write_atomic(as_path(path), lambda handle: torch.save(state, handle), state=state)
 
 
+def unreadable(path: Any, exc: Exception) -> CorruptCheckpointError:
+    """The error for a plain file ``torch.load(weights_only=True)`` refused or could not read: one holding pickled
+    objects that could run code, or a truncated or corrupt one, naming the file and the cause."""
+    text = str(exc)
+    first = text.splitlines()[0] if text else type(exc).__name__
+    if "weights_only" in text or "Unsupported global" in text or "GLOBAL" in text:
+        return CorruptCheckpointError(
+            f"Checkpoint {str(path)!r} contains pickled objects that are not plain tensors and "
+            f"containers; keel refuses to load it (weights_only=True) so that nothing in it can run. "
+            f"Detail: {first}"
+        )
+    return CorruptCheckpointError(f"Checkpoint {str(path)!r} is truncated or corrupt ({type(exc).__name__}: {first}).")
+
+
 def load_file(path: str | os.PathLike, *, required: tuple[str, ...] = REQUIRED_KEYS) -> dict[str, Any]:
     """A plain file with ``torch.load(weights_only=True)``: nothing in it can run code. Raises
     :class:`CheckpointError` naming the file and the cause. ``required``: the top-level keys it must hold."""
@@ -295,17 +309,7 @@ def load_file(path: str | os.PathLike, *, required: tuple[str, ...] = REQUIRED_K
         source = io.BytesIO(path.read_bytes()) if isinstance(path, RemotePath) else path
         state = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:
-        text = str(exc)
-        first = text.splitlines()[0] if text else type(exc).__name__
-        if "weights_only" in text or "Unsupported global" in text or "GLOBAL" in text:
-            raise CorruptCheckpointError(
-                f"Checkpoint {str(path)!r} contains pickled objects that are not plain tensors and "
-                f"containers; keel refuses to load it (weights_only=True) so that nothing in it can run. "
-                f"Detail: {first}"
-            ) from exc
-        raise CorruptCheckpointError(
-            f"Checkpoint {str(path)!r} is truncated or corrupt ({type(exc).__name__}: {first})."
-        ) from exc
+        raise unreadable(path, exc) from exc
     missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"{str(path)!r} is not a keel checkpoint (missing {missing}).")

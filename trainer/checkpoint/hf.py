@@ -37,6 +37,7 @@ from trainer.checkpoint.files import (
     CheckpointError,
     CorruptCheckpointError,
     save_file,
+    unreadable,
     write_atomic,
 )
 from trainer.checkpoint.store import KEEL_FILE, MANIFEST_FILE, METADATA_FILE
@@ -248,16 +249,7 @@ def _load_torch(path: AnyPath) -> Any:
                 raise
             return torch.load(source, map_location="cpu", weights_only=True)  # the legacy format: no mmap
     except Exception as exc:
-        text = str(exc)
-        first = text.splitlines()[0] if text else type(exc).__name__
-        if "weights_only" in text or "Unsupported global" in text or "GLOBAL" in text:
-            raise CorruptCheckpointError(
-                f"Checkpoint {str(path)!r} contains pickled objects that are not plain tensors and containers; keel "
-                f"refuses to load it (weights_only=True) so that nothing in it can run. Detail: {first}"
-            ) from exc
-        raise CorruptCheckpointError(
-            f"Checkpoint {str(path)!r} is truncated or corrupt ({type(exc).__name__}: {first})."
-        ) from exc
+        raise unreadable(path, exc) from exc
 
 
 class _TorchFile(WeightSource):
