@@ -302,8 +302,8 @@ class Trainer(TrainerAttributes):
             self._logged_options = True
         lifecycle.setup_stage(self, stage)
         assert self.task is not None
-        # configure_model, then the task on its device in its dtype: sharded first under FSDP, a task built on the
-        # meta device materialised (whole, or shard by shard under FSDP).
+        # configure_model, then the task on its device in its dtype; how (whole, or sharded first and materialised
+        # shard by shard) is the strategy's business.
         self.strategy.prepare_model(self.task, dtype=self._precision.param_dtype)
 
     def _teardown_stage(self, stage: str, *, failed: bool) -> None:
