@@ -131,6 +131,23 @@ def test_bf16_mixed_keeps_no_bf16_copy_of_the_weights_for_backward(tmp_path: Pat
     assert_within_shard(out, init_holds=size["shard"] + size["module"])
 
 
+def test_weights_exported_at_2_ranks_start_4_ranks_and_one_process(tmp_path: Path) -> None:
+    """Trainer(initial_weights=an export to Hugging Face's layout): each of 4 ranks reads only its slices (the
+    initialisation holds its shard and one module), and the run equals one process started from the same folder."""
+    from trainer import export_weights
+
+    two = run(tmp_path / "two", "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", "3", nproc=2)
+    (save,) = [p for p in (tmp_path / "ckpt").iterdir() if p.is_dir() and "step=3" in p.name]
+    export_weights(save, tmp_path / "hf", max_shard_size=two["sizes"]["whole"] // 3)
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) >= 3
+    four = run(tmp_path / "four", "--initial-weights", str(tmp_path / "hf"))
+    one = run(tmp_path / "one", "--initial-weights", str(tmp_path / "hf"), nproc=1)
+    assert max_diff(four["initial"], two["weights"]) == 0.0  # the trained weights of the 2-rank run, exactly
+    assert_equal_runs(four, one)
+    size = four["sizes"]
+    assert_within_shard(four, init_holds=size["shard"] + size["module"])
+
+
 def test_ddp_materialises_a_meta_built_task_whole(tmp_path: Path, reference: dict) -> None:
     ddp = run(tmp_path / "ddp", "--strategy", "ddp", nproc=2)
     assert ddp["world_size"] == 2

@@ -154,6 +154,15 @@ class TrainerOptions:
             the reason; ``"restart_epoch"`` warns and starts that epoch again from its first batch.
         predict_return: ``"all_ranks"`` (every rank gets the predictions) or ``"rank_zero"`` (other ranks get
             None).
+        initial_weights: Where the task's starting weights come from: a ``.safetensors`` file, a Hugging Face
+            folder (``model.safetensors.index.json`` and its shards), a ``torch.save``'d state dict or a keel
+            checkpoint. Loaded once per task after the strategy placed it (sharded under FSDP: each rank reads only
+            its slices), unless a checkpoint is resumed or given to ``ckpt_path``. None: the task's own
+            initialisation.
+        initial_weights_rename: Maps the file's names to the task's: a function of a name (None drops the entry)
+            or ``{source_prefix: task_prefix}``.
+        initial_weights_strict: Every task entry must be in the file and every file entry in the task (after
+            renaming); False: what does not match is logged and keeps its initialisation. Shapes always match.
         preemption_check_interval: In a distributed run, check for SIGTERM/SIGUSR1 every N optimizer steps (one
             tiny all-reduce each); None: on logging steps.
     """
@@ -208,6 +217,9 @@ class TrainerOptions:
     predict_return: str = "all_ranks"
     preemption_check_interval: int | None = None
     stream_reshard: str = "error"
+    initial_weights: str | None = None
+    initial_weights_rename: Any = None  # a function of a source name, or {source_prefix: task_prefix}
+    initial_weights_strict: bool = True
 
     def __post_init__(self) -> None:
         # Always in this order, so that with several bad values the same one is reported first.
@@ -280,6 +292,7 @@ class TrainerOptions:
             "enable_model_summary",
             "sync_batchnorm",
             "drop_incomplete_accumulation",
+            "initial_weights_strict",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "True or False")
@@ -339,6 +352,24 @@ class TrainerOptions:
         _check_int("preemption_check_interval", self.preemption_check_interval, minimum=1, allow_none=True)
         if self.predict_return not in ("all_ranks", "rank_zero"):
             raise _fail("predict_return", self.predict_return, "'all_ranks' or 'rank_zero'")
+        if self.initial_weights is not None:
+            if not isinstance(self.initial_weights, (str, os.PathLike)):
+                raise _fail(
+                    "initial_weights", self.initial_weights, "a path or URL of weights or a checkpoint, or None"
+                )
+            self.initial_weights = location(self.initial_weights, "Trainer(initial_weights=...)")
+        if self.initial_weights_rename is not None:
+            from trainer.checkpoint.initial import rename_function
+
+            try:
+                rename_function(self.initial_weights_rename)
+            except ValueError:
+                raise _fail(
+                    "initial_weights_rename",
+                    self.initial_weights_rename,
+                    "a function of a file's name (returning the task's name, or None to drop it) or "
+                    "{source_prefix: task_prefix}",
+                ) from None
         if self.max_epochs is None and self.max_steps == -1:
             # Lightning's default: 1000 epochs when neither limit is given.
             self.max_epochs = 1000
@@ -375,6 +406,8 @@ class TrainerOptions:
                 value = type(value).__name__
             elif f.name == "strategy" and not isinstance(value, (str, type(None))):
                 value = {"name": type(value).__name__, **value.settings()}
+            elif f.name == "initial_weights_rename" and callable(value):
+                value = getattr(value, "__qualname__", type(value).__name__)
             elif f.name == "logger" and not isinstance(value, (bool, type(None))):
                 value = [type(lg).__name__ for lg in (value if isinstance(value, (list, tuple)) else [value])]
             out[f.name] = value

@@ -245,16 +245,19 @@ def save(
         on_commit()
 
 
-def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> float:
+def restore(trainer: Trainer, ckpt_path: str | None, *, full: bool) -> float:
     """Load ``ckpt_path`` (a path, ``"last"`` or ``"best"``) into the trainer: the whole run (``full``, fit)
     or the weights; the seconds it took. ``"last"`` falls back to the previous committed save when the newest
-    is damaged."""
+    is damaged. No checkpoint (None, or ``"last"`` before the first save): ``Trainer(initial_weights=...)``."""
+    if ckpt_path is None:
+        return initial_weights(trainer)
     began = time.perf_counter()
     if ckpt_path not in ("last", "best"):
         ckpt_path = location(ckpt_path, "ckpt_path")
     candidates = _candidates(trainer, ckpt_path)
     if not candidates:
         log.info("ckpt_path='last': no checkpoint saved yet; starting from scratch.")
+        initial_weights(trainer)
         return time.perf_counter() - began
     task = trainer.task
     assert task is not None
@@ -281,6 +284,22 @@ def restore(trainer: Trainer, ckpt_path: str, *, full: bool) -> float:
     log.info("Restored %s from %s.", "the run" if full else "the weights", trainer._ckpt_path)
     if full:
         log.info("Resumed at global step %d, epoch %d.", trainer.global_step, trainer.current_epoch)
+    return time.perf_counter() - began
+
+
+def initial_weights(trainer: Trainer) -> float:
+    """``Trainer(initial_weights=...)`` into the task, once per task (a later stage keeps what it trained); the
+    seconds it took. Not called when a checkpoint is restored: its weights win."""
+    opts, task = trainer.options, trainer.task
+    if opts.initial_weights is None or task is None or trainer._initial_weights_of is task:
+        return 0.0
+    from trainer.checkpoint.initial import load_initial_weights
+
+    began = time.perf_counter()
+    load_initial_weights(
+        task, opts.initial_weights, rename=opts.initial_weights_rename, strict=opts.initial_weights_strict
+    )
+    trainer._initial_weights_of = task
     return time.perf_counter() - began
 
 

@@ -141,6 +141,7 @@ class Trainer(TrainerAttributes):
         self._manual_mode = False  # task.automatic_optimization is False for this fit
         self._check_sharding = False
         self._logged_options = False
+        self._initial_weights_of: TaskModule | None = None  # the task Trainer(initial_weights=...) went into
         self._eval_loop = EvaluationLoop(
             device=self.device,
             precision=self._precision,
@@ -333,7 +334,7 @@ class Trainer(TrainerAttributes):
         self.global_step = self.current_epoch = self._epoch_batches_done = self._epoch_samples = 0
         self.should_stop = self._step_open = False
         self._nonfinite.reset()
-        load_s = run_state.restore(self, ckpt_path, full=True) if ckpt_path is not None else 0.0
+        load_s = run_state.restore(self, ckpt_path, full=True)
         self._phases, self._efficiency = efficiency.start(self, load_s)  # the run's time, from this step
         if self.is_global_zero:
             own_summary = any(getattr(cb, "is_model_summary", False) for cb in self.callbacks)
@@ -675,8 +676,7 @@ class Trainer(TrainerAttributes):
     def _stage_loaders(self, stage: str, dataloaders: Any, ckpt_path: str | None) -> list[AdaptedLoader]:
         """validate / test / predict: the sharded loaders, and the weights of ``ckpt_path`` when given."""
         loaders = stages.eval_loaders(self, stage, dataloaders, required=True)
-        if ckpt_path is not None:
-            run_state.restore(self, ckpt_path, full=False)
+        run_state.restore(self, ckpt_path, full=False)
         return loaders
 
     def _evaluate(

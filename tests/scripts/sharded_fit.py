@@ -3,7 +3,7 @@ this rank allocates counted: what each phase of the run holds at its peak.
 
 Usage: sharded_fit.py OUT [--build init|configure|init_module|eager] [--strategy fsdp|ddp|auto]
        [--steps S] [--ckpt-dir D] [--resume] [--precision 64|bf16-mixed|32] [--width W] [--depth N]
-       [--batch B] [--val V]
+       [--batch B] [--val V] [--initial-weights PATH]
 
 ``--build``: where the blocks are built: ``init`` (the whole task under ``torch.device("meta")``), ``configure``
 (``configure_model`` under the meta device), ``init_module`` (``configure_model`` under Lightning's
@@ -219,6 +219,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--batch", type=int, default=4, help="training batch of one rank")
     parser.add_argument("--val", type=int, default=41, help="validation samples (41: uneven batches per rank)")
+    parser.add_argument("--initial-weights", default=None, help="Trainer(initial_weights=...)")
     args = parser.parse_args()
     dtype = torch.float64 if args.precision == "64" else torch.float32
     live, initial = LiveBytes(), {}
@@ -240,6 +241,7 @@ def main() -> None:
         memory_plan=False,
         seed=0,
         callbacks=callbacks,
+        initial_weights=args.initial_weights,
     )
     train, val = data(96, 0, dtype), data(args.val, 1, dtype)
     torch.manual_seed(1234)  # what __init__ builds on the CPU does not depend on what ran before it

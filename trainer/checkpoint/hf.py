@@ -296,13 +296,13 @@ class _TorchFile(WeightSource):
         self._state, self._tensors = {}, {}
 
 
-class _Keel(WeightSource):
+class KeelSource(WeightSource):
     """A keel checkpoint folder (any strategy and world size): verified, then read with DCP, a batch per load."""
 
-    def __init__(self, folder: AnyPath) -> None:
+    def __init__(self, folder: AnyPath, *, collective: bool = False) -> None:
         super().__init__(str(folder))
         self.folder = folder
-        self.manifest, _ = reader._verified(folder, collective=False)
+        self.manifest, _ = reader._verified(folder, collective=collective)
         self._meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._fqn: dict[str, str] = {}
         for fqn, name, item in _model_items(folder, self.manifest):
@@ -335,6 +335,11 @@ class _Keel(WeightSource):
     def state_dict(self) -> dict[str, Any]:
         return reader.read_model(self.folder, self.manifest)
 
+    def load_into(self, targets: dict[str, torch.Tensor]) -> None:
+        """Read the entries ``targets`` names (model keys) into its tensors in place, DTensors included: each rank
+        reads the saved pieces that overlap what it holds (a collective under a process group)."""
+        reader.load_model_into(self.folder, self.manifest, targets)
+
 
 def _model_items(folder: AnyPath, manifest: dict[str, Any] | None) -> list[tuple[str, str, Any]]:
     """(DCP key, model key, DCP's metadata) of every model entry of a verified save, from its ``.metadata``."""
@@ -360,7 +365,7 @@ def _is_safetensors(path: Path) -> bool:
     return len(head) == 9 and head[8:] == b"{" and struct.unpack("<Q", head[:8])[0] < path.stat().st_size
 
 
-def open_weights(path: str | os.PathLike[str]) -> WeightSource:
+def open_weights(path: str | os.PathLike[str], *, collective: bool = False) -> WeightSource:
     """The named tensors of a weights file or a checkpoint, read a few at a time (use it with ``with``).
 
     Args:
@@ -370,6 +375,8 @@ def open_weights(path: str | os.PathLike[str]) -> WeightSource:
             checkpoint (a save folder, its ``lightning.ckpt``, ``last.ckpt``), verified first and then read with
             DCP a batch of keys per load (:meth:`WeightSource.read_many`). A keel checkpoint or a ``torch.save`` file
             may be on object storage (``s3://...``; the file is read into memory); safetensors are read locally.
+        collective: Every rank of the process group opens the same source: a keel checkpoint's files are verified
+            by the ranks together, each checking its share.
 
     Returns:
         A :class:`WeightSource`: ``keys()``, ``meta(key)``, ``read(key, index)``, ``read_many(keys)``, ``close()``.
@@ -383,7 +390,7 @@ def open_weights(path: str | os.PathLike[str]) -> WeightSource:
     target = reader.save_folder(location(path, "open_weights(path)"))
     if isinstance(target, RemotePath):
         if not target.is_file():
-            return _Keel(target)
+            return KeelSource(target, collective=collective)
         if target.suffix == ".safetensors":
             raise CheckpointError(f"{str(target)!r}: safetensors files are read from local paths; download it first.")
         return _TorchFile(target)
@@ -393,7 +400,7 @@ def open_weights(path: str | os.PathLike[str]) -> WeightSource:
         if (target / SINGLE_FILE).is_file():
             return _Safetensors(str(target), [target / SINGLE_FILE])
         if any((target / name).exists() for name in (MANIFEST_FILE, KEEL_FILE, METADATA_FILE)):
-            return _Keel(target)
+            return KeelSource(target, collective=collective)
         raise CheckpointError(
             f"{str(target)!r} is neither a Hugging Face weights folder ({INDEX_FILE} with its shards, or "
             f"{SINGLE_FILE}) nor a keel checkpoint ({MANIFEST_FILE}); pass such a folder, or a weights file."

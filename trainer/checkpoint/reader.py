@@ -311,6 +311,23 @@ def read_model(folder: AnyPath, manifest: dict[str, Any] | None, keys: Collectio
     return dict(tensors.get("model", {}))
 
 
+def load_model_into(folder: AnyPath, manifest: dict[str, Any] | None, targets: dict[str, Any]) -> None:
+    """Read the model entries ``targets`` names (model key -> tensor, DTensors included) of a verified save into
+    those tensors in place: each rank reads only the saved pieces that overlap what it holds (DCP reshards). A
+    collective under a process group."""
+    from trainer.checkpoint import dcp_io
+
+    try:
+        with quiet_dcp():
+            dcp_io.dcp.load(
+                {"model": targets},
+                storage_reader=dcp_io.reader(data_root(folder, manifest)),
+                planner=dcp_io.SafePlanner(),
+            )
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        raise _load_error(folder, exc, "could not be read into the task") from exc
+
+
 # ---------------------------------------------------------------------- which save
 def committed(directory: str | os.PathLike) -> list[str]:
     """Names of the committed saves in ``directory``, newest first (by step, then time): folders with a
