@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO_ROOT, python, spawn_ranks, torchrun
+from launch import REPO_ROOT, python, spawn_ranks, torchrun, two_nodes
 
 from trainer.checkpoint.files import read_pointer
 
@@ -136,6 +137,44 @@ def test_sigkill_under_torchrun_resumes_bit_identical_and_reshards_to_one_rank(t
     assert one["global_step"] == 12 and one["world_size"] == 1
 
 
+def test_hybrid_sharding_on_two_nodes_equals_one_process_and_resumes_under_fsdp_and_ddp(tmp_path: Path) -> None:
+    """FSDPStrategy(replicate_size="auto") on 2 simulated nodes of 2 ranks: each node holds the model sharded in
+    two and the nodes replicate it (a (replicate, shard) mesh); with the global batch of one process (8) and
+    clipping, the weights, metrics and predictions equal one process's. Its save at step 3 (mid-epoch) resumes
+    under plain FSDP and under DDP on 2 ranks and ends where one process ends."""
+    same = ("--steps", "6", "--clip", "0.05")
+    ck = tmp_path / "ck"
+    hsdp_args = ("--strategy", "fsdp", "--replicate", "auto", "--batch", "2", "--ckpt-dir", str(ck), "--keep-saves")
+    for result in two_nodes(SCRIPT, str(tmp_path / "hsdp"), *hsdp_args, *same, nproc_per_node=2, timeout=300):
+        result.check()
+    hsdp = load(tmp_path / "hsdp")
+    assert hsdp["world_size"] == 4
+    assert hsdp["mesh"] == {
+        "replicate": 2,
+        "shard": 2,
+        "tensor_parallel": 1,
+        "parameter": "replicate:Rxshard:S(0)",  # replicated across the nodes, sharded within each
+    }
+    python(SCRIPT, str(tmp_path / "one"), "--strategy", "auto", "--batch", "8", *same, timeout=180).check()
+    one = load(tmp_path / "one")
+    assert hsdp["global_step"] == one["global_step"] == 6
+    assert max_diff(hsdp["weights"], one["weights"]) < 1e-10
+    assert abs(hsdp["val"][0]["val/loss"] - one["val"][0]["val/loss"]) < 1e-10
+    assert (hsdp["predictions"] - one["predictions"]).abs().max() < 1e-10
+
+    (three,) = [p for p in ck.iterdir() if p.is_dir() and "step=3" in p.name]
+    for strategy in ("fsdp", "ddp"):
+        folder = tmp_path / f"{strategy}_ck"
+        shutil.copytree(three, folder / three.name)
+        resumed = run2(tmp_path, strategy, "--strategy", strategy, "--batch", "4", "--ckpt-dir", str(folder), *same)
+        assert (
+            resumed["global_step"] == 6
+            and resumed["strategy"] == {"fsdp": "FSDPStrategy", "ddp": "DDPStrategy"}[strategy]
+        )
+        assert len(resumed["seen"]) == 3 * 4  # rank 0 saw its 4 samples of steps 4-6 only
+        assert max_diff(resumed["weights"], one["weights"]) < 1e-10, strategy
+
+
 class _Evil:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
@@ -166,6 +205,9 @@ def test_crafted_metadata_is_refused_naming_the_file(tmp_path: Path) -> None:
         ({"reduce_grads": "sometimes"}, "FSDPStrategy(reduce_grads='sometimes'): expected 'every_micro_batch'"),
         ({"units": [3]}, "FSDPStrategy(units=[3]): expected a non-empty list of module class names"),
         ({"cpu_offload": 1}, "FSDPStrategy(cpu_offload=1): expected True or False"),
+        ({"replicate_size": 0}, "FSDPStrategy(replicate_size=0): expected a whole number >= 1"),
+        ({"replicate_size": "nodes"}, "or 'auto' (one group per node)"),
+        ({"replicate_size": 2}, "FSDPStrategy(replicate_size=2) does not divide the 1 data-parallel ranks"),
     ],
 )
 def test_bad_fsdp_settings_are_refused_before_any_group(
@@ -218,6 +260,7 @@ def test_strategy_objects_carry_their_settings_into_the_run() -> None:
         "reduce_grads": "last_micro_batch",
         "activation_checkpointing": None,
         "tensor_parallel_size": 1,
+        "replicate_size": 1,
     }
     assert "cpu_offload=True" in repr(fsdp) and "world_size=1" in repr(fsdp)
     assert Trainer(logger=False, strategy="fsdp_cpu_offload").strategy.cpu_offload is True

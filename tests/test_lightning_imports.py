@@ -206,11 +206,14 @@ def test_lightning_strategy_classes_build_keel_s_strategies_with_their_settings(
     assert fsdp.settings()["units"] == ["Linear", "TransformerEncoderLayer"]
     assert fsdp.settings()["activation_checkpointing"] == ["TransformerEncoderLayer"]
     assert FSDPStrategy().settings() == KeelFSDP().settings()
+    hybrid = FSDPStrategy(sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+    assert hybrid.replicate_size == "auto" and hybrid.reshard_after_forward is True
+    assert FSDPStrategy(sharding_strategy="_HYBRID_SHARD_ZERO2").reshard_after_forward is False
     refused = [
         (lambda: DDPStrategy(ddp_comm_hook=print), "DDPStrategy(ddp_comm_hook=<built-in function print>): keel"),
         (lambda: DDPStrategy(start_method="spawn"), "keel does not spawn processes"),
         (lambda: DDPStrategy(bucket_size=3), "DDPStrategy(bucket_size=...): keel's DDP takes find_unused_parameters"),
-        (lambda: FSDPStrategy(sharding_strategy="HYBRID_SHARD"), "for NO_SHARD use strategy='ddp'"),
+        (lambda: FSDPStrategy(sharding_strategy="NO_SHARD"), "for NO_SHARD use strategy='ddp'"),
         (lambda: FSDPStrategy(auto_wrap_policy=lambda *a: True), "the set of module classes"),
         (lambda: FSDPStrategy(mixed_precision=object()), "precision='bf16-mixed'"),
     ]

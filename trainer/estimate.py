@@ -121,11 +121,10 @@ def estimate_step(
 
     build = partial(_build, _on_meta(task), batch, applied, host, plugin, where)
     prepare: Callable[[fake_memory.FakeWorld], None] | None = None
-    if isinstance(chosen, FSDPStrategy):  # the run's (data_parallel, tensor_parallel) mesh, of fake groups
+    if isinstance(chosen, FSDPStrategy):  # the run's mesh (hybrid sharding's included), of fake groups
 
         def prepare(world: fake_memory.FakeWorld) -> None:
-            shape = (chosen.data_parallel_size, chosen.tensor_parallel_size)
-            chosen.device_mesh = world.device_mesh(where.type, shape, FSDPStrategy.MESH_DIMS)
+            chosen.device_mesh = chosen.build_mesh(lambda shape, names: world.device_mesh(where.type, shape, names))
 
     try:
         held = fake_memory.measure_step(build, world_size=world_size, sharded=sharded, prepare=prepare, device=where)

@@ -96,14 +96,16 @@ class DDPStrategy(_strategy.DDPStrategy, metaclass=_LightningName):
 class FSDPStrategy(_fsdp.FSDPStrategy, metaclass=_LightningName):
     """Lightning's ``FSDPStrategy``, as keel's FSDP2 strategy: ``auto_wrap_policy`` (a set or list of module
     classes) becomes ``units``, ``cpu_offload`` (a bool or torch's ``CPUOffload``) ``cpu_offload``, and
-    ``sharding_strategy`` ``"FULL_SHARD"`` / ``"SHARD_GRAD_OP"`` ``reshard_after_forward`` True / False.
+    ``sharding_strategy`` ``"FULL_SHARD"`` / ``"SHARD_GRAD_OP"`` ``reshard_after_forward`` True / False, and
+    ``"HYBRID_SHARD"`` / ``"_HYBRID_SHARD_ZERO2"`` the same with ``replicate_size="auto"`` (sharded within each
+    node, replicated across nodes).
     ``activation_checkpointing_policy`` (a set of module classes; the older ``activation_checkpointing``, a class
     or a list of them) ``activation_checkpointing``. ``state_dict_type`` may be ``"full"`` or ``"sharded"``:
     keel's checkpoint is always a folder that resumes at any world size, and ``export_weights`` writes one plain
     file."""
 
     keel = _fsdp.FSDPStrategy
-    _SHARDING = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+    _SHARDING = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True, "_HYBRID_SHARD_ZERO2": False}
 
     def __init__(
         self,
@@ -146,8 +148,9 @@ class FSDPStrategy(_fsdp.FSDPStrategy, metaclass=_LightningName):
                 "FSDPStrategy",
                 "sharding_strategy",
                 sharding_strategy,
-                "keel's FSDP2 runs FULL_SHARD (reshard after forward) or SHARD_GRAD_OP (keep gathered); for "
-                "NO_SHARD use strategy='ddp'",
+                "keel's FSDP2 runs FULL_SHARD (reshard after forward), SHARD_GRAD_OP (keep gathered) and "
+                "HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (the same, sharded within each node); for NO_SHARD use "
+                "strategy='ddp'",
             )
         if state_dict_type not in ("full", "sharded"):
             _refuse("FSDPStrategy", "state_dict_type", state_dict_type, "expected 'full' or 'sharded'")
@@ -155,6 +158,7 @@ class FSDPStrategy(_fsdp.FSDPStrategy, metaclass=_LightningName):
         super().__init__(
             units=classes["auto_wrap_policy"],
             reshard_after_forward=self._SHARDING[name],
+            replicate_size="auto" if "HYBRID" in name else 1,
             cpu_offload=bool(offload),
             activation_checkpointing=classes["activation_checkpointing_policy"] or classes["activation_checkpointing"],
         )

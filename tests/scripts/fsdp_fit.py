@@ -2,7 +2,7 @@
 
 Usage: fsdp_fit.py OUT --strategy {ddp,fsdp,auto} [--accumulate K] [--items] [--clip C] [--manual]
        [--reduce every_micro_batch|last_micro_batch] [--ckpt-dir D] [--steps S] [--kill-at S] [--resume]
-       [--configure-model] [--units Block] [--recompute Block]
+       [--configure-model] [--units Block] [--recompute Block] [--replicate R|auto] [--keep-saves]
 
 OUT/rank{R}.pt holds the final weights as one plain state dict (gathered from the shards under FSDP),
 validation / test metrics, predictions, ``task(x)`` on a fixed input, the global step and the data order.
@@ -147,6 +147,17 @@ class NanInShard(Callback):
                 (weight.to_local() if hasattr(weight, "to_local") else weight).view(-1)[0] = float("nan")
 
 
+def _mesh(strategy) -> dict[str, int]:
+    """The run's mesh (name -> size) and the mesh the first parameter is sharded over."""
+    mesh = getattr(strategy, "device_mesh", None)
+    if mesh is None:
+        return {}
+    out = dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
+    param = next(strategy.task.parameters())
+    out["parameter"] = "x".join(f"{n}:{p}" for n, p in zip(param.device_mesh.mesh_dim_names, param.placements))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -166,6 +177,8 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--precision", default="64")
+    parser.add_argument("--replicate", default=None, help="FSDPStrategy(replicate_size=...): hybrid sharding")
+    parser.add_argument("--keep-saves", action="store_true", help="keep every step's save (save_top_k=-1)")
     parser.add_argument(
         "--nan-at", type=int, default=-1, help="a NaN in rank 1's shard after step N (on_nonfinite=skip)"
     )
@@ -175,6 +188,8 @@ def main() -> None:
         settings["reduce_grads"] = args.reduce
     if args.units and args.strategy == "fsdp":
         settings["units"] = args.units.split(",")
+    if args.replicate and args.strategy == "fsdp":
+        settings["replicate_size"] = args.replicate if args.replicate == "auto" else int(args.replicate)
     if args.recompute:
         settings["activation_checkpointing"] = args.recompute.split(",")
     strategy = args.strategy
@@ -187,7 +202,12 @@ def main() -> None:
         extra["on_nonfinite"] = "skip"  # the NaN loss that follows skips steps; the save must still be refused
     if args.ckpt_dir:
         callbacks.append(
-            ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_top_k=1, async_save=args.async_save)
+            ModelCheckpoint(
+                dirpath=args.ckpt_dir,
+                every_n_train_steps=1,
+                save_top_k=-1 if args.keep_saves else 1,
+                async_save=args.async_save,
+            )
         )
     trainer = Trainer(
         max_epochs=args.epochs,
@@ -238,6 +258,7 @@ def main() -> None:
             "seen": task.seen,
             "world_size": trainer.world_size,
             "strategy": type(trainer.strategy).__name__,
+            "mesh": _mesh(trainer.strategy),
             "saved_bytes": task.saved_bytes,
             "recomputed": task.recomputed,
             "last": trainer.checkpoint_callback.last_model_path if args.ckpt_dir else None,

@@ -26,7 +26,7 @@ from trainer.distributed.strategy import (
 from trainer.options import TrainerOptions
 
 if TYPE_CHECKING:  # pragma: no cover
-    from collections.abc import Iterable, Iterator, Sequence
+    from collections.abc import Callable, Iterable, Iterator, Sequence
 
     from torch.distributed.fsdp import FSDPModule
 
@@ -60,8 +60,10 @@ class FSDPStrategy(Strategy):
         "reduce_grads",
         "activation_checkpointing",
         "tensor_parallel_size",
+        "replicate_size",
     )
     MESH_DIMS = ("data_parallel", "tensor_parallel")  # Lightning's ModelParallelStrategy names them so too
+    HSDP_DIMS = ("replicate", "shard", "tensor_parallel")  # replicate x shard is flattened as "data_parallel"
     REDUCE_GRADS = ("every_micro_batch", "last_micro_batch")
 
     def __init__(
@@ -73,6 +75,7 @@ class FSDPStrategy(Strategy):
         reduce_grads: str = "every_micro_batch",
         activation_checkpointing: _ModuleClasses | None = None,
         tensor_parallel_size: int = 1,
+        replicate_size: int | str = 1,
     ) -> None:
         """
         Args:
@@ -92,6 +95,12 @@ class FSDPStrategy(Strategy):
                 task reads as ``self.device_mesh`` in ``configure_model`` to apply its plan
                 (``parallelize_module(self, self.device_mesh["tensor_parallel"], plan)``); the parameters are
                 then sharded over the data-parallel dimension, and the data is split by data-parallel rank.
+            replicate_size: Hybrid sharding (HSDP): R groups of ranks each hold a whole sharded copy of the model,
+                sharded within the group and replicated across groups, so the parameter all-gathers stay inside a
+                group (a node) and only the gradient all-reduce crosses groups. ``"auto"``: the number of nodes
+                (world size / processes per node). The mesh is ``(R, world_size // (R x T), T)`` named
+                ``("replicate", "shard", "tensor_parallel")``, with ``"data_parallel"`` the flattened first two.
+                1: every rank shards the model (FSDP).
 
         Raises:
             ValueError: a setting of the wrong type or value, naming it and what is expected.
@@ -115,6 +124,14 @@ class FSDPStrategy(Strategy):
         ):
             raise ValueError(f"{owner}(tensor_parallel_size={tensor_parallel_size!r}): expected a whole number >= 1.")
         self.tensor_parallel_size = tensor_parallel_size
+        if replicate_size != "auto" and (
+            isinstance(replicate_size, bool) or not isinstance(replicate_size, int) or replicate_size < 1
+        ):
+            raise ValueError(
+                f"{owner}(replicate_size={replicate_size!r}): expected a whole number >= 1 (the groups of ranks that "
+                "each hold a sharded copy of the model) or 'auto' (one group per node)."
+            )
+        self.replicate_size: int | str = replicate_size  # an int once connected ("auto" resolved)
         self.task: nn.Module | None = None
         self._sync: bool | None = None  # the requires_gradient_sync flag last set on the units
         self.device_mesh: Any = None  # the DeviceMesh the parameters are sharded over (setup_mesh)
@@ -128,14 +145,40 @@ class FSDPStrategy(Strategy):
         }
 
     def connect(self, env: DistEnv, device: torch.device, options: TrainerOptions) -> None:
-        tp = self.tensor_parallel_size
+        tp, owner = self.tensor_parallel_size, type(self).__name__
         if env.world_size % tp:
             raise ValueError(
-                f"{type(self).__name__}(tensor_parallel_size={tp}) does not divide the world size {env.world_size}: "
+                f"{owner}(tensor_parallel_size={tp}) does not divide the world size {env.world_size}: "
                 f"launch a multiple of {tp} processes, or pick a tensor-parallel size that divides {env.world_size} "
                 "(usually the GPUs of one node)."
             )
+        if self.replicate_size == "auto":
+            self.replicate_size = max(1, env.world_size // max(1, env.local_world_size))
+        if (env.world_size // tp) % int(self.replicate_size):
+            raise ValueError(
+                f"{owner}(replicate_size={self.replicate_size}) does not divide the {env.world_size // tp} "
+                f"data-parallel ranks (world size {env.world_size}, tensor-parallel size {tp}): pick a replicate size "
+                "that divides them (usually the number of nodes, 'auto')."
+            )
         super().connect(env, device, options)
+
+    def mesh_layout(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The shape and dimension names of the run's mesh: ``(data_parallel, tensor_parallel)``, or with hybrid
+        sharding ``(replicate, shard, tensor_parallel)``."""
+        replicas, tp, dp = int(self.replicate_size), self.tensor_parallel_size, self.data_parallel_size
+        if replicas == 1:
+            return (dp, tp), self.MESH_DIMS
+        return (replicas, dp // replicas, tp), self.HSDP_DIMS
+
+    def build_mesh(self, make: Callable[[tuple[int, ...], tuple[str, ...]], Any]) -> Any:
+        """``make(shape, names)`` of :meth:`mesh_layout` (a ``DeviceMesh``); under hybrid sharding its replicate and
+        shard dimensions are also named ``"data_parallel"`` together (the task's ``self.device_mesh`` has the same
+        names with and without it)."""
+        shape, names = self.mesh_layout()
+        mesh = make(shape, names)
+        if names == self.HSDP_DIMS:
+            mesh["replicate", "shard"]._flatten("data_parallel")
+        return mesh
 
     def prepare_model(self, task: TaskModule, *, dtype: torch.dtype | None) -> None:
         """Every stage: the task sharded, on its device, every weight real, with the same initial weights at every
@@ -235,19 +278,23 @@ class FSDPStrategy(Strategy):
         return adapter
 
     def setup_mesh(self) -> Any:
-        """The ``(data_parallel, tensor_parallel)`` ``DeviceMesh`` over every rank (the tensor-parallel size is 1
-        without tensor parallelism; a tensor-parallel group is ``tensor_parallel_size`` consecutive ranks), made on
-        the first call (a collective: the process group must exist) and kept for the strategy's life."""
+        """The ``DeviceMesh`` over every rank (:meth:`mesh_layout`; the tensor-parallel size is 1 without tensor
+        parallelism; a tensor-parallel group is ``tensor_parallel_size`` consecutive ranks, a replica group
+        consecutive blocks of ranks: a node), made on the first call (a collective: the process group must exist) and
+        kept for the strategy's life."""
         if self.device_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            shape = (self.data_parallel_size, self.tensor_parallel_size)
-            self.device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=self.MESH_DIMS)
+            self.device_mesh = self.build_mesh(
+                lambda shape, names: init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+            )
         return self.device_mesh
 
     def shard_mesh(self) -> Any:
-        """The mesh the parameters are sharded over: the data-parallel dimension."""
-        return self.setup_mesh()["data_parallel"]
+        """The mesh the parameters are sharded over: the data-parallel dimension, or under hybrid sharding the 2-D
+        ``(replicate, shard)`` mesh (FSDP2 shards over the second and replicates over the first)."""
+        mesh = self.setup_mesh()
+        return mesh["replicate", "shard"] if int(self.replicate_size) > 1 else mesh["data_parallel"]
 
     def _check_tensor_parallel(self, task: nn.Module) -> None:
         if self.tensor_parallel_size == 1:
