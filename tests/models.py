@@ -83,3 +83,56 @@ def quiet(**kwargs):
 
 def loader(ds, batch_size: int, shuffle: bool = False, **kw) -> DataLoader:
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, **kw)
+
+
+class LlamaLayer(nn.Module):
+    """A Llama-style decoder layer: RMSNorm, grouped-query attention, a SwiGLU MLP."""
+
+    def __init__(self, width: int, heads: int, kv_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(width), nn.RMSNorm(width)
+        self.q = nn.Linear(width, width, bias=False)
+        self.k = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(width, width, bias=False)
+        self.gate = nn.Linear(width, hidden, bias=False)
+        self.up = nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.attn_norm(x)
+        q = self.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(TaskModule):
+    """Llama-3-70B's shape by default (70.55B parameters), for memory plans on the meta device."""
+
+    def __init__(
+        self, width: int = 8192, layers: int = 80, heads: int = 64, kv_heads: int = 8, hidden: int = 28672
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(128256, width)
+        self.layers = nn.ModuleList(LlamaLayer(width, heads, kv_heads, hidden) for _ in range(layers))
+        self.norm = nn.RMSNorm(width)
+        self.head = nn.Linear(width, 128256, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)

@@ -17,7 +17,7 @@ import torch
 from launch import REPO_ROOT
 
 from recipes.charlm import CharGPT
-from trainer import FSDPStrategy
+from trainer import FSDPStrategy, TaskModule
 from trainer.estimate import MemoryPlan
 from trainer.memory import MemoryEstimate, estimate_memory, format_plan, main, plan_memory
 
@@ -85,7 +85,7 @@ def test_the_command_plans_a_task_on_its_data_and_names_the_cheapest_setting_tha
     argv += ["--data", "recipes.charlm:CharDataModule", "--data-args", '{"max_chars": 200000, "batch_size": 32}']
     assert main([*argv, "--device-memory", "100MiB"]) == 0
     out = capsys.readouterr().out
-    rows = [line.split("|") for line in out.splitlines() if line.count("|") == 9]
+    rows = [line.split("|") for line in out.splitlines() if line.count("|") == 10]
     assert [(r[0].strip(), r[-1].strip()) for r in rows[1:]] == [
         ("single device", "no"),
         ("FSDP", "no"),
@@ -97,6 +97,93 @@ def test_the_command_plans_a_task_on_its_data_and_names_the_cheapest_setting_tha
     one = MemoryEstimate("DDP", 2, 1 << 20, 1 << 20, 2 << 20, 5 << 20, 1 << 20, 10 << 20, 0)
     assert "Nothing here fits 1.0 MiB a device" in format_plan([one], None, 1 << 20)
     assert "Cheapest that fits 16.0 MiB: DDP x2: 10.0 MiB a rank" in format_plan([one], one, 16 << 20)
+
+
+def test_the_plan_covers_each_phase_of_a_run_and_names_the_one_that_decides() -> None:
+    """Initialisation (FSDP: this rank's shard plus the largest module at full size, materialised one at a time;
+    DDP: the whole model), the training step, an evaluation forward (the state plus gathered units, no gradients
+    or saved activations), a save and a load (the state; an async save stages a copy of it in CPU memory)."""
+    build, batch = (lambda: CharGPT(n_layer=2, sample_chars=0)), tokens(8, 128)
+    four = estimate_memory(build, batch, strategy="fsdp", world_size=4)
+    with torch.device("meta"):
+        task = build()
+    largest = max(sum(p.numel() * 4 for p in m.parameters(recurse=False)) for m in task.modules())
+    state = four.params + four.optimizer
+    assert list(four.phases) == ["init", "train", "save", "load", "eval"]
+    assert four.phases["init"] == four.params + largest and four.phases["train"] == four.device
+    assert four.phases["save"] == four.phases["load"] == four.staging == state
+    assert state < four.phases["eval"] < four.device and four.decides == "train" and four.peak == four.device
+    assert "; phases: init " in four.summary() and four.summary().endswith(": train decides")
+    ddp = estimate_memory(build, batch, strategy="ddp", world_size=4)
+    assert ddp.phases["init"] == ddp.params == sum(p.numel() * 4 for p in task.parameters())
+    # A phase above the step decides, and fitting means fitting it.
+    loading = MemoryEstimate("FSDP", 4, 1, 0, 0, 0, 0, 10, 0, phases={"train": 10, "load": 30}, staging=1)
+    assert loading.decides == "load" and loading.peak == 30 and not loading.fits(20) and loading.fits(30)
+
+
+def test_the_plan_includes_hybrid_sharding_across_nodes() -> None:
+    """With node_size, a world of several nodes also gets FSDPStrategy(replicate_size=nodes), ahead of FSDP over
+    every rank: each rank holds the model sharded over its node's ranks only."""
+    build, batch = (lambda: CharGPT(n_layer=2, sample_chars=0)), tokens(8, 128)
+    estimates, _ = plan_memory(build, batch, device_memory=1 << 30, world_sizes=(2, 4), node_size=2, recompute=[])
+    assert [(e.setting, e.world_size) for e in estimates] == [
+        ("DDP", 2),
+        ("FSDP", 2),
+        ("FSDP + CPU offload", 2),
+        ("DDP", 4),
+        ("FSDP + HSDP 2 replicas", 4),
+        ("FSDP", 4),
+        ("FSDP + CPU offload", 4),
+    ]
+    hybrid, fsdp = estimates[4], estimates[5]
+    assert hybrid.params == pytest.approx(2 * fsdp.params, rel=0.02) == estimates[1].params
+
+
+def test_a_5b_parameter_model_on_8_ranks_under_bf16_mixed_holds_its_share_of_the_state() -> None:
+    """75 blocks of 8192x8192 (5.03B parameters), 8 ranks, bf16-mixed, AdamW: the step's peak is parameters,
+    gradients and AdamW's two states divided by the ranks (9.375 GiB), plus AdamW's foreach temporaries (at most
+    half a parameter shard) and at most two units' gathered bf16 weights; no bf16 copy of the model (before bf16
+    parameters were gathered, this plan said 17.2 GiB with 9.0 GiB of bf16 weight copies as activations)."""
+
+    class Blocks(TaskModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8192, 8192, bias=False) for _ in range(75))
+
+        def training_step(self, batch, batch_idx):
+            x = batch[0]
+            for block in self.blocks:
+                x = x + torch.tanh(block(x))
+            return x.square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    estimate = estimate_memory(Blocks, (torch.zeros(4, 8192),), strategy="fsdp", world_size=8, precision="bf16-mixed")
+    parameters = 75 * 8192 * 8192
+    shard, unit = parameters * 4 // 8, 8192 * 8192 * 2
+    assert estimate.params == estimate.grads == shard and estimate.optimizer >= 2 * shard
+    assert 4 * shard <= estimate.device <= 4 * shard + shard // 2 + 2 * unit + (1 << 20), estimate.summary()
+    assert estimate.decides == "train" and estimate.fits(80 << 30)
+
+
+@pytest.mark.slow
+def test_a_70b_transformer_on_64_ranks_is_planned_on_this_machine() -> None:
+    """A Llama-70B-shaped transformer (70.55B parameters: 80 layers of width 8192, grouped-query attention, a
+    28672-wide MLP, 128256 tokens) on 64 ranks of 80 GiB, bf16-mixed, AdamW, the layers recomputed, a sequence of
+    4096: every phase is estimated in one process on fake tensors (about 3 minutes here) and the plan fits."""
+    from models import Llama
+
+    estimate = estimate_memory(
+        Llama,
+        (torch.zeros(1, 4096, dtype=torch.long),) * 2,
+        strategy=FSDPStrategy(activation_checkpointing=["LlamaLayer"]),
+        world_size=64,
+        precision="bf16-mixed",
+    )
+    assert set(estimate.phases) == {"init", "train", "eval", "save", "load"}
+    assert estimate.params == pytest.approx(70.55e9 * 4 / 64, rel=0.01)
+    assert estimate.fits(80 << 30), estimate.summary()
 
 
 def test_estimating_another_world_size_inside_a_process_group_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

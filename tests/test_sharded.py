@@ -5,6 +5,7 @@ allocates counted (tests/scripts/sharded_fit.py), and equal to one process with 
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,16 @@ def test_a_meta_built_task_is_materialised_shard_by_shard_and_trains_as_one_proc
     # Initialisation holds this rank's shard and one module at full size (the one being initialised).
     assert_within_shard(sharded, init_holds=size["shard"] + size["module"])
     assert reference["peaks"]["init"] >= size["whole"]  # (the counting sees the whole model where it is whole)
+    # The memory plan of this run, on fake tensors in one process, against what rank 0 counted phase by phase.
+    sys.path.insert(0, str(SCRIPT.parent))
+    from sharded_fit import Net, data
+
+    from trainer.memory import estimate_memory
+
+    x, y = data(4, 0, torch.float64).tensors
+    plan = estimate_memory(lambda: Net("init", 128, 8), (x, y), strategy="fsdp", world_size=RANKS, precision="64")
+    for phase in ("init", "train", "eval"):
+        assert abs(plan.phases[phase] - sharded["peaks"][phase]) < 0.15 * sharded["peaks"][phase], (phase, plan)
 
     # Resume at step 3 of the same checkpoint folder (saves at steps 3 and 6): equal to the uninterrupted run.
     ckpt = tmp_path / "ckpt"

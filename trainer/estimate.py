@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
@@ -54,10 +55,16 @@ def format_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+PHASES = ("init", "train", "eval", "save", "load")
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank holds at the peak of a training step. ``device`` is what must fit in the accelerator's
-    memory; ``host`` what CPU offload keeps in CPU memory instead."""
+    """Bytes one rank holds. ``device`` is what must fit in the accelerator's memory at the peak of a training step,
+    by category (``params`` ... ``other``); ``host`` what CPU offload keeps in CPU memory instead. ``phases`` is the
+    device peak of each phase of a run (``PHASES``: initialisation, the training step, an evaluation forward, a
+    checkpoint save and a load; docs/memory.md says how each is counted), ``staging`` the CPU memory an asynchronous
+    save keeps for its copy of the rank's state. :meth:`fits` compares the largest phase, :attr:`peak`."""
 
     setting: str
     world_size: int
@@ -68,18 +75,35 @@ class MemoryEstimate:
     other: int
     device: int
     host: int
+    phases: dict[str, int] = dataclasses.field(default_factory=dict)
+    staging: int = 0
+
+    @property
+    def peak(self) -> int:
+        """The largest phase's device bytes (the training step's when no phase was estimated)."""
+        return max([self.device, *self.phases.values()])
+
+    @property
+    def decides(self) -> str:
+        """The phase whose peak is :attr:`peak` (the training step on a tie)."""
+        order = sorted(self.phases, key=lambda phase: (-self.phases[phase], phase != "train"))
+        return order[0] if order and self.phases[order[0]] > self.device else "train"
 
     def fits(self, device_memory: int) -> bool:
-        return self.device <= device_memory
+        return self.peak <= device_memory
 
     def summary(self) -> str:
-        """One line: ``FSDP x8: 31.2 GiB a rank (params 2.1 GiB, grads ..., activations ...)``."""
+        """One line: ``FSDP x8: 31.2 GiB a rank (params 2.1 GiB, grads ..., activations ...); phases: init ...``."""
         parts = ", ".join(
             f"{name} {format_size(getattr(self, name))}"
             for name in ("params", "grads", "optimizer", "activations", "other")
         )
         host = f"; {format_size(self.host)} in CPU memory" if self.host else ""
-        return f"{self.setting} x{self.world_size}: {format_size(self.device)} a rank ({parts}){host}"
+        line = f"{self.setting} x{self.world_size}: {format_size(self.device)} a rank ({parts}){host}"
+        if self.phases:
+            each = ", ".join(f"{phase} {format_size(self.phases[phase])}" for phase in PHASES if phase in self.phases)
+            line += f"; phases: {each}: {self.decides} decides"
+        return line
 
 
 def estimate_step(
@@ -95,6 +119,12 @@ def estimate_step(
     """The memory one rank needs for a training step of ``task`` on ``batch`` (one micro-batch of one rank):
     :func:`trainer.memory.estimate_memory`, whose arguments, returns and errors these are, and ``trainer_class``
     (the ``Trainer`` class: the task's hooks read a Trainer built of it, never fitted)."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "Planning for CUDA needs torch with CUDA here: even fake CUDA tensors copy through CUDA's device guard, "
+            "which torch's CPU build lacks. Plan with device='cpu' (the same model, state and gradients; kernels "
+            "differ mostly in attention, where the CPU's math kernel keeps more), or run the plan on a GPU machine."
+        )
     chosen = build_strategy(strategy)
     if isinstance(chosen, DDPStrategy) and world_size == 1:
         chosen = SingleDeviceStrategy(activation_checkpointing=chosen.activation_checkpointing)
@@ -119,7 +149,8 @@ def estimate_step(
     applied = SingleDeviceStrategy(activation_checkpointing=chosen.activation_checkpointing) if not sharded else chosen
     applied.connect(env, where, host.options)
 
-    build = partial(_build, _on_meta(task), batch, applied, host, plugin, where)
+    sizes: dict[str, int] = {}
+    build = partial(_build, _on_meta(task), batch, applied, host, plugin, where, sizes)
     prepare: Callable[[fake_memory.FakeWorld], None] | None = None
     if isinstance(chosen, FSDPStrategy):  # the run's mesh (hybrid sharding's included), of fake groups
 
@@ -132,7 +163,7 @@ def estimate_step(
         applied.teardown()
         if isinstance(chosen, FSDPStrategy):  # the strategy object may go to a Trainer next: no fake mesh in it
             chosen.device_mesh = None
-    return _estimate(chosen, world_size, held)
+    return _estimate(chosen, world_size, held, sizes)
 
 
 def _on_meta(task: Callable[[], TaskModule]) -> TaskModule:
@@ -149,9 +180,12 @@ def _build(
     host: Trainer,
     plugin: Precision | None,
     where: torch.device,
+    sizes: dict[str, int],
     mode: Any,
-) -> tuple[nn.Module, list[torch.optim.Optimizer], Callable[[], None]]:
-    """Inside the fake tensor mode: the task with the strategy applied, its optimizers, and one training step."""
+) -> tuple[nn.Module, list[torch.optim.Optimizer], Callable[[], None], Callable[[], None]]:
+    """Inside the fake tensor mode: the task with the strategy applied, its optimizers, one training step and one
+    evaluation forward (the step's forward under ``no_grad``, in eval mode). ``sizes`` gets the largest module's
+    own parameter bytes at full size (what materialising it holds) and the whole model's."""
     dtype = plugin.param_dtype if plugin is not None else None  # the plugin's module.to(dtype)
     replace_tensors(  # fake tensors on the device, in the run's dtype
         built, lambda t: torch.empty_like(t, device=where, dtype=dtype if dtype and t.is_floating_point() else None)
@@ -160,6 +194,8 @@ def _build(
     module._trainer = host
     with where:  # the layers it builds, and its tensor-parallel plan on self.device_mesh (FSDP)
         module.configure_model()
+    sizes["module"] = max((_nbytes(m.parameters(recurse=False)) for m in module.modules()), default=0)
+    sizes["whole"] = _nbytes(module.parameters())
     if isinstance(strategy, FSDPStrategy):
         strategy.shard(module)  # a run shards in the stage setup (FSDPStrategy.prepare_model)
     run = strategy.setup(module, manual=False)
@@ -169,20 +205,30 @@ def _build(
         fake = tree_map(lambda t: t.to(plugin.param_dtype) if _is_float(t) else t, fake)
 
     def step() -> None:
-        if plugin is not None and plugin.autocasts:
-            with plugin.autocast():
-                out = run(fake, 0)
-        else:
+        with plugin.autocast() if plugin is not None else nullcontext():
             out = run(fake, 0)
         (out["loss"] if isinstance(out, dict) else out).backward()
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    return module, optimizers, step
+    def evaluate() -> None:
+        module.eval()
+        try:
+            with torch.no_grad(), plugin.autocast() if plugin is not None else nullcontext():
+                run(fake, 0)
+        finally:
+            module.train()
+
+    return module, optimizers, step, evaluate
 
 
-def _estimate(chosen: Strategy, world_size: int, held: dict[str, int]) -> MemoryEstimate:
+def _nbytes(tensors: Iterator[torch.Tensor]) -> int:
+    """Full-size bytes (a DTensor counts its global shape)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _estimate(chosen: Strategy, world_size: int, held: dict[str, int], sizes: dict[str, int]) -> MemoryEstimate:
     offload = isinstance(chosen, FSDPStrategy) and chosen.cpu_offload
     other = (
         held["other"] + held["peak"] - sum(held[k] for k in ("params", "grads", "optimizer", "activations", "other"))
@@ -194,6 +240,15 @@ def _estimate(chosen: Strategy, world_size: int, held: dict[str, int]) -> Memory
         setting_device = held["activations"] + other
     else:
         setting_device = held["params"] + held["grads"] + held["optimizer"] + held["activations"] + other
+    state = held["params"] + held["optimizer"]  # what stays between steps (gradients are freed by zero_grad)
+    resident = 0 if offload else state
+    if isinstance(chosen, FSDPStrategy):  # sharded while empty, then one module at a time at full size
+        init = sizes.get("module", 0) + (0 if offload else held["params"])
+    else:
+        init = held["params"]  # the whole model (DDP replicates it)
+    phases = {"init": init, "train": setting_device, "save": resident, "load": resident}
+    if held.get("eval_peak"):
+        phases["eval"] = held["eval_peak"]
     return MemoryEstimate(
         setting=_describe(chosen),
         world_size=world_size,
@@ -204,6 +259,8 @@ def _estimate(chosen: Strategy, world_size: int, held: dict[str, int]) -> Memory
         other=other,
         device=setting_device,
         host=offloaded,
+        phases=phases,
+        staging=state,
     )
 
 
@@ -214,6 +271,8 @@ def _is_float(t: Any) -> bool:
 def _describe(strategy: Strategy) -> str:
     name = {"single": "single device", "ddp": "DDP", "fsdp": "FSDP"}.get(strategy.name, strategy.name)
     extras = []
+    if int(getattr(strategy, "replicate_size", 1)) > 1:
+        extras.append(f"HSDP {strategy.replicate_size} replicas")  # type: ignore[attr-defined]
     if getattr(strategy, "tensor_parallel_size", 1) > 1:
         extras.append(f"TP {strategy.tensor_parallel_size}")
     if strategy.activation_checkpointing:

@@ -87,13 +87,19 @@ def plan_memory(
     precision: str = "32",
     recompute: list[str | type[nn.Module]] | None = None,
     tensor_parallel_sizes: Sequence[int] = (),
+    node_size: int | None = None,
+    device: str = "cpu",
 ) -> tuple[list[MemoryEstimate], MemoryEstimate | None]:
     """Estimates of DDP, FSDP, FSDP with activation checkpointing (of ``recompute``, default: the modules held in
     an ``nn.ModuleList``), FSDP with tensor parallelism at each of ``tensor_parallel_sizes`` that divides the world
     size (without and with recompute; the task's ``configure_model`` applies its plan on ``self.device_mesh``), and
     FSDP with CPU offload, at each world size, cheapest first: fewer ranks first, then DDP, FSDP, recompute (a
     slower step), tensor parallelism (a collective in every split layer), offload (slowest: the state crosses PCIe
-    every step). Returns ``(all estimates, the first that fits device_memory or None)``."""
+    every step). With ``node_size`` (devices per node), a world of several nodes also gets hybrid sharding
+    (``FSDPStrategy(replicate_size=world // node_size)``: sharded within a node, its all-gathers never cross nodes),
+    ahead of FSDP over every rank, with and without recompute. A setting fits when the largest phase of its run
+    (initialisation, step, evaluation, save, load) fits. Returns ``(all estimates, the first that fits
+    device_memory or None)``."""
     if recompute is None:
         with torch.device("meta"):
             recompute = list(default_recompute_classes(task()))
@@ -101,7 +107,14 @@ def plan_memory(
     estimates: list[MemoryEstimate] = []
     chosen = None
     for world in world_sizes:
-        settings: list[Any] = ["ddp", FSDPStrategy()]
+        settings: list[Any] = ["ddp"]
+        if node_size and world > node_size and world % node_size == 0:
+            nodes = world // node_size
+            settings.append(FSDPStrategy(replicate_size=nodes))
+            settings += (
+                [FSDPStrategy(replicate_size=nodes, activation_checkpointing=checkpointed)] if checkpointed else []
+            )
+        settings.append(FSDPStrategy())
         settings += [FSDPStrategy(activation_checkpointing=checkpointed)] if checkpointed else []
         for tp in (t for t in tensor_parallel_sizes if t > 1 and world % t == 0):
             settings.append(FSDPStrategy(tensor_parallel_size=tp))
@@ -110,7 +123,9 @@ def plan_memory(
             )
         settings.append(FSDPStrategy(activation_checkpointing=checkpointed, cpu_offload=True))
         for setting in settings:
-            estimate = estimate_memory(task, batch, strategy=setting, world_size=world, precision=precision)
+            estimate = estimate_memory(
+                task, batch, strategy=setting, world_size=world, precision=precision, device=device
+            )
             estimates.append(estimate)
             if chosen is None and estimate.fits(device_memory):
                 chosen = estimate
@@ -118,12 +133,13 @@ def plan_memory(
 
 
 def format_plan(estimates: Sequence[MemoryEstimate], chosen: MemoryEstimate | None, device_memory: int) -> str:
-    head = ("setting", "ranks", "params", "grads", "optimizer", "activations", "other", "device", "CPU", "fits")
+    head = ("setting", "ranks", "params", "grads", "optimizer", "activations", "other", "step", "peak", "CPU", "fits")
     rows = [
         (
             e.setting,
             str(e.world_size),
             *(format_size(getattr(e, k)) for k in ("params", "grads", "optimizer", "activations", "other", "device")),
+            f"{format_size(e.peak)} ({e.decides})",
             format_size(e.host) if e.host else "-",
             "yes" if e.fits(device_memory) else "no",
         )
@@ -171,6 +187,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--world-sizes", default="1,2,4,8", help="comma-separated (default: 1,2,4,8)")
     parser.add_argument("--precision", default="32")
     parser.add_argument(
+        "--node-size", type=int, default=None, help="devices per node: plans hybrid sharding (HSDP) across nodes too"
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="the device type to plan for; 'cuda' needs torch built with CUDA",
+    )
+    parser.add_argument(
         "--tensor-parallel-sizes",
         default="",
         help="comma-separated tensor-parallel sizes to plan too (e.g. 2,4); the task's configure_model must apply "
@@ -190,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         world_sizes=[int(w) for w in args.world_sizes.split(",")],
         precision=args.precision,
         tensor_parallel_sizes=[int(t) for t in args.tensor_parallel_sizes.split(",") if t],
+        node_size=args.node_size,
+        device=args.device,
     )
     sys.stdout.write(format_plan(estimates, chosen, args.device_memory) + "\n")
     return 0 if chosen is not None else 1

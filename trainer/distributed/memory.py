@@ -90,20 +90,25 @@ def fake_process_group(world_size: int) -> Iterator[FakeWorld]:
         dist.destroy_process_group()
 
 
+Built = tuple[nn.Module, list[torch.optim.Optimizer], Callable[[], None], Callable[[], None] | None]
+
+
 def measure_step(
-    build: Callable[[Any], tuple[nn.Module, list[torch.optim.Optimizer], Callable[[], None]]],
+    build: Callable[[Any], Built],
     *,
     world_size: int,
     sharded: bool,
     prepare: Callable[[FakeWorld], object] | None = None,
     device: torch.device | None = None,
 ) -> dict[str, int]:
-    """Bytes per category at the peak of a training step on rank 0 of ``world_size`` ranks.
+    """Bytes per category at the peak of a training step on rank 0 of ``world_size`` ranks, and the peak of an
+    evaluation forward after it.
 
     Args:
         build: Called inside the fake tensor mode (and the fake process group) with the mode: builds the task
-            with its strategy applied and returns ``(module, optimizers, step)``, where ``step()`` runs one whole
-            training step (forward, backward, optimizer step, zero_grad).
+            with its strategy applied and returns ``(module, optimizers, step, evaluate)``, where ``step()`` runs
+            one whole training step (forward, backward, optimizer step, zero_grad) and ``evaluate()`` (or None)
+            one evaluation forward.
         world_size: Ranks of the fake process group.
         sharded: The module is FSDP-sharded (torch's FSDP tracker then tells gathered from sharded parameters).
         prepare: Called with the :class:`FakeWorld` before the fake tensor mode is entered (a device mesh is
@@ -111,7 +116,8 @@ def measure_step(
         device: Count this device's memory only (None: every device's).
 
     Returns:
-        ``{"params", "grads", "optimizer", "activations", "other", "peak"}`` in bytes.
+        ``{"params", "grads", "optimizer", "activations", "other", "peak", "eval_peak"}`` in bytes (``eval_peak``:
+        everything alive at the peak of ``evaluate()``, the training state included; 0 without it).
     """
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
@@ -123,9 +129,10 @@ def measure_step(
         if prepare is not None:
             prepare(world)
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            module, optimizers, step = build(mode)
+            module, optimizers, step, evaluate = build(mode)
             try:
-                return _categories(_track(module, optimizers, step, sharded), device)
+                train, evaluated = _track(module, optimizers, step, evaluate, sharded)
+                return {**_categories(train, device), "eval_peak": _categories(evaluated, device)["peak"]}
             except (DataDependentOutputException, DynamicOutputShapeException) as exc:
                 raise RuntimeError(
                     f"The memory estimate runs the training step on fake tensors (no values), and the step needs a "
@@ -162,8 +169,14 @@ def _real_mesh_concatenation() -> Iterator[None]:
 
 
 def _track(
-    module: nn.Module, optimizers: list[torch.optim.Optimizer], step: Callable[[], None], sharded: bool
-) -> dict[Any, dict[Any, int]]:
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    step: Callable[[], None],
+    evaluate: Callable[[], None] | None,
+    sharded: bool,
+) -> tuple[dict[Any, dict[Any, int]], dict[Any, dict[Any, int]]]:
+    """The tracker's peak snapshots of the training steps and of the evaluation forward after them (a tracker of
+    its own: its peak starts from what the steps left, the parameters and optimizer state)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -176,7 +189,14 @@ def _track(
         step()  # the first step creates the optimizer state and the gradients
         tracker.reset_mod_stats()
         step()
-    return tracker.get_tracker_snapshot("peak")
+    train = tracker.get_tracker_snapshot("peak")
+    if evaluate is None:
+        return train, {}
+    evaluating = MemTracker()
+    evaluating.track_external(module, *optimizers)
+    with evaluating:
+        evaluate()
+    return train, evaluating.get_tracker_snapshot("peak")
 
 
 def _categories(snapshot: dict[Any, dict[Any, int]], device: torch.device | None) -> dict[str, int]:
