@@ -159,6 +159,22 @@ def test_weights_exported_at_2_ranks_start_4_ranks_and_one_process(tmp_path: Pat
     assert_within_shard(four, init_holds=size["shard"] + size["module"])
 
 
+def test_a_rank_without_a_validation_batch_is_refused_under_fsdp_and_joins_in_under_ddp(tmp_path: Path) -> None:
+    """One validation sample on 2 ranks: rank 1's shard is empty. Every rank still runs validation (the decision is
+    agreed, not taken per rank: one rank skipping it would leave the others in a collective alone). Under FSDP
+    every forward all-gathers from every rank and rank 1 has never run one to replay, so every rank raises, naming
+    the fix; under DDP rank 1 joins the metric reduction with nothing and the run ends."""
+    failed = spawn_ranks(SCRIPT, str(tmp_path / "fsdp"), "--val", "1", "--steps", "3", nproc=2, timeout=300)
+    assert failed.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank{rank}]: RuntimeError: FSDP evaluation: rank(s) [1] of 2 data-parallel ranks got no batch" in (
+            failed.stdout
+        ), failed.stdout[-3000:]
+    assert "Give the loader at least 2 samples" in failed.stdout
+    ddp = run(tmp_path / "ddp", "--strategy", "ddp", "--val", "1", "--steps", "3", nproc=2)
+    assert ddp["global_step"] == 3 and set(ddp["val"][0]) == {"val/loss", "val/acc"}
+
+
 def test_ddp_materialises_a_meta_built_task_whole(tmp_path: Path, reference: dict) -> None:
     ddp = run(tmp_path / "ddp", "--strategy", "ddp", nproc=2)
     assert ddp["world_size"] == 2

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from trainer.data.loaders import limit_batches
+from trainer.distributed import comm
 from trainer.step.accumulation import estimate_stepping_batches
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -230,13 +231,19 @@ def _keel_owned(cls: type, name: str) -> bool:
 
 # ---------------------------------------------------------------------- validation in fit
 def fit_validation(
-    task: TaskModule, loaders: list[AdaptedLoader], limit: Callable[[AdaptedLoader], int | None]
+    task: TaskModule,
+    loaders: list[AdaptedLoader],
+    limit: Callable[[AdaptedLoader], int | None],
+    device: torch.device | None = None,
 ) -> tuple[list[AdaptedLoader], list[int | None]]:
     """The validation loaders ``fit`` runs and their batch limits, decided as Lightning does:
 
     * loaders but no ``validation_step``: validation is skipped, with a warning (Lightning: "You passed in
       a val_dataloader but have no validation_step. Skipping val loop.");
     * ``limit_val_batches=0`` (every loader limited to 0 batches): no validation and no sanity check.
+
+    The second is agreed by every rank (one all-reduce on ``device`` in a distributed run): a rank whose shard of a
+    small validation set is empty still runs validation with the others (their collectives need it).
     """
     if loaders and is_keel_default(task.validation_step):
         warnings.warn(
@@ -247,9 +254,12 @@ def fit_validation(
         )
         return [], []
     limits = [limit(loader) for loader in loaders]
-    if loaders and all(n == 0 for n in limits):
+    if not loaders:
         return [], []
-    return loaders, limits
+    batches = torch.tensor([float(any(n != 0 for n in limits))], device=device)
+    if device is not None and comm.get_world_size() > 1:
+        comm.all_reduce(batches, "max")
+    return (loaders, limits) if batches.item() else ([], [])
 
 
 # ---------------------------------------------------------------------- the Trainer's Lightning attributes

@@ -328,6 +328,7 @@ class Trainer(TrainerAttributes):
             task,
             stages.eval_loaders(self, "validate", val_dataloaders),
             lambda v: stages.batch_limit(self, v.loader, "limit_val_batches"),
+            self.device,
         )
         self._check_sharding = self.strategy.data_parallel_size > 1 and self._train.sampler is None
         self._configure_model_and_optimizers()
