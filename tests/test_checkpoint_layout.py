@@ -144,16 +144,7 @@ PRUNING = {  # (strategy, mode) -> the run whose pruning folders are checked, an
 }
 
 
-# The cross-strategy async variants (a run resumed under the other strategy) are slow; single-device async and
-# every strategy's sync pruning run by default.
-@pytest.mark.parametrize(
-    "strategy,mode",
-    [
-        pytest.param(*key, marks=pytest.mark.slow) if key[0] != "single" and key[1] == "async" else key
-        for key in PRUNING
-    ],
-    ids=[f"{s}-{m}" for s, m in PRUNING],
-)
+@pytest.mark.parametrize("strategy,mode", list(PRUNING), ids=[f"{s}-{m}" for s, m in PRUNING])
 def test_pruning_leaves_exactly_the_kept_saves_and_the_pointer(runs: Runs, strategy: str, mode: str) -> None:
     """a: every step, save_top_k=1 -> the newest save and `last`. b: every 2 steps, save_top_k=2 on "age"
     (mode min: the oldest two), save_last=True -> the two oldest, the newest (kept as last), `last` and the

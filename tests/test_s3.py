@@ -111,7 +111,6 @@ def test_ddp_async_saves_on_s3_resume_after_a_crash_and_equal_the_sync_run(
         assert all(torch.equal(run["weights"][k], v) for k, v in ref["weights"].items())
 
 
-@pytest.mark.slow  # a variant: FSDP's SIGKILL resume (test_fsdp.py) and S3's (the DDP test above) run by default
 def test_fsdp_async_saves_on_s3_survive_a_sigkill_reshard_to_one_process_and_export(s3, tmp_path: Path) -> None:
     script = SCRIPTS / "fsdp_fit.py"
     local = tmp_path / "ref_ck"
