@@ -108,9 +108,7 @@ def test_a_meta_built_task_is_materialised_shard_by_shard_and_trains_as_one_proc
 @pytest.mark.parametrize(
     "build",
     [
-        # configure_model under Lightning's trainer.init_module(empty_init=True); the default tier builds so in
-        # test_weights_exported_at_2_ranks_start_4_ranks_and_one_process
-        pytest.param("init_module", marks=pytest.mark.slow),
+        "init_module",  # configure_model under Lightning's trainer.init_module(empty_init=True)
         pytest.param("configure", marks=pytest.mark.slow),  # configure_model under torch.device("meta")
     ],
 )
@@ -121,7 +119,6 @@ def test_layers_built_on_meta_in_configure_model_equal_one_process(tmp_path: Pat
     assert_within_shard(sharded, init_holds=size["shard"] + size["module"])
 
 
-@pytest.mark.slow  # eager tasks under FSDP equal DDP in the default tier (tests/test_fsdp.py); this counts memory
 def test_an_eagerly_built_task_is_sharded_without_a_second_copy(tmp_path: Path) -> None:
     """Built on the CPU in __init__: rank 0's weights go to every rank one tensor at a time, then each rank keeps
     its shard; the peak of initialisation is the task itself plus one tensor."""
