@@ -207,7 +207,10 @@ def test_crafted_metadata_is_refused_naming_the_file(tmp_path: Path) -> None:
         ({"cpu_offload": 1}, "FSDPStrategy(cpu_offload=1): expected True or False"),
         ({"replicate_size": 0}, "FSDPStrategy(replicate_size=0): expected a whole number >= 1"),
         ({"replicate_size": "nodes"}, "or 'auto' (one group per node)"),
-        ({"replicate_size": 2}, "FSDPStrategy(replicate_size=2) does not divide the 1 data-parallel ranks"),
+        (
+            {"replicate_size": 2},
+            "FSDPStrategy(replicate_size=2) gives 2 replica groups, which do not divide the 1 data-parallel ranks",
+        ),
     ],
 )
 def test_bad_fsdp_settings_are_refused_before_any_group(

@@ -184,8 +184,8 @@ def _build(
     mode: Any,
 ) -> tuple[nn.Module, list[torch.optim.Optimizer], Callable[[], None], Callable[[], None]]:
     """Inside the fake tensor mode: the task with the strategy applied, its optimizers, one training step and one
-    evaluation forward (the step's forward under ``no_grad``, in eval mode). ``sizes`` gets the largest module's
-    own parameter bytes at full size (what materialising it holds) and the whole model's."""
+    evaluation forward (the step's forward under ``no_grad``, in eval mode). ``sizes["module"]`` gets the largest
+    module's own parameter bytes at full size (what materialising it holds)."""
     dtype = plugin.param_dtype if plugin is not None else None  # the plugin's module.to(dtype)
     replace_tensors(  # fake tensors on the device, in the run's dtype
         built, lambda t: torch.empty_like(t, device=where, dtype=dtype if dtype and t.is_floating_point() else None)
@@ -195,7 +195,6 @@ def _build(
     with where:  # the layers it builds, and its tensor-parallel plan on self.device_mesh (FSDP)
         module.configure_model()
     sizes["module"] = max((_nbytes(m.parameters(recurse=False)) for m in module.modules()), default=0)
-    sizes["whole"] = _nbytes(module.parameters())
     if isinstance(strategy, FSDPStrategy):
         strategy.shard(module)  # a run shards in the stage setup (FSDPStrategy.prepare_model)
     run = strategy.setup(module, manual=False)
@@ -271,8 +270,8 @@ def _is_float(t: Any) -> bool:
 def _describe(strategy: Strategy) -> str:
     name = {"single": "single device", "ddp": "DDP", "fsdp": "FSDP"}.get(strategy.name, strategy.name)
     extras = []
-    if int(getattr(strategy, "replicate_size", 1)) > 1:
-        extras.append(f"HSDP {strategy.replicate_size} replicas")  # type: ignore[attr-defined]
+    if getattr(strategy, "replicas", 1) > 1:
+        extras.append(f"HSDP {strategy.replicas} replicas")  # type: ignore[attr-defined]
     if getattr(strategy, "tensor_parallel_size", 1) > 1:
         extras.append(f"TP {strategy.tensor_parallel_size}")
     if strategy.activation_checkpointing:

@@ -131,7 +131,8 @@ class FSDPStrategy(Strategy):
                 f"{owner}(replicate_size={replicate_size!r}): expected a whole number >= 1 (the groups of ranks that "
                 "each hold a sharded copy of the model) or 'auto' (one group per node)."
             )
-        self.replicate_size: int | str = replicate_size  # an int once connected ("auto" resolved)
+        self.replicate_size = replicate_size  # as given ("auto" stays "auto": the next run may have other nodes)
+        self.replicas = 1  # the replica groups of this run, resolved when connected
         self.task: nn.Module | None = None
         self._sync: bool | None = None  # the requires_gradient_sync flag last set on the units
         self.device_mesh: Any = None  # the DeviceMesh the parameters are sharded over (setup_mesh)
@@ -152,20 +153,21 @@ class FSDPStrategy(Strategy):
                 f"launch a multiple of {tp} processes, or pick a tensor-parallel size that divides {env.world_size} "
                 "(usually the GPUs of one node)."
             )
-        if self.replicate_size == "auto":
-            self.replicate_size = max(1, env.world_size // max(1, env.local_world_size))
-        if (env.world_size // tp) % int(self.replicate_size):
+        nodes = max(1, env.world_size // max(1, env.local_world_size))
+        replicas = nodes if self.replicate_size == "auto" else int(self.replicate_size)
+        if (env.world_size // tp) % replicas:
             raise ValueError(
-                f"{owner}(replicate_size={self.replicate_size}) does not divide the {env.world_size // tp} "
-                f"data-parallel ranks (world size {env.world_size}, tensor-parallel size {tp}): pick a replicate size "
-                "that divides them (usually the number of nodes, 'auto')."
+                f"{owner}(replicate_size={self.replicate_size!r}) gives {replicas} replica groups, which do not divide "
+                f"the {env.world_size // tp} data-parallel ranks (world size {env.world_size}, tensor-parallel size "
+                f"{tp}): pick a replicate size that divides them (usually the number of nodes, 'auto')."
             )
+        self.replicas = replicas
         super().connect(env, device, options)
 
     def mesh_layout(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The shape and dimension names of the run's mesh: ``(data_parallel, tensor_parallel)``, or with hybrid
         sharding ``(replicate, shard, tensor_parallel)``."""
-        replicas, tp, dp = int(self.replicate_size), self.tensor_parallel_size, self.data_parallel_size
+        replicas, tp, dp = self.replicas, self.tensor_parallel_size, self.data_parallel_size
         if replicas == 1:
             return (dp, tp), self.MESH_DIMS
         return (replicas, dp // replicas, tp), self.HSDP_DIMS
@@ -294,7 +296,7 @@ class FSDPStrategy(Strategy):
         """The mesh the parameters are sharded over: the data-parallel dimension, or under hybrid sharding the 2-D
         ``(replicate, shard)`` mesh (FSDP2 shards over the second and replicates over the first)."""
         mesh = self.setup_mesh()
-        return mesh["replicate", "shard"] if int(self.replicate_size) > 1 else mesh["data_parallel"]
+        return mesh["replicate", "shard"] if self.replicas > 1 else mesh["data_parallel"]
 
     def _check_tensor_parallel(self, task: nn.Module) -> None:
         if self.tensor_parallel_size == 1:
