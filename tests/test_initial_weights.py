@@ -85,8 +85,11 @@ def test_fit_starts_from_the_weights_and_a_resume_wins(pretrained: tuple[Path, d
     # A checkpoint given to fit is restored instead (its weights, not the initial ones).
     other = {k: v + 1 for k, v in state.items()}
     safetensors.save_file(other, tmp_path / "w.safetensors")
-    fit(ckpt_path=str(save))
+    trainer, task = fit(ckpt_path=str(save))
     assert all(torch.equal(seen[k], state[k]) for k in state)
+    resumed = weights(task)
+    trainer.validate(task, loader(regression_data(), 16), verbose=False)  # nor after a resumed fit
+    assert_weights(task, resumed)
 
 
 def test_renaming_by_prefix_and_by_function(pretrained: tuple[Path, dict], tmp_path: Path) -> None:

@@ -281,6 +281,7 @@ def restore(trainer: Trainer, ckpt_path: str | None, *, full: bool) -> float:
             )
             continue
         break
+    trainer._initial_weights_of = task  # a later stage keeps these weights (initial_weights is not read over them)
     log.info("Restored %s from %s.", "the run" if full else "the weights", trainer._ckpt_path)
     if full:
         log.info("Resumed at global step %d, epoch %d.", trainer.global_step, trainer.current_epoch)
