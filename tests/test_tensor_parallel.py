@@ -60,6 +60,16 @@ def samples(ranks: list[dict], tp: int) -> list[int]:
 
 
 @pytest.mark.multiprocess
+def test_hybrid_sharding_composes_with_tensor_parallelism(tmp_path: Path) -> None:
+    """4 ranks as (replicate 2, shard 1, tensor-parallel 2): the split layers live on the 3-D mesh, each
+    replicated across the two groups; with global-norm clipping the weights equal one process within 1e-10."""
+    ref = single(tmp_path, "single", "--clip", "0.05")
+    r0 = launch(tmp_path, "hsdp_tp", 4, "--tp", "2", "--replicate", "2", "--clip", "0.05")[0]
+    assert r0["mesh"] == (2, 1, 2) and r0["global_step"] == ref["global_step"] == 6
+    assert r0["placements"]["blocks.0.down.weight"].startswith("(Replicate(), Shard(dim=0)"), r0["placements"]
+    assert max_diff(r0["weights"], ref["weights"]) < 1e-10
+
+
 def test_dp2_tp2_equals_one_process_and_resumes_at_another_mesh_at_the_exact_sample(tmp_path: Path) -> None:
     """4 ranks as (dp=2, tp=2), global batch 8 of micro-batches of 2 (accumulation 2) with global-norm clipping:
     equal to one process (accumulation 4) within 1e-10, and so are evaluation, predict and a summed self.log. A

@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--strategy", choices=("single", "fsdp", "lightning"), default="fsdp")
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--replicate", type=int, default=1, help="FSDPStrategy(replicate_size=...): HSDP")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--items", action="store_true")
@@ -131,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     strategy: object = "auto"
     if args.strategy == "fsdp":
-        strategy = FSDPStrategy(tensor_parallel_size=args.tp)
+        strategy = FSDPStrategy(tensor_parallel_size=args.tp, replicate_size=args.replicate)
     elif args.strategy == "lightning":
         strategy = ModelParallelStrategy(tensor_parallel_size=args.tp)
     callbacks = []
