@@ -161,27 +161,35 @@ def test_pinned_batches_are_copied_on_keels_stream_and_arrive_intact() -> None:
     assert plain[0].is_cuda and plain[0].sum().item() == 3.0
 
 
+def char_tokens() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """64 windows of 129 characters, and the first micro-batch of 32 (inputs, targets) they give."""
+    x = torch.randint(0, 128, (64, 129), generator=torch.Generator().manual_seed(0))
+    return x, (x[:32, :-1], x[:32, 1:])
+
+
+def char_gpt():
+    """The char GPT the CUDA memory checks run: 6 blocks of width 384."""
+    from recipes.charlm import CharGPT
+
+    return CharGPT(n_layer=6, n_embd=384, n_head=6, sample_chars=0)
+
+
 @pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
 def test_the_memory_estimate_matches_the_cuda_peak_of_a_real_step(precision: str) -> None:
     """trainer.memory on fake CUDA tensors against torch.cuda.max_memory_allocated of two real steps of the char
     GPT (the caching allocator's peak of live tensors), within 15%; and the plan the Trainer logs at fit start."""
     from torch.utils.data import TensorDataset
 
-    from recipes.charlm import CharGPT
     from trainer.memory import estimate_memory
 
-    x = torch.randint(0, 128, (64, 129), generator=torch.Generator().manual_seed(0))
-    batch = (x[:32, :-1], x[:32, 1:])
+    x, batch = char_tokens()
 
-    def build() -> CharGPT:
-        return CharGPT(n_layer=6, n_embd=384, n_head=6, sample_chars=0)
-
-    estimate = estimate_memory(build, batch, precision=precision, device="cuda")
+    estimate = estimate_memory(char_gpt, batch, precision=precision, device="cuda")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
     trainer = Trainer(**quiet(max_steps=2, accelerator="cuda", precision=precision, enable_model_summary=False))
-    trainer.fit(build(), DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=32))
+    trainer.fit(char_gpt(), DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=32))
     real = torch.cuda.max_memory_allocated() - start
     assert abs(estimate.device - real) / real < 0.15, (estimate.summary(), real)
     # On CUDA the Trainer logs the same plan at the first batch by default (fake tensors: not in the peak above).
@@ -222,23 +230,18 @@ def test_the_plan_of_each_phase_against_the_cuda_peaks_of_a_run(precision: str) 
     of a real fit of the char GPT on one GPU, within 20%, and the phase that decides."""
     from torch.utils.data import TensorDataset
 
-    from recipes.charlm import CharGPT
     from trainer.memory import estimate_memory
 
-    x = torch.randint(0, 128, (64, 129), generator=torch.Generator().manual_seed(0))
-    batch = (x[:32, :-1], x[:32, 1:])
+    x, batch = char_tokens()
 
-    def build() -> CharGPT:
-        return CharGPT(n_layer=6, n_embd=384, n_head=6, sample_chars=0)
-
-    plan = estimate_memory(build, batch, precision=precision, device="cuda")
+    plan = estimate_memory(char_gpt, batch, precision=precision, device="cuda")
     torch.cuda.empty_cache()
     peaks = PhasePeaks()
     loader = DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=32)
     trainer = Trainer(
         **quiet(max_steps=2, accelerator="cuda", precision=precision, val_check_interval=1, callbacks=[peaks])
     )
-    trainer.fit(build(), loader, loader)
+    trainer.fit(char_gpt(), loader, loader)
     peaks.enter("done")
     for phase in ("init", "train", "eval"):
         assert abs(plan.phases[phase] - peaks.peaks[phase]) < 0.2 * peaks.peaks[phase], (phase, plan, peaks.peaks)
