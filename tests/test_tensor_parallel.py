@@ -70,6 +70,7 @@ def test_hybrid_sharding_composes_with_tensor_parallelism(tmp_path: Path) -> Non
     assert max_diff(r0["weights"], ref["weights"]) < 1e-10
 
 
+@pytest.mark.multiprocess
 def test_dp2_tp2_equals_one_process_and_resumes_at_another_mesh_at_the_exact_sample(tmp_path: Path) -> None:
     """4 ranks as (dp=2, tp=2), global batch 8 of micro-batches of 2 (accumulation 2) with global-norm clipping:
     equal to one process (accumulation 4) within 1e-10, and so are evaluation, predict and a summed self.log. A
