@@ -64,6 +64,22 @@ def test_two_rank_fsdp_equals_two_rank_ddp(tmp_path: Path, case: list[str]) -> N
     assert (fsdp["direct"] - ddp["direct"]).abs().max() < 1e-10
 
 
+def test_bf16_mixed_under_fsdp_does_the_arithmetic_of_autocast_under_ddp(tmp_path: Path) -> None:
+    """precision="bf16-mixed": the blocks gather bf16 weights for their linears (the values autocast's cast gives)
+    and fp32 for their LayerNorms, the root gathers fp32, so FSDP computes what DDP computes under autocast alone
+    and 2 FSDP ranks end where 2 DDP ranks end, up to the order of fp32 sums."""
+    args = ["--precision", "bf16-mixed", "--accumulate", "2"]
+    ddp = run2(tmp_path, "ddp", "--strategy", "ddp", *args)
+    fsdp = run2(tmp_path, "fsdp", "--strategy", "fsdp", *args)
+    assert fsdp["global_step"] == ddp["global_step"] == 4
+    assert {v.dtype for v in fsdp["weights"].values()} == {torch.float32}  # the master weights
+    assert max_diff(fsdp["weights"], ddp["weights"]) < 1e-6
+    assert abs(fsdp["val"][0]["val/loss"] - ddp["val"][0]["val/loss"]) < 1e-6
+    assert (fsdp["direct"] - ddp["direct"]).abs().max() < 1e-6  # task(x) under torch.autocast
+    # Outside autocast DDP computes in fp32; FSDP refuses at the call, naming the fix.
+    assert not ddp["refused"] and "inside torch.autocast('cpu', dtype=torch.bfloat16)" in fsdp["refused"]
+
+
 def test_fsdp_manual_optimization_and_configure_model_equal_ddp(tmp_path: Path) -> None:
     args = ["--manual", "--configure-model"]  # the task steps every micro-batch: no accumulation window
     ddp = run2(tmp_path, "ddp", "--strategy", "ddp", *args)

@@ -243,8 +243,15 @@ def main() -> None:
     val_metrics = trainer.validate(task, DataLoader(val, batch_size=5))
     test_metrics = trainer.test(task, DataLoader(val, batch_size=4))
     predictions = trainer.predict(task, DataLoader(val, batch_size=3))
-    with torch.no_grad():
+    mixed = torch.autocast("cpu", torch.bfloat16, enabled=args.precision == "bf16-mixed")
+    with torch.no_grad(), mixed:
         direct = task(val.tensors[1][:4]).detach().cpu()  # task(x) on the (sharded) task: every rank calls it
+    refused = ""
+    if args.precision == "bf16-mixed":  # outside autocast, the call is refused naming the fix (FSDP only)
+        try:
+            task(val.tensors[1][:4])
+        except RuntimeError as err:
+            refused = str(err)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(
@@ -258,6 +265,7 @@ def main() -> None:
             "seen": task.seen,
             "world_size": trainer.world_size,
             "strategy": type(trainer.strategy).__name__,
+            "refused": refused,
             "mesh": _mesh(trainer.strategy),
             "saved_bytes": task.saved_bytes,
             "recomputed": task.recomputed,

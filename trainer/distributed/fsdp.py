@@ -221,11 +221,12 @@ class FSDPStrategy(Strategy):
         precision and offload policies of the run. A task whose ``configure_model`` called ``fully_shard`` itself
         keeps its units (only a root it left plain is sharded). BatchNorm is refused without ``sync_batchnorm``.
 
-        Under ``bf16-mixed`` the units gather and compute with bf16 parameters (``param_dtype``) and reduce
-        gradients in fp32, over fp32 sharded master weights, so no bf16 copy of the whole model builds up; the
-        precision plugin's autocast stays on top (its fp32 ops, norms and softmax among them, still run in fp32), and
-        the units neither cast their inputs nor their outputs: activations keep the dtypes autocast gives them, as
-        under autocast alone.
+        Under ``bf16-mixed`` the arithmetic is autocast's, as without FSDP, and no bf16 copy of the blocks' weights
+        outlives their backward: a unit gathers bf16 parameters (``param_dtype``, the values autocast's cast would
+        give) and reduces gradients in fp32, over fp32 sharded master weights; its embeddings and normalisation
+        layers (:func:`full_precision_modules`) form one nested unit gathered in fp32, since autocast leaves them in
+        fp32; the root gathers fp32 and autocast casts its weights as it would without FSDP. The units neither cast
+        their inputs nor their outputs, so the residual stream keeps the dtype autocast gives it.
         """
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
@@ -241,7 +242,7 @@ class FSDPStrategy(Strategy):
             if converted is not task:
                 raise TypeError("sync_batchnorm: the task itself must not be a BatchNorm layer.")
         self._check_tensor_parallel(task)
-        mp = MixedPrecisionPolicy()
+        full = mp = MixedPrecisionPolicy()
         if self.options.precision == "bf16-mixed":
             mp = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16,
@@ -257,11 +258,16 @@ class FSDPStrategy(Strategy):
         )
         if not any(isinstance(m, FSDPModule) for m in task.modules()):
             for unit in self.units(task):
-                fully_shard(unit, **kwargs)
+                kept = full_precision_modules(unit) if mp is not full else []
+                if kept and kept != [unit]:
+                    fully_shard(kept, **{**kwargs, "mp_policy": full})  # one unit: one small all-gather
+                fully_shard(unit, **{**kwargs, "mp_policy": full if kept == [unit] else mp})
+            if mp is not full:
+                task.register_forward_pre_hook(_require_autocast(self.root_device.type), prepend=True)
         if not isinstance(task, FSDPModule):
             # The root: every parameter left outside the units. It keeps them gathered from forward to backward,
             # which needs them first (FSDP2's own choice for a root: one all-gather a step fewer).
-            fully_shard(task, **{**kwargs, "reshard_after_forward": False})
+            fully_shard(task, **{**kwargs, "mp_policy": full, "reshard_after_forward": False})
 
     def setup(self, task: TaskModule, *, manual: bool) -> nn.Module:
         from torch.distributed.fsdp import register_fsdp_forward_method
@@ -544,3 +550,43 @@ def _managed_parameter(unit: nn.Module, units: Sequence[nn.Module]) -> tuple[nn.
         return None, ""
 
     return search(unit)
+
+
+_FULL_PRECISION = (
+    nn.Embedding,
+    nn.EmbeddingBag,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.modules.batchnorm._NormBase,
+)
+
+
+def full_precision_modules(unit: nn.Module) -> list[nn.Module]:
+    """The modules of ``unit`` (itself included) that keep fp32 parameters under ``bf16-mixed``, outermost first:
+    embeddings and normalisation layers (torch's classes and any class whose name ends in ``Norm``, such as a
+    hand-written RMSNorm), those with parameters. Autocast computes none of them in bf16: an embedding returns its
+    weight's dtype, so a bf16 weight would make the residual stream bf16, and a norm runs in fp32."""
+    found = [
+        m
+        for m in unit.modules()
+        if (isinstance(m, _FULL_PRECISION) or type(m).__name__.endswith("Norm")) and any(True for _ in m.parameters())
+    ]
+    inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
+    return [m for m in found if id(m) not in inner]
+
+
+def _require_autocast(device_type: str) -> Callable[..., None]:
+    """A forward pre-hook for a task whose units gather bf16 weights: a call outside autocast would meet an fp32
+    activation with a bf16 weight deep in a unit; say so at the call, with the fix."""
+
+    def check(module: nn.Module, args: Any) -> None:
+        if not torch.is_autocast_enabled(device_type):
+            raise RuntimeError(
+                f"{type(module).__name__} was called outside autocast under strategy='fsdp', "
+                "precision='bf16-mixed': its units gather bf16 weights, which an fp32 input cannot meet. Call it "
+                f"inside torch.autocast({device_type!r}, dtype=torch.bfloat16), as the Trainer does in every stage "
+                "(or train with precision='32')."
+            )
+
+    return check
