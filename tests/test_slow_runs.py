@@ -263,6 +263,32 @@ def test_on_cuda_the_device_times_come_from_events_read_without_waiting_and_spli
     assert stream.events == made  # the events read are reused: none is made on the hot path any more
 
 
+def test_the_device_events_between_two_reads_are_bounded() -> None:
+    """With no logging step for a long time the events do not pile up: at the limit a mark folds the completed
+    ones into the totals, and waits for the oldest only when the device is that far behind; no time is lost."""
+    from trainer.observability.phases import DeviceTimeline
+
+    stream = Stream()
+    timeline = DeviceTimeline(stream.event)
+    clock = PhaseClock(device=timeline)
+    for _ in range(200):  # 200 steps of 3 marks, the device keeping up
+        clock.enter("training_step")
+        stream.queued += 0.003
+        clock.enter("optimizer_step")
+        stream.queued += 0.001
+        clock.enter("data")
+        stream.done = stream.queued
+    assert len(timeline._pending) < DeviceTimeline.LIMIT and stream.events <= DeviceTimeline.LIMIT + 2
+    for _ in range(2 * DeviceTimeline.LIMIT):  # the host runs far ahead: it waits for the oldest at the limit
+        clock.enter("training_step")
+        stream.queued += 0.003
+        clock.enter("data")
+    assert len(timeline._pending) <= DeviceTimeline.LIMIT
+    taken = clock.take(global_step=200 + 2 * DeviceTimeline.LIMIT, wait=True)
+    forward = taken[len(PHASES) + 1 :][PHASES.index("forward")]
+    assert forward == pytest.approx(0.003 * (200 + 2 * DeviceTimeline.LIMIT))
+
+
 def test_on_cuda_the_compute_phases_are_judged_by_the_device_not_by_the_launches() -> None:
     """The host launches both ranks' forwards in 1 ms and waits for the device later (in the logging step's
     read): only the device's times tell that rank 0 computes 40 ms a step and rank 1 10 ms."""

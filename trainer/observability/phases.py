@@ -75,9 +75,14 @@ class DeviceTimeline:
     the event recorded when a phase starts to the next one is what the device's stream spent on that phase's work
     (or idle waiting for it). :meth:`mark` records one event (reused from a pool: no allocation on the hot path);
     :meth:`read` adds up the intervals whose events have completed without waiting for the others (they count in
-    the next read), or waits for all of them (``wait``: the end of fit)."""
+    the next read), or waits for all of them (``wait``: the end of fit).
+
+    The events between two reads are bounded (:attr:`LIMIT`, a few steps' worth of marks whatever the logging
+    interval): at the limit a mark first folds the completed ones into the totals, and if the host is still that
+    far ahead of the device, waits for the oldest (the host was going to wait for the device soon anyway)."""
 
     __slots__ = ("_free", "_last", "_new", "_pending", "totals")
+    LIMIT = 256
 
     def __init__(self, new_event: Callable[[], Event]) -> None:
         self._new = new_event
@@ -91,6 +96,11 @@ class DeviceTimeline:
         return self._free.pop() if self._free else self._new()
 
     def mark(self, phase: int) -> None:
+        if len(self._pending) >= self.LIMIT:
+            self._fold(wait=False)
+            while len(self._pending) >= self.LIMIT:
+                self._pending[0][1].synchronize()
+                self._fold(wait=False)
         event = self.fresh()
         event.record()
         self._pending.append((phase, event))
@@ -101,6 +111,12 @@ class DeviceTimeline:
 
     def read(self, *, wait: bool = False) -> list[float]:
         """The device's seconds per phase since the last read, as far as its stream has got."""
+        self._fold(wait=wait)
+        totals, self.totals = self.totals, [0.0] * len(PHASES)
+        return totals
+
+    def _fold(self, *, wait: bool) -> None:
+        """Add the intervals of the completed events (all of them with ``wait``) to the totals."""
         while self._pending:
             phase, event = self._pending[0]
             if wait:
@@ -113,8 +129,6 @@ class DeviceTimeline:
                 self.totals[started] += max(0.0, at.elapsed_time(event) / 1e3)
                 self._free.append(at)
             self._last = (phase, event)
-        totals, self.totals = self.totals, [0.0] * len(PHASES)
-        return totals
 
 
 class PhaseClock:
