@@ -17,8 +17,7 @@ import torch
 from launch import REPO_ROOT
 
 from recipes.charlm import CharGPT
-from trainer import FSDPStrategy, TaskModule
-from trainer.estimate import MemoryPlan
+from trainer import FSDPStrategy, TaskModule, Trainer
 from trainer.memory import MemoryEstimate, estimate_memory, format_plan, main, plan_memory
 
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "measure_memory.py"
@@ -295,22 +294,21 @@ def _fit(task, memory_plan, caplog: pytest.LogCaptureFixture) -> tuple[dict, lis
 def test_fit_logs_the_plan_of_the_run_at_its_first_batch_and_trains_the_same(caplog) -> None:
     """Trainer(memory_plan=True) on CPU: one INFO line at the first batch, the estimate of this run's task (made on
     a meta copy of it: nothing of the real task changes) and micro-batch; with dropout, the weights after 3 steps are
-    bit for bit those of a run without the plan (the estimate draws no random number). Off by default on CPU."""
+    bit for bit those of a run without the plan (the estimate draws no random number). Off by default."""
 
     def build() -> CharGPT:
         torch.manual_seed(0)
         return CharGPT(block_size=32, n_layer=2, dropout=0.1, sample_chars=0)
 
     planned, records = _fit(build(), True, caplog)
-    plain, none = _fit(build(), None, caplog)
+    plain, none = _fit(build(), False, caplog)
     assert none == [] and planned.keys() == plain.keys()
     assert all(torch.equal(planned[k], plain[k]) for k in planned)
     (line,) = records
     x = torch.zeros(8, 32, dtype=torch.long)
     assert line.levelno == logging.INFO
     assert line.getMessage() == f"Memory plan: {estimate_memory(build, (x, x)).summary()}"
-    assert MemoryPlan.maker(None, torch.device("cuda")) is not None  # the default on CUDA
-    assert MemoryPlan.maker(False, torch.device("cuda")) is None and MemoryPlan.maker(None, torch.device("cpu")) is None
+    assert not Trainer().options.memory_plan  # off by default, on every device
 
 
 def _loss(out: dict | torch.Tensor) -> torch.Tensor:

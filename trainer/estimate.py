@@ -282,20 +282,12 @@ def _describe(strategy: Strategy) -> str:
 
 
 class MemoryPlan(Callback):
-    """Logs (rank 0) the memory plan of this run at its first training batch. ``explicit``: the user asked for it
-    (``memory_plan=True``), so a plan that cannot be made is a WARNING rather than an INFO line."""
+    """Logs (rank 0) the memory plan of this run at its first training batch (``Trainer(memory_plan=True)``, or
+    this callback added by hand); a plan that cannot be made is a WARNING naming why."""
 
     is_memory_plan = True
 
-    @classmethod
-    def maker(cls, memory_plan: bool | None, device: torch.device) -> Callable[[], MemoryPlan] | None:
-        """What the Trainer adds for ``Trainer(memory_plan=...)``: True or False as given; None: on CUDA only."""
-        if memory_plan is False or (memory_plan is None and device.type != "cuda"):
-            return None
-        return partial(cls, explicit=memory_plan is True)
-
-    def __init__(self, *, explicit: bool = False) -> None:
-        self.explicit = explicit
+    def __init__(self) -> None:
         self.summary: str | None = None  # the line logged, once made
         self._snapshot: nn.Module | None = None
         self._planned = False
@@ -355,11 +347,7 @@ class MemoryPlan(Callback):
     def _skip(self, trainer: Trainer, why: str) -> None:
         self.summary = None
         if trainer.is_global_zero:
-            log.log(
-                logging.WARNING if self.explicit else logging.INFO,
-                "Memory plan: not estimated: %s. Trainer(memory_plan=False) turns the plan off.",
-                why,
-            )
+            log.warning("Memory plan: not estimated: %s. Trainer(memory_plan=False) turns the plan off.", why)
 
 
 def _unplannable(trainer: Trainer, task: TaskModule) -> str | None:

@@ -135,7 +135,8 @@ class TrainerOptions:
         enable_model_summary: Log the task's parameter count and size at the start of ``fit`` (rank 0).
         memory_plan: Log (rank 0) at the first training batch of ``fit`` what a rank holds at the peak of a step
             under this run's strategy, world size and precision, estimated on fake tensors (``trainer.memory``),
-            and on CUDA whether it fits the device. None: on CUDA, off on CPU (a few seconds once per fit).
+            and on CUDA whether it fits the device (a few seconds once per fit). Off by default: it has not yet been
+            checked against a real CUDA peak; ``python -m trainer.memory`` plans before a run.
         sync_batchnorm: Convert BatchNorm layers to ``SyncBatchNorm`` when the world size is > 1 (Lightning's
             Trainer option).
         process_group_timeout: Seconds (or a ``timedelta``) for process-group init and collectives.
@@ -207,7 +208,7 @@ class TrainerOptions:
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True
     enable_model_summary: bool = True
-    memory_plan: bool | None = None
+    memory_plan: bool = False
     sync_batchnorm: bool = False
     process_group_timeout: float = 1800.0
     init_timeout: float = 300.0
@@ -293,11 +294,10 @@ class TrainerOptions:
             "sync_batchnorm",
             "drop_incomplete_accumulation",
             "initial_weights_strict",
+            "memory_plan",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "True or False")
-        if self.memory_plan is not None and not isinstance(self.memory_plan, bool):
-            raise _fail("memory_plan", self.memory_plan, "True, False or None (on CUDA only)")
 
     def _check_launch_options(self) -> None:
         """Devices, the run directory, callbacks and the timeouts (the strategy is checked when the Trainer builds

@@ -93,7 +93,7 @@ class Trainer(TrainerAttributes):
                 check_callbacks(opts.callbacks),
                 progress_bar=ProgressBar if opts.enable_progress_bar else None,
                 checkpoint=ModelCheckpoint if opts.enable_checkpointing else None,
-                memory_plan=MemoryPlan.maker(opts.memory_plan, self.device),
+                memory_plan=MemoryPlan if opts.memory_plan else None,
             )
         )
         self.loggers: list[Logger] = default_loggers(opts.logger, opts.default_root_dir, name=self.default_log_name)
