@@ -63,6 +63,12 @@ def test_two_ranks_equal_one_process_with_global_batch(tmp_path: Path, shuffle: 
         assert math.isclose(rank0["test"][0][key], value, rel_tol=1e-12), key
     # Predictions come back in dataset order on every rank.
     assert rank0["predictions"] == rank1["predictions"] == single["predictions"] == list(range(37))
+    # predict_return="rank_zero" sends the outputs to rank 0 only; return_predictions=False sends nothing.
+    assert rank0["sent"]["all_ranks-True"] == rank1["sent"]["all_ranks-True"] == ["all_gather_object", "True"]
+    assert rank0["sent"]["rank_zero-True"] == ["gather_object", "True"]
+    assert rank1["sent"]["rank_zero-True"] == ["gather_object", "None"]
+    assert rank0["sent"]["all_ranks-False"] == rank1["sent"]["all_ranks-False"] == ["None"]
+    assert single["sent"]["rank_zero-True"] == ["True"]  # one process: nothing to gather
     # Trainer(memory_plan=True) logged, at the first batch, the estimate of this run (DDP at 2 ranks), made inside
     # the run's process group; training equals the single process all the same (above).
     batch = (torch.arange(8), torch.zeros(8, 8, dtype=torch.float64), torch.zeros(8, 1, dtype=torch.float64))

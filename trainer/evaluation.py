@@ -252,11 +252,13 @@ class EvaluationLoop:
         loaders: list[AdaptedLoader],
         limits: list[int | None],
         *,
-        return_here: bool,
+        gather: str | None,
     ) -> list[Any] | None:
         """``predict_step`` over every loader; outputs moved to CPU and gathered in rank order, so each
-        list is in dataset order (contiguous shards). ``return_here`` False: this rank returns None.
-        With several loaders the result is a list of such lists.
+        list is in dataset order (contiguous shards). ``gather``: ``"all_ranks"`` (every rank gets them),
+        ``"rank_zero"`` (only rank 0 does: the others send theirs and return None) or None (nothing is kept or sent;
+        callbacks still see each output in ``on_predict_batch_end``; every rank returns None). With several loaders
+        the result is a list of such lists.
 
         Hooks, in order (the task's, then the callbacks'): ``on_predict_model_eval`` (task only; default
         ``task.eval()``), ``on_predict_start``, ``on_predict_epoch_start``, per batch
@@ -292,15 +294,27 @@ class EvaluationLoop:
                         out = step(*args) if step_idx else step(batch, batch_idx) if with_idx else step(batch)
                     for hook in ends:
                         hook(out, *args)
-                    local.append(move_to_device(out, torch.device("cpu"), from_any_device=True))
-                gathered = comm.all_gather_object(local) if comm.get_world_size() > 1 else [local]  # collective
-                gathered = gathered[:: self.strategy.tensor_parallel_size]  # a tensor-parallel group predicts once
-                merged = [item for rank_items in gathered for item in rank_items]
-                results.append(merged if return_here else None)
+                    if gather is not None:
+                        local.append(move_to_device(out, torch.device("cpu"), from_any_device=True))
+                results.append(self._gathered(local, gather))
         task.on_predict_epoch_end()
         for cb in callbacks:
             cb.on_predict_epoch_end(trainer, task)
         task.on_predict_end()
         for cb in callbacks:
             cb.on_predict_end(trainer, task)
+        if gather is None:
+            return None
         return results[0] if len(results) == 1 else results
+
+    def _gathered(self, local: list[Any], gather: str | None) -> list[Any] | None:
+        """Every rank's outputs in rank order where ``gather`` says (a collective, but for None: nothing)."""
+        if gather is None:
+            return None
+        if comm.get_world_size() == 1:
+            return local
+        gathered = comm.all_gather_object(local) if gather == "all_ranks" else comm.gather_object(local)
+        if gathered is None:
+            return None
+        gathered = gathered[:: self.strategy.tensor_parallel_size]  # a tensor-parallel group predicts once
+        return [item for rank_items in gathered for item in rank_items]

@@ -236,12 +236,17 @@ class Trainer(TrainerAttributes):
         Each rank predicts a contiguous shard; the shards are gathered in rank order, so the list is in
         dataset order. With ``predict_return="all_ranks"`` (default) every rank returns the whole list;
         with ``"rank_zero"`` rank 0 returns it and other ranks return None. With several dataloaders the
-        result is a list of such lists. ``return_predictions=False`` (Lightning's) returns None everywhere.
+        result is a list of such lists. ``return_predictions=False`` (Lightning's) keeps and gathers nothing and
+        returns None everywhere (a prediction writer callback still gets every output).
         """
         out = self._run(
-            "predict", model, datamodule, lambda given: self._predict(given, ckpt_path), loaders=(dataloaders,)
+            "predict",
+            model,
+            datamodule,
+            lambda given: self._predict(given, ckpt_path, return_predictions),
+            loaders=(dataloaders,),
         )
-        return None if return_predictions is False else out
+        return out
 
     def save_checkpoint(self, path: str | os.PathLike, weights_only: bool = False, **options: Any) -> None:
         """Write a checkpoint of the whole run state as the save folder ``path`` (every rank writes its part;
@@ -692,9 +697,9 @@ class Trainer(TrainerAttributes):
             self, cast(TaskModule, self.task), self.callbacks, stage, loaders, limits, publish=publish, sanity=sanity
         )
 
-    def _predict(self, dataloaders: Any, ckpt_path: str | None) -> list[Any] | None:
+    def _predict(self, dataloaders: Any, ckpt_path: str | None, keep: bool | None) -> list[Any] | None:
         loaders = self._stage_loaders("predict", dataloaders, ckpt_path)
         limits = [stages.batch_limit(self, a.loader, "limit_predict_batches") for a in loaders]
-        here = self.is_global_zero or self.options.predict_return == "all_ranks"
+        gather = None if keep is False else self.options.predict_return
         assert self.task is not None
-        return self._eval_loop.predict(self, self.task, self.callbacks, loaders, limits, return_here=here)
+        return self._eval_loop.predict(self, self.task, self.callbacks, loaders, limits, gather=gather)

@@ -80,6 +80,18 @@ def main() -> None:
     val_metrics = trainer.validate(task, DataLoader(val, batch_size=5))
     test_metrics = trainer.test(task, DataLoader(val, batch_size=4))
     predictions = trainer.predict(task, DataLoader(val, batch_size=3))
+    # What the other predict_return settings gather: the object collectives each predict makes.
+    sent: dict[str, list[str]] = {}
+    for name in ("all_gather_object", "gather_object"):
+        real = getattr(torch.distributed, name)
+        setattr(
+            torch.distributed, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1]
+        )
+    for setting, keep in (("all_ranks", True), ("rank_zero", True), ("all_ranks", False)):
+        calls: list[str] = []
+        trainer.options.predict_return = setting
+        got = trainer.predict(task, DataLoader(val, batch_size=3), return_predictions=keep)
+        sent[f"{setting}-{keep}"] = [*calls, "None" if got is None else str(torch.cat(got).tolist() == list(range(37)))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(
@@ -90,6 +102,7 @@ def main() -> None:
             "val": val_metrics,
             "test": test_metrics,
             "predictions": torch.cat(predictions).tolist(),
+            "sent": sent,
             "global_step": trainer.global_step,
             "world_size": trainer.world_size,
         },

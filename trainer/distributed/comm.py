@@ -356,6 +356,17 @@ def all_gather_object(obj: T, group: dist.ProcessGroup | None = None) -> list[T]
     return gathered
 
 
+def gather_object(obj: T, dst: int = 0) -> list[T] | None:
+    """Gathers a picklable object from every rank to ``dst`` only (a collective of the default group): one object
+    per rank, indexed by rank, on ``dst``; None on the other ranks; ``[obj]`` without a process group. With nccl
+    the objects travel through the current CUDA device, as in :func:`all_gather_object`."""
+    if not is_initialized():
+        return [obj]
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, gathered, dst=dst)
+    return gathered
+
+
 def broadcast_object(obj: T, src: int = 0) -> T:
     """Sends ``src``'s picklable object to every rank (a collective).
 
