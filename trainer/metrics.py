@@ -482,20 +482,7 @@ class MetricCollector:
                         f"{items[0][0]}'s value.",
                     )
                 items = items[:1]
-            if mode == "global":
-                value = items[0][1]
-            elif fx == "mean":
-                if step:  # the latest value of each rank: a plain mean over the ranks
-                    value = math.fsum(i[1] for i in items) / len(items)
-                else:  # weighted sums over batches and ranks
-                    weight = math.fsum(i[2] for i in items)
-                    value = math.fsum(i[1] for i in items) / weight if weight > 0 else float("nan")
-            elif fx == "sum":
-                value = math.fsum(i[1] for i in items)
-            elif fx == "max":
-                value = max(i[1] for i in items)
-            else:
-                value = min(i[1] for i in items)
+            value = items[0][1] if mode == "global" else _reduce_items(fx, items, step=step)
             reduced[name] = value
             if to_logger:
                 logger[name] = value
@@ -520,3 +507,17 @@ class MetricCollector:
         self._forks.clear()
         for state in self._epochs.values():
             state.clear()
+
+
+def _reduce_items(fx: str, items: list[tuple[int, float, float]], *, step: bool) -> float:
+    """One metric's ``(rank, value, weight)`` items reduced with its ``reduce_fx``: a step value's mean is the plain
+    mean of each rank's latest value; an epoch's is the weighted sum over batches and ranks over the total weight."""
+    values = [i[1] for i in items]
+    if fx == "mean":
+        if step:
+            return math.fsum(values) / len(values)
+        weight = math.fsum(i[2] for i in items)
+        return math.fsum(values) / weight if weight > 0 else float("nan")
+    if fx == "sum":
+        return math.fsum(values)
+    return max(values) if fx == "max" else min(values)
