@@ -503,8 +503,7 @@ def test_pointer_to_an_uncommitted_folder_resumes_from_the_newest_committed_save
 
 
 def test_save_without_its_manifest_is_not_loaded(run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A save of this release whose keel.json is missing is uncommitted (or damaged), not a save of the
-    previous release: its keel.pt records format 2. ``last`` must not load it unverified."""
+    """A save whose keel.json is missing is uncommitted (or damaged): ``last`` must not load it unverified."""
     newest = run_dir / save_name(3)
     (newest / MANIFEST_FILE).unlink()
     flip_tensor_bit(newest, "model.net.0.weight")  # loading it unverified would go unnoticed

@@ -9,8 +9,7 @@ name before anything is loaded, and ``ckpt_path="last"`` falls back to the previ
 Nothing in a save can run code: ``keel.pt`` and every plain file load with ``weights_only=True``; DCP's
 ``.metadata`` is read through an unpickler that admits only DCP's own metadata classes; DCP's non-tensor
 items (optimizer hyperparameters) load with ``weights_only=True`` too (DCP's own planner unpickles them
-freely). Saves written by the previous release (one file per save, or a folder without a manifest) still
-load, without the checksum check, which they predate.
+freely).
 """
 
 from __future__ import annotations
@@ -29,11 +28,8 @@ from trainer.checkpoint.files import (
     K_CALLBACKS,
     K_CLASSES,
     K_FORMAT,
-    K_GLOBAL_BATCH,
     K_IDENTITY,
-    K_LOOP,
     K_STATE_DICT,
-    K_WORLD_SIZE,
     POINTER_NAME,
     CheckpointError,
     CorruptCheckpointError,
@@ -133,15 +129,14 @@ def verify(folder: AnyPath, manifest: dict[str, Any], *, rank: int = 0, world_si
 
 
 def _verified(folder: AnyPath, *, collective: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """(manifest or None for an older release's folder, keel.pt) of an intact save, or a CheckpointError
-    naming every bad part. ``collective``: the ranks share the checks and agree."""
+    """(manifest, keel.pt) of an intact save, or a CheckpointError naming every bad part. ``collective``: the
+    ranks share the checks and agree."""
     problems: list[str] = []
     manifest = None
     try:
-        manifest = read_manifest(folder) if (folder / MANIFEST_FILE).exists() or not _is_v1(folder) else None
-        if manifest is not None:
-            rank, world = (comm.get_rank(), comm.get_world_size()) if collective else (0, 1)
-            problems = verify(folder, manifest, rank=rank, world_size=world)
+        manifest = read_manifest(folder)
+        rank, world = (comm.get_rank(), comm.get_world_size()) if collective else (0, 1)
+        problems = verify(folder, manifest, rank=rank, world_size=world)
     except CorruptCheckpointError as exc:  # a newer format is a CheckpointError: raised, never skipped
         problems = [str(exc)]
     except Exception as exc:  # the store failed: agreed on by every rank (one raising alone would hang the rest)
@@ -158,19 +153,14 @@ def _verified(folder: AnyPath, *, collective: bool) -> tuple[dict[str, Any] | No
         )
     if problems:
         raise CorruptCheckpointError(f"Checkpoint {str(folder)!r} is damaged: {'; '.join(problems)}.")
+    assert manifest is not None  # read, or a problem raised above
     rest = _read_keel(data_root(folder, manifest))
-    if manifest is None and int(rest.get(K_FORMAT, 1)) >= 2:
-        raise CorruptCheckpointError(f"Checkpoint {str(folder)!r} has no {MANIFEST_FILE}: it was never committed.")
-    if manifest is not None and rest.get(K_IDENTITY) != manifest["identity"]:
+    if rest.get(K_IDENTITY) != manifest["identity"]:
         raise CorruptCheckpointError(
             f"Checkpoint {str(folder / KEEL_FILE)!r} belongs to another save than its folder's manifest "
             f"({rest.get(K_IDENTITY)} vs {manifest['identity']})."
         )
     return manifest, rest
-
-
-def _is_v1(folder: AnyPath) -> bool:
-    return not isinstance(folder, RemotePath) and (folder / KEEL_FILE).is_file() and (folder / METADATA_FILE).is_file()
 
 
 def _read_keel(folder: AnyPath) -> dict[str, Any]:
@@ -191,7 +181,7 @@ def _read_keel(folder: AnyPath) -> dict[str, Any]:
 
 def save_folder(path: str | os.PathLike) -> AnyPath:
     """The save a path names: a folder; ``<folder>/lightning.ckpt`` (what ``callbacks.lightning`` reports)
-    names its folder; a plain file (a weights file, or a save of the previous release) itself."""
+    names its folder; a plain file (a weights file) itself."""
     path = as_path(path)
     if isinstance(path, RemotePath):
         return path.parent if path.name == LIGHTNING_FILE else path
@@ -236,10 +226,6 @@ def load(
     else:
         checkpoint = load_file(folder)
         _check(str(folder), checkpoint, state, required)
-    if isinstance(checkpoint.get(K_LOOP), dict):  # format 1 kept these beside the loop state
-        for key, old in (("global_batch", K_GLOBAL_BATCH), ("world_size", K_WORLD_SIZE)):
-            if old in checkpoint:
-                checkpoint[K_LOOP].setdefault(key, checkpoint[old])
     on_load(checkpoint)
     for key, obj in state.items():
         if key in checkpoint:
@@ -331,7 +317,7 @@ def load_model_into(folder: AnyPath, manifest: dict[str, Any] | None, targets: d
 # ---------------------------------------------------------------------- which save
 def committed(directory: str | os.PathLike) -> list[str]:
     """Names of the committed saves in ``directory``, newest first (by step, then time): folders with a
-    manifest, and the previous release's saves (files, folders without a manifest). Reads manifests only."""
+    manifest, and weights-only files. Reads manifests only."""
     found: list[tuple[int, float, str]] = []
     root = as_path(directory)
     if not root.is_dir():
@@ -343,10 +329,6 @@ def committed(directory: str | os.PathLike) -> list[str]:
             if (entry / MANIFEST_FILE).is_file():
                 step = int(read_manifest(entry)["identity"].get("step", -1))
                 found.append((step, (entry / MANIFEST_FILE).stat().st_mtime, entry.name))
-            elif (
-                entry.is_dir() and _is_v1(entry) and int(load_file(entry / KEEL_FILE, required=()).get(K_FORMAT, 1)) < 2
-            ):
-                found.append((-1, entry.stat().st_mtime, entry.name))  # a folder of the previous release
             elif entry.suffix == ".ckpt" and entry.is_file():
                 found.append((-1, entry.stat().st_mtime, entry.name))
         except (CorruptCheckpointError, OSError, ValueError):

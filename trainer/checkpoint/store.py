@@ -372,7 +372,7 @@ def _remove_quietly(path: AnyPath) -> None:
 
 
 def remove_save(path: str | os.PathLike) -> None:
-    """Delete a save (a folder, or a file of an older release), its manifest first: a save half removed is
+    """Delete a save (a folder, or a weights-only file), its manifest first: a save half removed is
     uncommitted, never a damaged candidate. A failure is logged, not raised."""
     target = as_path(path)
     try:

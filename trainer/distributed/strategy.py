@@ -382,7 +382,7 @@ class Strategy:
 
     def load_model_state_dict(self, task: nn.Module, state: dict[str, Any], *, strict: bool = True) -> None:
         """Load weights produced by :meth:`model_state_dict` (at any world size), or a plain full state dict
-        (a weights file, a one-file checkpoint of the previous release), into ``task``."""
+        (a weights file), into ``task``."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         sharded_task = any(hasattr(p, "device_mesh") for p in task.parameters())
@@ -398,20 +398,9 @@ class Strategy:
     def load_optimizer_state_dict(
         self, task: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        """Load what :meth:`optimizer_state_dict` produced, or a plain ``optimizer.state_dict()`` (parameters
-        by position: a one-file checkpoint of the previous release)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        """Load what :meth:`optimizer_state_dict` produced (parameters by name, at any world size)."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        groups = state.get("param_groups", [])
-        if groups and all(isinstance(i, int) for g in groups for i in g["params"]):
-            names = {id(p): n for n, p in task.named_parameters()}
-            order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-            state = {
-                "state": {order[i]: v for i, v in state["state"].items()},
-                "param_groups": [dict(g, params=[order[i] for i in g["params"]]) for g in groups],
-            }
-            set_optimizer_state_dict(task, optimizer, state, options=StateDictOptions(full_state_dict=True))
-            return
         set_optimizer_state_dict(task, optimizer, state)
 
     def __repr__(self) -> str:

@@ -27,7 +27,6 @@ Loss normalisation is the only maths the loop owns (docs/design.md section 5) an
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -369,17 +368,3 @@ def finite_on_all_ranks(step_loss: torch.Tensor | None, world_size: int) -> bool
     if world_size > 1:
         comm.all_reduce(flag, "min")
     return bool(flag.item() > 0)
-
-
-def check_finite_loss(loss: float | None, *, step: int, every: int) -> None:
-    """``on_nonfinite='error'`` on a logging step: raise when the (rank-reduced) step loss is NaN or inf.
-
-    Raises:
-        FloatingPointError: naming the step and the usual fixes.
-    """
-    if loss is not None and not math.isfinite(loss):
-        raise FloatingPointError(
-            f"Non-finite training loss ({loss}) at step {step} (checked on logging steps, every {every}): "
-            "training stops on all ranks. Lower the learning rate, clip gradients (gradient_clip_val), check the "
-            "data, or pass on_nonfinite='skip' to skip such steps."
-        )
