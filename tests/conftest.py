@@ -1,28 +1,45 @@
 """Shared pytest configuration for keel's tests (independent of the ``trainer`` package).
 
-The ``multiprocess`` marker
----------------------------
-Every test that launches processes carries ``@pytest.mark.multiprocess`` (or its module sets
-``pytestmark``), so that ``pytest -m "not multiprocess"`` is the quick, in-process suite. "Launches" means:
-torchrun, srun or sbatch, a ``python`` subprocess that runs the repository's code (a training script, a
-recipe, ``python -m trainer.doctor``, a benchmark, ``python -c`` code), and ``multiprocessing`` /
-``torch.multiprocessing`` with the spawn or forkserver start method. This is enforced, not a convention:
+The tiers
+---------
+* ``tests/unit/``: tests that run in the pytest process and launch nothing; quick (``python -m pytest -q
+  tests/unit``).
+* ``tests/integration/``: tests that launch processes (the module moves whole, so it may hold in-process tests
+  too). Every test there carries the ``multiprocess`` marker, set by the folder
+  (:func:`pytest_collection_modifyitems`): a module there writes no ``pytestmark`` or decorator for it.
+* ``tests/harness/``: what the tests use, not tests: the launch harness (launch.py, launch_state.py), the models,
+  the S3 server, the recipes' fault callbacks, ``scripts/`` (the programs the tests launch) and ``slurm/`` (the
+  one-node cluster). This file puts ``tests/harness/`` on ``sys.path``: ``import launch``, ``from models import
+  ...``, ``from slurm import cluster``.
+
+``tests/fixtures/`` and ``tests/lightning_ports/`` are data the tests read.
+
+The folder rule
+---------------
+A test launches processes only from ``tests/integration/``, so that ``python -m pytest -q tests/unit`` (or
+``-m "not multiprocess"``, the same tests) is the quick, in-process suite. "Launches" means: torchrun, srun or
+sbatch, a ``python`` subprocess that runs the repository's code (a training script, a recipe, ``python -m
+trainer.doctor``, a benchmark, ``python -c`` code), and ``multiprocessing`` / ``torch.multiprocessing`` with the
+spawn or forkserver start method. The rule is enforced through the marker the folder sets:
 
 * :func:`pytest_runtest_protocol` records the running test (for its setup, call and teardown, so module- and
   session-scoped fixtures count as part of the test that sets them up) in ``launch.running_test``;
-* every launch helper of tests/launch.py (``python``, ``torchrun``, ``spawn_ranks``, ``two_nodes``,
-  ``elastic_agents``) and of tests/slurm/cluster.py (``srun``, ``command``, ``job``) refuses to start in a test
-  without the marker;
+* every launch helper of tests/harness/launch.py (``python``, ``torchrun``, ``spawn_ranks``, ``two_nodes``,
+  ``elastic_agents``) and of tests/harness/slurm/cluster.py (``srun``, ``command``, ``job``) refuses to start in
+  a test without the marker;
 * an audit hook refuses ``subprocess.Popen`` of such a command started any other way (``subprocess.run``
-  directly), and the spawn and forkserver process starters of ``multiprocessing`` refuse too.
+  directly), and the spawn and forkserver process starters of ``multiprocessing`` refuse too;
+* a test under ``tests/unit/`` that carries the ``multiprocess`` marker itself is a collection error: its
+  module belongs in ``tests/integration/``.
 
-The refusal is :class:`launch.MissingMarker`, a BaseException naming the test and the marker, so an
-``except Exception`` or ``pytest.raises(AssertionError)`` in the test does not swallow it.
+The refusal is :class:`launch.MissingMarker`, a BaseException naming the test and saying to move it to
+``tests/integration/``, so an ``except Exception`` or ``pytest.raises(AssertionError)`` in the test does not
+swallow it.
 
-Exempt, with no marker needed:
+Exempt, allowed in ``tests/unit/``:
 
 * import-cost checks through ``launch.import_check(code)``: one ``python -c`` that imports modules and prints
-  ``sys.modules``, a few hundred ms (tests/test_layout.py's ``test_import_trainer_is_cheap``);
+  ``sys.modules``, a few hundred ms (tests/unit/test_layout.py's ``test_import_trainer_is_cheap``);
 * other programs' command-line tools (``scontrol show hostnames``, ``mount``), and the processes libraries
   start for themselves: a DataLoader's forked workers, W&B's service process.
 """
@@ -40,10 +57,15 @@ import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
+UNIT_DIR = TESTS_DIR / "unit"
+INTEGRATION_DIR = TESTS_DIR / "integration"
+HARNESS_DIR = TESTS_DIR / "harness"
+SCRIPTS_DIR = HARNESS_DIR / "scripts"
 
-# Make `import launch` (tests/launch.py) work whatever pytest's import mode is.
-if str(TESTS_DIR) not in sys.path:
-    sys.path.insert(0, str(TESTS_DIR))
+# Make `import launch` (tests/harness/launch.py), `from models import ...` and `from slurm import cluster` work
+# whatever pytest's import mode is.
+if str(HARNESS_DIR) not in sys.path:
+    sys.path.insert(0, str(HARNESS_DIR))
 
 import launch  # noqa: E402  (needs the path above)
 
@@ -131,8 +153,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
-    config.addinivalue_line("markers", "multiprocess: launches processes (enforced: see tests/conftest.py)")
-    config.addinivalue_line("markers", "slurm: runs jobs on the one-node SLURM cluster of tests/slurm/start.sh")
+    config.addinivalue_line(
+        "markers", "multiprocess: launches processes; set by the folder on every test of tests/integration/"
+    )
+    config.addinivalue_line("markers", "slurm: runs jobs on the one-node SLURM cluster of tests/harness/slurm/start.sh")
     config.addinivalue_line(
         "markers",
         "slow: over a minute each, or a variant of a scenario the default run covers; skipped unless --run-slow "
@@ -153,14 +177,46 @@ def _cuda_available() -> bool:
         return False
 
 
+def _in(path: Path, folder: Path) -> bool:
+    return folder in Path(path).resolve().parents
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-untyped-def]
+    """The folder rule's other half: a test of tests/unit/ that carries the ``multiprocess`` marker (its module's
+    ``pytestmark``, a decorator, a parameter's marks) fails its module's collection."""
+    report = yield
+    if report.passed and isinstance(collector, (pytest.Module, pytest.Class)) and _in(collector.path, UNIT_DIR):
+        marked = [
+            node.name
+            for node in report.result
+            if isinstance(node, pytest.Function) and node.get_closest_marker("multiprocess") is not None
+        ]
+        if marked:
+            where = Path(collector.path).resolve().relative_to(REPO_ROOT)
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{where}: {', '.join(marked)} {'carries' if len(marked) == 1 else 'carry'} the multiprocess "
+                f"marker, but tests/unit/ runs in-process only: move {where.name} to tests/integration/ (the folder "
+                "sets the marker there: drop the decorator or pytestmark). See tests/conftest.py."
+            )
+            report.result = []
+    return report
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker (the mark plugin's hook)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The folder rule: every test under tests/integration/ may launch processes.
+    for item in items:
+        if _in(item.path, INTEGRATION_DIR):
+            item.add_marker(pytest.mark.multiprocess)
     # The SLURM tests share one two-CPU node: one test worker runs them all, one after the other (--dist loadgroup).
     for item in items:
         if item.get_closest_marker("slurm") is not None:
             item.add_marker(pytest.mark.xdist_group("slurm"))
-    # The tests that launch processes first, in-process ones (a few ms each) last: two workers then finish together
-    # instead of one waiting out the last module's long launches (collection is alphabetical, and test_s3,
-    # test_slurm, test_streams, test_tensor_parallel and test_tracking_dist are among the slowest).
+    # The tests that launch processes (tests/integration/) first, in-process ones (a few ms each) last: two workers
+    # then finish together instead of one waiting out the last module's long launches (collection is alphabetical,
+    # and test_s3, test_slurm, test_streams, test_tensor_parallel and test_tracking_dist are among the slowest).
     items.sort(key=lambda item: item.get_closest_marker("multiprocess") is None)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if gpu_items and not _cuda_available():
@@ -197,17 +253,17 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def scripts_dir() -> Path:
-    """tests/scripts/: small standalone scripts launched by the tests."""
-    return TESTS_DIR / "scripts"
+    """tests/harness/scripts/: small standalone scripts launched by the tests."""
+    return SCRIPTS_DIR
 
 
-# The uninterrupted runs of tests/scripts/resume_fit.py that several modules compare against (test_checkpoint,
+# The uninterrupted runs of tests/harness/scripts/resume_fit.py that several modules compare against (test_checkpoint,
 # test_async_checkpoint, test_s3): deterministic, so one run each serves the whole session.
 @pytest.fixture(scope="session")
 def resume_fit_one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The output folder (``rank0.pt``) of resume_fit.py run uninterrupted in one process."""
     root = tmp_path_factory.mktemp("resume_fit_one_process")
-    script = TESTS_DIR / "scripts" / "resume_fit.py"
+    script = SCRIPTS_DIR / "resume_fit.py"
     launch.python(script, str(root / "out"), "--ckpt-dir", str(root / "ck"), timeout=120).check()
     return root / "out"
 
@@ -216,14 +272,14 @@ def resume_fit_one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def resume_fit_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The output folder (``rank0.pt``, ``rank1.pt``) of resume_fit.py run uninterrupted on 2 ranks (spawn_ranks)."""
     root = tmp_path_factory.mktemp("resume_fit_two_ranks")
-    script = TESTS_DIR / "scripts" / "resume_fit.py"
+    script = SCRIPTS_DIR / "resume_fit.py"
     launch.spawn_ranks(script, str(root / "out"), "--ckpt-dir", str(root / "ck"), nproc=2, timeout=180).check()
     return root / "out"
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """The one-node SLURM cluster (tests/slurm/start.sh): reused when running, started when this is root and
+    """The one-node SLURM cluster (tests/harness/slurm/start.sh): reused when running, started when this is root and
     SLURM is installed (and stopped at the end), else the test is skipped with the reason."""
     from slurm.cluster import connect
 
@@ -236,7 +292,7 @@ def slurm_cluster():
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory):
-    """One S3 server (SeaweedFS on 127.0.0.1, tests/s3server.py) for the whole run, started when a test first
+    """One S3 server (SeaweedFS on 127.0.0.1, tests/harness/s3server.py) for the whole run, started when a test first
     asks for it and stopped at the end; skipped with the reason where weed or s3fs is not installed (a server
     that is installed but fails to start is an error, with weed's log). Tests that kill or pause a server
     start their own."""

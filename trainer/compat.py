@@ -12,7 +12,7 @@
 * :func:`fit_validation`: which validation loaders ``fit`` runs (none without ``validation_step``, none
   with ``limit_val_batches=0``), as Lightning decides.
 
-Nothing here imports the Trainer: what a function needs comes in as arguments (tests/test_layout.py).
+Nothing here imports the Trainer: what a function needs comes in as arguments (tests/unit/test_layout.py).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class TrainerOptions:
     ``global_batch_size`` counts samples per optimizer step, all ranks together (trainer/data/global_batch.py).
 
     The ``Attributes`` below are the option reference: the documentation's options page is generated from them
-    (docs/hooks/options_page.py; tests/test_docs.py checks that every field has exactly one entry). One entry per
+    (docs/hooks/options_page.py; tests/unit/test_docs.py checks that every field has exactly one entry). One entry per
     field, ``name: description``, continuation lines indented further.
 
     Attributes:

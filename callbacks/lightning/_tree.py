@@ -4,7 +4,7 @@ keel object behind each), and, for every other public name and module, what to u
 Paths are Lightning's, relative to ``lightning.pytorch`` (``"callbacks.model_checkpoint"``); ``fabric`` and ``data``
 are ``lightning.fabric`` and ``lightning.data``. The top of the tree (``lightning``, ``lightning.pytorch``) is the
 ``callbacks.lightning`` package itself. tests/fixtures/lightning_public_names.txt lists Lightning 2.6.6's public
-names; tests/test_lightning_imports.py checks that each one either resolves here or has its message below.
+names; tests/unit/test_lightning_imports.py checks that each one either resolves here or has its message below.
 """
 
 from __future__ import annotations

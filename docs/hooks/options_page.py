@@ -9,7 +9,7 @@ site is built:
 * ``<!-- trainer-config-types -->`` (docs/configuration.md): ``recipes.trainer_schema.options_table()``, the
   config type of every ``trainer.<key>``.
 
-tests/test_docs.py imports this file and checks the same functions without building the site.
+tests/unit/test_docs.py imports this file and checks the same functions without building the site.
 """
 
 from __future__ import annotations

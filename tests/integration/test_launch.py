@@ -1,0 +1,142 @@
+"""Tests of the multi-process launch harness (tests/harness/launch.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from launch import LaunchResult, free_port, python, spawn_ranks, torchrun, two_nodes
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "harness" / "scripts"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _read_pids(path: Path) -> list[int]:
+    return [int(x) for x in path.read_text().split()]
+
+
+def test_free_port_and_check():
+    port = free_port()
+    assert 0 < port < 65536
+    LaunchResult(0, "fine", 0.1).check()
+    with pytest.raises(AssertionError, match=r"(?s)returncode 2.*line 99\Z") as info:
+        LaunchResult(2, "\n".join(f"line {i}" for i in range(100)), 0.1).check()
+    assert "line 19" not in str(info.value) and "line 20" in str(info.value)  # last 80 lines only
+
+
+def test_torchrun_allreduce():
+    r = torchrun(SCRIPTS / "allreduce.py", nproc=2, timeout=90).check()
+    assert re.search(r"^rank 0 sum 3 group 0 world 2$", r.stdout, re.M), r.tail()
+    assert re.search(r"^rank 1 sum 3 group 0 world 2$", r.stdout, re.M), r.tail()
+
+
+def test_two_nodes_allreduce():
+    results = two_nodes(SCRIPTS / "allreduce.py", nproc_per_node=1, timeout=120)
+    assert len(results) == 2
+    for r in results:
+        r.check()
+    out = "\n".join(r.stdout for r in results)
+    lines = dict(re.findall(r"^rank (\d) sum 3 group (\d) world 2$", out, re.M))
+    assert set(lines) == {"0", "1"}, out
+    assert lines["0"] != lines["1"], f"GROUP_RANK should differ between the nodes: {lines}"
+
+
+def test_dead_rank_fails_fast():
+    timeout = 60
+    r = torchrun(SCRIPTS / "die.py", nproc=2, timeout=timeout)  # returns: a timeout would raise AssertionError
+    assert r.returncode != 0, r.tail()
+    assert re.search(r"exitcode\s*:\s*3\b", r.stdout), r.tail()  # torchrun names the dead rank's exit code
+    assert "UNEXPECTED" not in r.stdout
+    with pytest.raises(AssertionError, match="returncode"):
+        r.check()
+
+
+def test_hang_times_out_and_leaves_nothing(tmp_path):
+    with pytest.raises(AssertionError, match="timed out after 5s") as info:
+        torchrun(SCRIPTS / "hang.py", str(tmp_path), nproc=2, timeout=5)
+    assert "rank 0 hanging" in str(info.value) or "rank 1 hanging" in str(info.value)
+    pid_files = sorted(tmp_path.glob("rank*.pid"))
+    assert len(pid_files) == 2, "workers did not start within the timeout"
+    for f in pid_files:
+        worker, agent = _read_pids(f)
+        assert _gone(worker), f"worker {worker} still alive (or an unreaped zombie)"
+        assert _gone(agent), f"torchrun agent {agent} still alive"
+        # where each process stood when the launch timed out: py-spy's stacks, taken before the kill
+        stacks = str(info.value).split(f"--- stacks of process {worker}: ", 1)[1].split("\n--- ", 1)[0]
+        assert re.search(r"<module> \(hang\.py:\d+\)", stacks), stacks
+    assert f"--- stacks of process {agent}: " in str(info.value)  # the agent's too
+
+
+def test_stubborn_processes_are_killed_and_reaped(tmp_path):
+    """A launcher ignoring SIGTERM, with a grandchild in its own session: SIGKILL after the grace, no zombie."""
+    with pytest.raises(AssertionError, match="python timed out after 2s"):
+        python(SCRIPTS / "stubborn.py", str(tmp_path), timeout=2)
+    parent, grandchild = _read_pids(tmp_path / "stubborn.pid")
+    assert _gone(parent)
+    assert _gone(grandchild), "orphaned grandchild still alive (or an unreaped zombie)"
+
+
+def test_max_restarts():
+    r = torchrun(SCRIPTS / "restart.py", nproc=2, max_restarts=1, timeout=90).check()
+    assert "attempt 0 failing on purpose" in r.stdout
+    assert re.search(r"^rank 0 attempt 1 sum 3$", r.stdout, re.M), r.tail()
+    assert re.search(r"^rank 1 attempt 1 sum 3$", r.stdout, re.M), r.tail()
+
+
+def test_two_nodes_dead_rank_fails_both():
+    timeout = 90
+    results = two_nodes(SCRIPTS / "die.py", nproc_per_node=1, timeout=timeout)  # a timeout would raise
+    assert all(r.returncode != 0 for r in results), "\n=====\n".join(r.tail() for r in results)
+    assert any(re.search(r"exitcode\s*:\s*3\b", r.stdout) for r in results)
+
+
+def _abort_once_state(tmp_path: Path) -> Path:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "count").write_text("0")
+    (state / "keep").write_text("")
+    return state
+
+
+def test_a_launch_retried_after_the_known_abort_starts_from_the_files_it_found(tmp_path: Path) -> None:
+    """The first attempt changes, removes and creates files under the paths it is given, then aborts; the retry
+    finds them as they were before the first attempt (a run that resumes from `last` would otherwise resume from
+    its own final save and train nothing)."""
+    state, out = _abort_once_state(tmp_path), tmp_path / "out"
+    result = spawn_ranks(SCRIPTS / "abort_once.py", str(state), str(out), nproc=1, timeout=60)
+    assert result.check().stdout.startswith("[launch] first attempt hit"), result.tail()
+    assert (tmp_path / "attempts.log").read_text().count("attempt") == 2
+    assert (out / "saw").read_text() == "0" and (state / "count").read_text() == "1"
+
+
+def test_a_launch_whose_remote_state_cannot_be_put_back_is_not_retried(tmp_path: Path) -> None:
+    state, out = _abort_once_state(tmp_path), tmp_path / "out"
+    result = spawn_ranks(SCRIPTS / "abort_once.py", str(state), str(out), "gs://keel-bucket/ck", nproc=1, timeout=60)
+    assert result.returncode != 0 and (tmp_path / "attempts.log").read_text().count("attempt") == 1
+    assert "not retried: it names gs://keel-bucket/ck, whose state this harness cannot put back" in result.stdout
+
+
+def test_the_state_of_a_launch_is_what_it_names_in_the_temporary_directory(tmp_path: Path) -> None:
+    """Arguments, --opt=value and key=value values, os.pathsep lists; never the checkout or the interpreter."""
+    from launch_state import REPO_ROOT, Snapshot, _local_paths
+
+    run, ck, lib = tmp_path / "run", tmp_path / "run" / "ck", tmp_path / "lib"
+    words = [sys.executable, str(REPO_ROOT / "tests"), str(ck), f"--dir={run}", f"logger.dir={lib}", f"/nope:{lib}"]
+    assert _local_paths(words) == sorted([lib, run])  # ck lies inside run
+    (tmp_path / "big").write_bytes(b"x" * 2048)
+    assert "holds over 1024 bytes" in Snapshot([str(tmp_path / "big")], {}, limit=1024).why_not
+    state = Snapshot([str(tmp_path / "big")], {})
+    copies = state._store
+    assert copies is not None and (copies / "0").read_bytes() == b"x" * 2048
+    state.discard()
+    assert not copies.exists()

@@ -1,0 +1,75 @@
+"""Rank-zero logging on 2 ranks (docs/design.md section 7) and callbacks that must agree across ranks."""
+
+from __future__ import annotations
+
+import collections
+import csv
+import json
+import re
+from pathlib import Path
+
+import pytest
+from launch import REPO_ROOT, spawn_ranks
+
+SCRIPT = REPO_ROOT / "tests" / "harness" / "scripts" / "rank_zero_output.py"
+# configure_logging's format: "HH:MM:SS LEVEL logger: [rank N] message"
+LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<name>\S+): (?P<message>.*)$")
+
+
+def test_rank_zero_logging_and_rank_local_metrics(tmp_path: Path) -> None:
+    # The harness kills every process after 150 s: a rank waiting in a collective the other never
+    # entered (a key logged on one rank, a callback's broadcast) fails the test instead of hanging it.
+    result = spawn_ranks(SCRIPT, str(tmp_path), nproc=2, timeout=150).check()
+    records = [m.groupdict() for m in map(LOG_LINE.match, result.stdout.splitlines()) if m]
+    info = [f"{r['name']}: {r['message']}" for r in records if r["level"] == "INFO"]
+
+    # Every INFO line comes from rank 0, once.
+    assert info, result.tail()
+    assert all("[rank 0] " in line for line in info), [line for line in info if "[rank 0] " not in line]
+    duplicates = [line for line, n in collections.Counter(info).items() if n > 1]
+    assert not duplicates, duplicates
+    for expected in (
+        "trainer: [rank 0] user: trainer-logger info from rank 0",
+        "trainer: [rank 0] user: rank_zero_info called on rank 0",
+        "user_script: [rank 0] user: module-logger info from rank 0",
+    ):
+        assert expected in info, (expected, info)
+    assert any(line.startswith("trainer.trainer: [rank 0] Trainer options:") for line in info)
+    assert any(line.startswith("callbacks.model_summary: [rank 0] Task summary:") for line in info)
+    assert "161 total params" in result.stdout
+    assert "rank 1" not in "\n".join(info) and "called on rank 1" not in result.stdout
+    # A warning from rank 1 is shown, tagged with its rank.
+    warnings = [f"{r['name']}: {r['message']}" for r in records if r["level"] == "WARNING"]
+    assert warnings.count("trainer: [rank 1] user: warning from rank 1") == 1, warnings
+
+    # Keys logged on rank 0 only reach callback_metrics on both ranks, and every decision agrees.
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["world_size"] == 2
+    assert rank0["callback_metrics"] == rank1["callback_metrics"]
+    assert rank0["callback_metrics"]["only0"] == 15.0  # logged during step 16 (the last logging step)
+    assert rank0["callback_metrics"]["val/only0"] == 4.4  # epoch 3's value
+    for rank in (rank0, rank1):
+        assert rank["stopped_epoch"] == 3 and rank["global_step"] == 16 and rank["current_epoch"] == 4
+        assert rank["throughput_keys"] == [
+            "throughput/data_wait_fraction",
+            "throughput/items_per_sec",
+            "throughput/samples_per_sec",
+            "throughput/step_time",
+        ]
+    assert "Signaling Trainer to stop" in result.stdout
+
+    # Rank 0 alone wrote the logs: one row per logging step for each source. Steps 2, 4, ..., 16 are logged at
+    # 1, 3, ..., 15 (Lightning's axis), each with the value logged during it (global_step before it: the same).
+    with open(tmp_path / "logs" / "keel_logs" / "version_0" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    steps = list(range(1, 16, 2))
+    assert [int(r["step"]) for r in rows if r["only0"]] == steps
+    assert [float(r["only0"]) for r in rows if r["only0"]] == [float(s) for s in steps]
+    # LearningRateMonitor() (no scheduler): at each epoch start (0, 4, 8, 12) and each logging step, as Lightning.
+    assert [int(r["step"]) for r in rows if r["lr-SGD"]] == sorted(steps + [0, 4, 8, 12])
+    samples = [float(r["throughput/samples_per_sec"]) for r in rows if r["throughput/samples_per_sec"]]
+    items = [float(r["throughput/items_per_sec"]) for r in rows if r["throughput/items_per_sec"]]
+    assert len(samples) == len(steps)
+    # num_items = the local batch size on each rank: summed over ranks it equals the global samples.
+    assert items == pytest.approx(samples, rel=1e-9)
+    assert [float(r["val/only0"]) for r in rows if r["val/only0"]] == [5.0, 4.0, 4.5, 4.4]

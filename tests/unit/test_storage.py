@@ -1,0 +1,274 @@
+"""Run directories and checkpoints on object storage, in one process, over fsspec's in-memory filesystem.
+
+``memory://`` is a real fsspec filesystem with object-store semantics (prefixes, no rename keel relies on), so the
+commit protocol of trainer/checkpoint/store.py is checked here quickly: resume equals the uninterrupted run, a save
+without its manifest does not exist, a re-save of a name keeps the old one until its manifest switches, pruning
+removes the manifest first, and a URL is never a local folder name. tests/integration/test_s3.py runs the same paths
+against a real S3 server, with several ranks and crashes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from models import Regression, loader, quiet, regression_data
+
+from trainer import Trainer, storage
+from trainer.checkpoint.files import CorruptCheckpointError
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+from trainer.checkpoint.reader import committed, export_weights, resolve_last
+from trainer.checkpoint.store import MANIFEST_FILE
+from trainer.loggers import CSVLogger
+from trainer.storage import RemotePath, location
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KEEL_MIRROR_DIR", str(tmp_path / "mirrors"))
+    monkeypatch.setattr(storage, "_MIRRORS", {})
+    monkeypatch.setattr(storage, "_DOWNLOADED", set())
+    return tmp_path
+
+
+@pytest.fixture
+def bucket(request: pytest.FixtureRequest):
+    """A fresh prefix of the in-memory object store, removed afterwards."""
+    url = f"memory://keel-test/{request.node.name.replace('[', '-').replace(']', '')}"
+    fs = fsspec.filesystem("memory")
+    yield url
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
+
+
+def assert_no_url_folder(root: Path) -> None:
+    assert not any(":" in p.name for p in root.rglob("*")), sorted(root.rglob("*"))
+
+
+def objects(url: str) -> list[str]:
+    prefix = fsspec.filesystem("memory")._strip_protocol(url) + "/"
+    return sorted(k[len(prefix) :] for k in fsspec.filesystem("memory").find(url))
+
+
+def fit(url: str, steps: int, ckpt_path: str | None = None, **checkpoint) -> tuple[Regression, ModelCheckpoint]:
+    options = dict(dirpath=url, every_n_train_steps=2, save_top_k=2) | checkpoint
+    callback = ModelCheckpoint(**options)
+    task = Regression(optimizer="adamw")
+    Trainer(**quiet(max_steps=steps, callbacks=[callback])).fit(
+        task, loader(regression_data(), 16), ckpt_path=ckpt_path
+    )
+    return task, callback
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+# ---------------------------------------------------------------------- where a path or URL goes
+def test_paths_and_urls(in_tmp: Path) -> None:
+    assert location(f"file://{in_tmp}/runs", "x") == f"{in_tmp}/runs"
+    assert location("file://localhost/tmp/a%20b", "x") == "/tmp/a b"
+    assert location("~/runs", "x") == os.path.expanduser("~/runs")
+    assert location(Path("rel/dir"), "x") == "rel/dir"
+    assert location("memory://bucket/run/", "x") == "memory://bucket/run"
+    with pytest.raises(ValueError, match="names another host"):
+        location("file://otherhost/tmp", "x")
+    with pytest.raises(ValueError, match="names no bucket"):
+        location("memory://", "x")
+    assert storage.join("s3://b/run", "checkpoints", "last") == "s3://b/run/checkpoints/last"
+    assert str(RemotePath("s3://b/run/x.ckpt").parent) == "s3://b/run" and RemotePath("s3://b/x.ckpt").suffix == ".ckpt"
+
+
+def _missing(package: str) -> bool:
+    return importlib.util.find_spec(package) is None
+
+
+@pytest.mark.skipif(not _missing("gcsfs"), reason="gcsfs is installed here")
+@pytest.mark.parametrize(
+    "build,what",
+    [
+        (lambda: Trainer(default_root_dir="gs://bucket/run"), r"Trainer\(default_root_dir=\.\.\.\)"),
+        (lambda: ModelCheckpoint(dirpath="gs://bucket/run"), r"ModelCheckpoint\(dirpath=\.\.\.\)"),
+        (lambda: CSVLogger("gs://bucket/logs"), r"CSVLogger\(save_dir=\.\.\.\)"),
+        (lambda: export_weights("gs://bucket/run/epoch=0.ckpt", "w.pt"), r"export_weights\(ckpt_path\)"),
+    ],
+)
+def test_a_url_without_an_installed_filesystem_is_refused_naming_what_to_install(
+    build, what: str, in_tmp: Path
+) -> None:
+    with pytest.raises(ValueError, match=what + r".*no filesystem for gs:// is installed.*pip install gcsfs"):
+        build()
+    assert_no_url_folder(in_tmp)
+
+
+def test_mlflow_on_object_storage_needs_a_tracking_uri(in_tmp: Path) -> None:
+    from trainer.loggers import MLFlowLogger
+
+    with pytest.raises(ValueError, match=r"MLFlowLogger\(save_dir='memory://bucket/runs'\) needs tracking_uri="):
+        MLFlowLogger(save_dir="memory://bucket/runs")
+    assert MLFlowLogger(save_dir="memory://bucket/runs", tracking_uri="http://127.0.0.1:1").save_dir.startswith(
+        "memory"
+    )
+    assert_no_url_folder(in_tmp)
+
+
+def test_a_url_ckpt_path_of_an_unknown_scheme_is_refused_before_anything_is_read(in_tmp: Path) -> None:
+    trainer = Trainer(**quiet(max_steps=1))
+    with pytest.raises(ValueError, match=r"ckpt_path: 'nosuchscheme://bucket/run/last' is a nosuchscheme:// URL"):
+        trainer.fit(Regression(), loader(regression_data(), 16), ckpt_path="nosuchscheme://bucket/run/last")
+    assert_no_url_folder(in_tmp)
+
+
+# ---------------------------------------------------------------------- the commit protocol
+@pytest.mark.parametrize("async_save", [False, True])
+def test_resume_from_object_storage_equals_the_uninterrupted_run(bucket: str, async_save: bool, in_tmp: Path) -> None:
+    full, _ = fit(bucket + "/full", 8, async_save=async_save)
+    fit(bucket + "/resumed", 4, async_save=async_save)
+    resumed, callback = fit(bucket + "/resumed", 8, ckpt_path="last", async_save=async_save)
+    assert same_weights(full, resumed)
+    names = objects(bucket + "/resumed")
+    assert "last" in names and all(n.count("/") == 2 or n == "last" or n.endswith(MANIFEST_FILE) for n in names), names
+    export_weights(callback.best_model_path, bucket + "/weights.pt")  # reads from the store, writes to it
+    weights = torch.load(fsspec.open(bucket + "/weights.pt").open(), weights_only=True)
+    expected = resumed.state_dict()
+    assert sorted(weights) == sorted(expected) and all(torch.equal(weights[k], v) for k, v in expected.items())
+    assert_no_url_folder(in_tmp)
+
+
+def test_a_save_without_its_manifest_does_not_exist(bucket: str, caplog: pytest.LogCaptureFixture) -> None:
+    fit(bucket, 4)
+    saves = committed(bucket)
+    assert saves == ["epoch=0-step=4.ckpt", "epoch=0-step=2.ckpt"]
+    fsspec.filesystem("memory").rm_file(f"{bucket}/{saves[0]}/{MANIFEST_FILE}")  # a save killed before its marker
+    with caplog.at_level(logging.WARNING):
+        assert resolve_last(bucket) == [f"{bucket}/epoch=0-step=2.ckpt"]
+    assert "missing or was never committed" in caplog.text
+    _, callback = fit(bucket, 6, ckpt_path="last")
+    assert callback._last_path.endswith("epoch=1-step=6.ckpt")
+
+
+def test_a_re_save_of_a_name_keeps_the_old_one_until_its_manifest_switches(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fit(bucket, 2, filename="latest", save_top_k=1)
+    before = objects(bucket)
+    from trainer.checkpoint import store
+
+    def fail(*args, **kwargs):
+        raise OSError(5, "the store went away")
+
+    monkeypatch.setattr(store, "manifest_body", fail)  # every object of the re-save written, the marker not
+    with pytest.raises(OSError, match="the store went away|Could not write checkpoint"):
+        fit(bucket, 4, ckpt_path="last", filename="latest", save_top_k=1)
+    monkeypatch.undo()
+    assert set(before) <= set(objects(bucket)), "the committed save was touched"
+    assert resolve_last(bucket) == [f"{bucket}/latest.ckpt"]
+    task, _ = fit(bucket, 4, ckpt_path="last", filename="latest", save_top_k=1)  # loads the old one, saves anew
+    manifests = [n for n in objects(bucket) if n.endswith(MANIFEST_FILE)]
+    assert manifests == ["latest.ckpt/keel.json"]
+    assert len({n.split("/")[1] for n in objects(bucket) if n.startswith("latest.ckpt/") and n.count("/") == 2}) == 1
+    reference, _ = fit(bucket + "-ref", 4, filename="latest", save_top_k=1)
+    assert same_weights(task, reference)
+
+
+def test_pruning_removes_the_manifest_first(bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: RemotePath) -> None:
+        raise PermissionError(13, "delete refused")
+
+    monkeypatch.setattr(RemotePath, "rmtree", refuse)
+    fit(bucket, 6, save_top_k=1)  # each save prunes the one before; the deletes of their data fail
+    names = objects(bucket)
+    assert [n for n in names if n.endswith(MANIFEST_FILE)] == ["epoch=1-step=6.ckpt/keel.json"], names
+    assert any(n.startswith("epoch=0-step=2.ckpt/") for n in names)  # data left behind, but never a candidate
+    assert committed(bucket) == ["epoch=1-step=6.ckpt"]
+
+
+def test_a_damaged_object_is_refused_and_last_falls_back(bucket: str, caplog: pytest.LogCaptureFixture) -> None:
+    fit(bucket, 4)
+    fs = fsspec.filesystem("memory")
+    newest = f"{bucket}/epoch=0-step=4.ckpt"
+    data = next(p for p in fs.find(newest) if p.endswith(".distcp"))
+    blob = bytearray(fs.cat_file(data))
+    blob[len(blob) // 2] ^= 0xFF
+    fs.pipe_file(data, bytes(blob))
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp is corrupt or from another save"):
+        fit(bucket, 6, ckpt_path=newest)
+    with caplog.at_level(logging.WARNING):
+        _, callback = fit(bucket, 6, ckpt_path="last")
+    assert "Falling back to the next candidate" in caplog.text and callback._last_path.endswith("step=6.ckpt")
+
+
+# ---------------------------------------------------------------------- the run directory
+def test_a_run_directory_on_object_storage_holds_the_logs_and_continues_after_a_restart(
+    bucket: str, in_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")  # a restart of the same job finds its run directory again
+
+    def run(steps: int, ckpt_path: str | None) -> Trainer:
+        trainer = Trainer(
+            **quiet(max_steps=steps, default_root_dir=bucket, logger=CSVLogger(bucket), log_every_n_steps=1)
+            | {"callbacks": [ModelCheckpoint(every_n_train_steps=2)]}
+        )
+        trainer.fit(Regression(), loader(regression_data(), 16), ckpt_path=ckpt_path)
+        return trainer
+
+    first = run(4, None)
+    assert first.log_dir == f"{bucket}/keel_logs/version_0"
+    names = objects(first.log_dir)
+    assert {"metrics.csv", "hparams.yaml", ".keel_run_id", "checkpoints/last"} <= set(names), names
+    monkeypatch.setattr(storage, "_MIRRORS", {})  # another node: a fresh process, its own empty mirror
+    monkeypatch.setattr(storage, "_DOWNLOADED", set())
+    monkeypatch.setenv("KEEL_MIRROR_DIR", str(in_tmp / "other-node"))
+    second = run(6, "last")
+    assert second.log_dir == first.log_dir and second.global_step == 6
+    rows = fsspec.filesystem("memory").cat_file(f"{first.log_dir}/metrics.csv").decode().splitlines()
+    steps = [int(row.split(",")[0]) for row in rows[1:]]
+    assert steps == list(range(6)), rows  # the first run's rows kept, the second's appended
+    assert_no_url_folder(in_tmp)
+
+
+def test_a_wait_for_a_save_that_does_not_finish_warns_and_never_waits_silently(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import threading
+
+    from trainer.checkpoint import async_save
+
+    monkeypatch.setattr(async_save, "STILL_WRITING_S", 0.05)
+    release = threading.Event()
+    checkpointer = async_save.AsyncCheckpointer()
+    checkpointer.submit(lambda: None, lambda staged: release.wait(10), what="s3://bucket/ck/epoch=0-step=2.ckpt")
+    threading.Timer(0.3, release.set).start()
+    with caplog.at_level(logging.WARNING):
+        assert checkpointer.wait()
+    warnings = [r.getMessage() for r in caplog.records if "still writing after" in r.getMessage()]
+    assert warnings and "s3://bucket/ck/epoch=0-step=2.ckpt" in warnings[0] and "watchdog_timeout" in warnings[0]
+
+
+def test_a_store_failing_while_a_save_is_verified_is_an_error_never_a_fallback_to_an_older_save(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A timeout reading the newest save is not damage: falling back to the save before it would silently drop
+    the progress in between, so the resume stops instead and names the store's error."""
+    from trainer.checkpoint.files import CheckpointError
+
+    fit(bucket, 4)
+    real_open = RemotePath.open
+
+    def flaky(self: RemotePath, mode: str = "rb"):
+        if "step=4" in self.url and self.url.endswith(".distcp"):
+            raise TimeoutError("Read timeout on endpoint URL")
+        return real_open(self, mode)
+
+    monkeypatch.setattr(RemotePath, "open", flaky)
+    with pytest.raises(
+        CheckpointError, match=r"could not be verified: __0_0\.distcp could not be read from the store"
+    ) as info:
+        fit(bucket, 6, ckpt_path="last")
+    assert not isinstance(info.value, CorruptCheckpointError)
