@@ -137,6 +137,15 @@ def test_the_plan_includes_hybrid_sharding_across_nodes() -> None:
     assert hybrid.params == pytest.approx(2 * fsdp.params, rel=0.02) == estimates[1].params
 
 
+def test_bf16_mixed_fsdp_with_norms_inside_the_blocks_is_planned() -> None:
+    """Under bf16-mixed FSDP a block's LayerNorms are units of their own, gathered in fp32: the plan runs them like
+    any unit (torch's memory tracker refuses units that group several modules), every phase included."""
+    estimate = estimate_memory(
+        lambda: CharGPT(sample_chars=0), tokens(2, 16), strategy="fsdp", world_size=2, precision="bf16-mixed"
+    )
+    assert set(estimate.phases) == {"init", "train", "eval", "save", "load"} and estimate.params > 0
+
+
 def test_a_5b_parameter_model_on_8_ranks_under_bf16_mixed_holds_its_share_of_the_state() -> None:
     """75 blocks of 8192x8192 (5.03B parameters), 8 ranks, bf16-mixed, AdamW: the step's peak is parameters,
     gradients and AdamW's two states divided by the ranks (9.375 GiB), plus AdamW's foreach temporaries (at most

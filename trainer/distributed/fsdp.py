@@ -224,7 +224,7 @@ class FSDPStrategy(Strategy):
         Under ``bf16-mixed`` the arithmetic is autocast's, as without FSDP, and no bf16 copy of the blocks' weights
         outlives their backward: a unit gathers bf16 parameters (``param_dtype``, the values autocast's cast would
         give) and reduces gradients in fp32, over fp32 sharded master weights; its embeddings and normalisation
-        layers (:func:`full_precision_modules`) form one nested unit gathered in fp32, since autocast leaves them in
+        layers (:func:`full_precision_modules`) are nested units gathered in fp32, since autocast leaves them in
         fp32; the root gathers fp32 and autocast casts its weights as it would without FSDP. The units neither cast
         their inputs nor their outputs, so the residual stream keeps the dtype autocast gives it.
         """
@@ -259,11 +259,12 @@ class FSDPStrategy(Strategy):
         if not any(isinstance(m, FSDPModule) for m in task.modules()):
             for unit in self.units(task):
                 kept = full_precision_modules(unit) if mp is not full else []
-                if kept and kept != [unit]:
-                    fully_shard(kept, **{**kwargs, "mp_policy": full})  # one unit: one small all-gather
+                for module in kept:
+                    if module is not unit:  # its own small unit (torch's memory tracker refuses grouped units)
+                        fully_shard(module, **{**kwargs, "mp_policy": full})
                 fully_shard(unit, **{**kwargs, "mp_policy": full if kept == [unit] else mp})
             if mp is not full:
-                task.register_forward_pre_hook(_require_autocast(self.root_device.type), prepend=True)
+                _autocast_outside_the_loop(task, self.root_device.type)
         if not isinstance(task, FSDPModule):
             # The root: every parameter left outside the units. It keeps them gathered from forward to backward,
             # which needs them first (FSDP2's own choice for a root: one all-gather a step fewer).
@@ -576,17 +577,23 @@ def full_precision_modules(unit: nn.Module) -> list[nn.Module]:
     return [m for m in found if id(m) not in inner]
 
 
-def _require_autocast(device_type: str) -> Callable[..., None]:
-    """A forward pre-hook for a task whose units gather bf16 weights: a call outside autocast would meet an fp32
-    activation with a bf16 weight deep in a unit; say so at the call, with the fix."""
+def _autocast_outside_the_loop(task: nn.Module, device_type: str) -> None:
+    """A task whose units gather bf16 weights computes under bf16 autocast wherever it is called: the Trainer's
+    stages already run in autocast; a call outside them (``task(x)`` after ``fit``, sampling in ``on_fit_end``)
+    enters it for that forward, since an fp32 activation cannot meet a unit's bf16 weight (under DDP the same call
+    computes in fp32)."""
+    entered: list[AbstractContextManager[Any] | None] = []
 
-    def check(module: nn.Module, args: Any) -> None:
-        if not torch.is_autocast_enabled(device_type):
-            raise RuntimeError(
-                f"{type(module).__name__} was called outside autocast under strategy='fsdp', "
-                "precision='bf16-mixed': its units gather bf16 weights, which an fp32 input cannot meet. Call it "
-                f"inside torch.autocast({device_type!r}, dtype=torch.bfloat16), as the Trainer does in every stage "
-                "(or train with precision='32')."
-            )
+    def enter(module: nn.Module, args: Any) -> None:
+        context = None if torch.is_autocast_enabled(device_type) else torch.autocast(device_type, torch.bfloat16)
+        if context is not None:
+            context.__enter__()
+        entered.append(context)
 
-    return check
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        context = entered.pop()
+        if context is not None:
+            context.__exit__(None, None, None)
+
+    task.register_forward_pre_hook(enter, prepend=True)
+    task.register_forward_hook(leave, always_call=True)
