@@ -104,11 +104,14 @@ def test_a_meta_built_task_is_materialised_shard_by_shard_and_trains_as_one_proc
     assert max_diff(exported, sharded["weights"]) == 0.0
 
 
+# Slow variants: the 4-rank start from an export builds under init_module with the same checks
+# (test_weights_exported_at_2_ranks_start_4_ranks_and_one_process), and a meta build is the first test's.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "build",
     [
         "init_module",  # configure_model under Lightning's trainer.init_module(empty_init=True)
-        pytest.param("configure", marks=pytest.mark.slow),  # configure_model under torch.device("meta")
+        "configure",  # configure_model under torch.device("meta")
     ],
 )
 def test_layers_built_on_meta_in_configure_model_equal_one_process(tmp_path: Path, build: str) -> None:
@@ -118,6 +121,7 @@ def test_layers_built_on_meta_in_configure_model_equal_one_process(tmp_path: Pat
     assert_within_shard(sharded, init_holds=size["shard"] + size["module"])
 
 
+@pytest.mark.slow  # a variant: the eager FSDP path's results are test_fsdp.py's (every run there builds eagerly)
 def test_an_eagerly_built_task_is_sharded_without_a_second_copy(tmp_path: Path) -> None:
     """Built on the CPU in __init__: rank 0's weights go to every rank one tensor at a time, then each rank keeps
     its shard; the peak of initialisation is the task itself plus one tensor."""
