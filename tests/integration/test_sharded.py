@@ -121,7 +121,6 @@ def test_layers_built_on_meta_in_configure_model_equal_one_process(tmp_path: Pat
     assert_within_shard(sharded, init_holds=size["shard"] + size["module"])
 
 
-@pytest.mark.slow  # a variant: the eager FSDP path's results are test_fsdp.py's (every run there builds eagerly)
 def test_an_eagerly_built_task_is_sharded_without_a_second_copy(tmp_path: Path) -> None:
     """Built on the CPU in __init__: rank 0's weights go to every rank one tensor at a time, then each rank keeps
     its shard; the peak of initialisation is the task itself plus one tensor."""

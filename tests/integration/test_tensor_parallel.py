@@ -59,7 +59,6 @@ def samples(ranks: list[dict], tp: int) -> list[int]:
     return sorted(i for rank in ranks[::tp] for i in rank["seen"])
 
 
-@pytest.mark.slow  # a variant: HSDP (test_fsdp.py) and FSDP x TP (below) each run by default
 def test_hybrid_sharding_composes_with_tensor_parallelism(tmp_path: Path) -> None:
     """4 ranks as (replicate 2, shard 1, tensor-parallel 2): the split layers live on the 3-D mesh, each
     replicated across the two groups; with global-norm clipping the weights equal one process within 1e-10."""
