@@ -103,7 +103,8 @@ class TrainerOptions:
         limit_test_batches: An int: batches of ``test``; a float: the fraction of the loader.
         limit_predict_batches: An int: batches of ``predict``; a float: the fraction of the loader.
         num_sanity_val_steps: Validation batches run before training (-1: all); their metrics are discarded.
-        fast_dev_run: True or n: run n (True: 1) batches of training and validation, one epoch.
+        fast_dev_run: True or n: run n (True: 1) batches of training and validation, one epoch; a smoke test, so
+            no logger runs and ``ModelCheckpoint`` saves nothing (but a preemption or exception save).
         log_every_n_steps: Logging steps: the only steps that read metrics to the host and reduce them across
             ranks.
         seed: Seeds Python, NumPy and torch at the start of each stage with ``seed + global_rank``; the training

@@ -96,7 +96,10 @@ class Trainer(TrainerAttributes):
                 memory_plan=MemoryPlan if opts.memory_plan else None,
             )
         )
-        self.loggers: list[Logger] = default_loggers(opts.logger, opts.default_root_dir, name=self.default_log_name)
+        # fast_dev_run is a smoke test: no logger (as logger=False) and no periodic save (ModelCheckpoint.save).
+        self.loggers: list[Logger] = (
+            [] if opts.fast_dev_run else default_loggers(opts.logger, opts.default_root_dir, name=self.default_log_name)
+        )
         self.profiler = opts.profiler  # a trainer.observability.profiler.Profiler; PassThroughProfiler when off
         self.global_step = 0  # the run state: the step clock, the epoch, the data cursor
         self.current_epoch = 0

@@ -410,3 +410,11 @@ def test_validation_inside_an_epoch_does_not_close_training_epoch_metrics() -> N
     assert float(trainer.callback_metrics["train/count"]) == 8  # all 8 batches, not those after the last validation
     (metrics,) = trainer.validate(trainer.task, loader(regression_data(16), 8))
     assert "train/count" not in metrics
+
+
+def test_fast_dev_run_writes_no_logs_and_no_checkpoints(tmp_path) -> None:
+    """A smoke test leaves nothing behind, as in Lightning: the default logger and ModelCheckpoint write nothing."""
+    trainer = Trainer(default_root_dir=str(tmp_path), fast_dev_run=True, enable_progress_bar=False)
+    trainer.fit(Regression(), loader(regression_data(), 8), loader(regression_data(16), 8))
+    assert trainer.global_step == 1 and trainer.loggers == [] and trainer.checkpoint_callback is not None
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == []

@@ -370,8 +370,11 @@ class ModelCheckpoint(Callback):
 
         ``force`` (preemption, exceptions) always writes and records the file as ``last``, whatever top-k
         decides; it is pruned like any other ``last`` once a newer checkpoint exists. ``last_only`` (the end
-        of fit with ``save_last``) writes it as ``last`` outside the top-k.
+        of fit with ``save_last``) writes it as ``last`` outside the top-k. Under ``fast_dev_run`` only a forced
+        save writes (a smoke test keeps no checkpoints, as in Lightning).
         """
+        if trainer.fast_dev_run and not force:
+            return None
         assert self.dirpath is not None
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         if trainer.world_size > 1:  # rank 0's values name the file and decide top-k on every rank (per-step
