@@ -242,14 +242,13 @@ class Trainer(TrainerAttributes):
         result is a list of such lists. ``return_predictions=False`` (Lightning's) keeps and gathers nothing and
         returns None everywhere (a prediction writer callback still gets every output).
         """
-        out = self._run(
+        return self._run(
             "predict",
             model,
             datamodule,
             lambda given: self._predict(given, ckpt_path, return_predictions),
             loaders=(dataloaders,),
         )
-        return out
 
     def save_checkpoint(self, path: str | os.PathLike, weights_only: bool = False, **options: Any) -> None:
         """Write a checkpoint of the whole run state as the save folder ``path`` (every rank writes its part;
