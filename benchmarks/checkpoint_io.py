@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from trainer import TaskModule, Trainer
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
-from trainer.run_state import checkpoint_state
+from trainer.checkpoint.reader import load
 
 
 class Big(TaskModule):
@@ -168,7 +168,7 @@ def save_and_load(width: int, depth: int, folder: Path, repeats: int) -> None:
         trainer.save_checkpoint(path)
         saves.append(time.perf_counter() - start)
         start = time.perf_counter()
-        trainer.strategy.load_checkpoint(path, checkpoint_state(trainer), on_load=lambda checkpoint: None)
+        load(path, trainer.checkpointer.objects(), on_load=lambda checkpoint: None)
         loads.append(time.perf_counter() - start)
     size_gb = sum(f.stat().st_size for f in path.iterdir()) / 2**30
     print(f"checkpoint folder: {size_gb:.2f} GiB")

@@ -39,8 +39,9 @@ def worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from benchmarks.checkpoint_io import Big as Stack
-    from trainer import Trainer, run_state
+    from trainer import Trainer
     from trainer.checkpoint.async_save import AsyncCheckpointer
+    from trainer.checkpoint.checkpointer import Checkpointer
     from trainer.checkpoint.store import remove_save
     from trainer.distributed import comm
 
@@ -61,16 +62,16 @@ def worker(args: argparse.Namespace) -> None:
     trainer, task = make(), big()
     trainer.fit(task, data())
     times: dict[str, list[float]] = {"sync": [], "async_blocked": [], "async_total": [], "resume": []}
-    restore = run_state.restore
+    restore = Checkpointer.load
 
     def timed_restore(*a, **k):
         start = time.perf_counter()
         restore(*a, **k)
         times["resume"].append(time.perf_counter() - start)
 
-    run_state.restore = timed_restore
+    Checkpointer.load = timed_restore  # type: ignore[method-assign]
     checkpointer = AsyncCheckpointer()  # one for the run, as ModelCheckpoint keeps: its CPU buffers are reused
-    trainer.save_checkpoint(f"{args.dir}/{args.label}-warmup.ckpt", checkpointer=checkpointer)  # allocates them
+    trainer.checkpointer.save(f"{args.dir}/{args.label}-warmup.ckpt", background=checkpointer)  # allocates them
     checkpointer.wait()
     comm.barrier()
     if trainer.is_global_zero:
@@ -83,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
         times["sync"].append(time.perf_counter() - start)
         comm.barrier()
         start = time.perf_counter()
-        trainer.save_checkpoint(f"{path}-async", checkpointer=checkpointer)
+        trainer.checkpointer.save(f"{path}-async", background=checkpointer)
         times["async_blocked"].append(time.perf_counter() - start)
         checkpointer.wait()
         times["async_total"].append(time.perf_counter() - start)

@@ -38,8 +38,8 @@ from recipes.config_callback import SaveConfig
 from recipes.config_dir import config_dir
 from recipes.trainer_schema import check_overrides  # importing it registers trainer/options_schema
 from trainer import Callback, DataModule, TaskModule, Trainer, seed_everything
+from trainer.distributed.launcher import run_identity
 from trainer.loggers import CSVLogger, Logger, TensorBoardLogger
-from trainer.loggers.logger import run_identity
 from trainer.storage import is_url
 
 log = logging.getLogger("recipes.train")  # also when run as __main__ (python -m recipes.train)
@@ -209,7 +209,7 @@ def _check_sweep_launcher() -> None:
     """Refuses a ``-m`` sweep run by Hydra's basic launcher inside a torchrun/SLURM job.
 
     The basic launcher runs the sweep's jobs one after another in this process. Inside a torchrun or
-    SLURM job they would all share the job's run identity (``trainer.loggers.logger.run_identity``), so every
+    SLURM job they would all share the job's run identity (``trainer.distributed.launcher.run_identity``), so every
     job after the first would land in the first job's run directory and resume its checkpoint. Hydra's
     submitit launcher runs each job as its own SLURM job and is not affected.
     """

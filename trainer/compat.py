@@ -33,6 +33,7 @@ from trainer.step.accumulation import estimate_stepping_batches
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.callback import Callback
+    from trainer.checkpoint.checkpointer import Checkpointer
     from trainer.checkpoint.model_checkpoint import ModelCheckpoint
     from trainer.data.loaders import AdaptedLoader
     from trainer.distributed.launcher import DistEnv
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainer.module import TaskModule
     from trainer.observability.profiler import Profiler
     from trainer.options import TrainerOptions
+    from trainer.state import TrainState
     from trainer.step.accumulation import AccumulationSchedule
 
 log = logging.getLogger(__name__)
@@ -278,12 +280,11 @@ class TrainerAttributes:
     profiler: Profiler  # the profiler option resolved (TrainerOptions.__post_init__)
     state_stage: str | None
     sanity_checking: bool
-    global_step: int
-    current_epoch: int
+    state: TrainState
+    checkpointer: Checkpointer
     accumulation_schedule: AccumulationSchedule
     _train: AdaptedLoader | None
     _stop_requested: bool = False
-    _ckpt_path: str | None = None
     _min_logged: bool = False
     default_log_name: str = "keel_logs"  # the folder of the default logger (logger=True) under default_root_dir
 
@@ -361,7 +362,18 @@ class TrainerAttributes:
     @property
     def ckpt_path(self) -> str | None:
         """The checkpoint file the current (or last) stage restored from (``"last"`` / ``"best"`` resolved)."""
-        return self._ckpt_path
+        return self.checkpointer.loaded_path
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken in this run (one per training iteration under manual optimization); read-only,
+        as in Lightning: the loop's :class:`~trainer.state.TrainState` is the only writer."""
+        return self.state.global_step
+
+    @property
+    def current_epoch(self) -> int:
+        """The epoch being trained (the number of finished epochs), read-only as in Lightning."""
+        return self.state.current_epoch
 
     @property
     def precision(self) -> str:

@@ -19,7 +19,7 @@ import torch
 
 from trainer.data import global_batch
 from trainer.distributed import comm
-from trainer.loggers.logger import run_identity
+from trainer.distributed.launcher import run_identity
 from trainer.observability import goodput
 from trainer.observability.phases import DeviceTimeline, Diagnosis, PhaseClock
 from trainer.storage import local_dir

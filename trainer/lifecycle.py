@@ -13,7 +13,7 @@ import logging
 import os
 import random
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,7 +21,7 @@ from trainer.compat import warn_uncalled_hooks
 from trainer.distributed import comm
 from trainer.distributed.watchdog import Watchdog, nccl_flight_recorder_env_defaults, start_for_run
 from trainer.observability.rank_zero import rank_zero_only
-from trainer.options import SEED_DEFAULT, resolve_seed
+from trainer.options import resolve_seed
 from trainer.storage import local_dir, sync_mirrors
 
 if TYPE_CHECKING:
@@ -123,43 +123,6 @@ def stage_seed(trainer: Trainer, stage: str) -> int | None:
         else:
             log.info("Seed %d for %s, from %s: each rank seeds %d + its global rank.", seed, stage, source, seed)
     return seed
-
-
-def resume_seed(trainer: Trainer, saved_options: Any, sampler: Any) -> None:
-    """A full restore read the interrupted run's options (``saved_options``): resume with its seed. The training
-    ``sampler`` (keel's, or None) was built with this run's seed before the checkpoint was read, and its shuffle
-    is what the seed still decides (the generators come back from the checkpoint).
-
-    When this run got no seed (no ``Trainer(seed=...)``, no ``seed_everything``) it takes the checkpoint's, so a
-    run started with ``seed_everything(42)`` resumes exactly from a script that does not call it; when it got
-    another one, that one is kept with a warning: the data order from here on differs from the interrupted run's.
-    """
-    recorded = saved_options.get("seed") if isinstance(saved_options, dict) else None
-    options = trainer.options
-    if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded == (options.seed or 0):
-        return
-    source = resolve_seed(options)
-    if source != SEED_DEFAULT:
-        if trainer.is_global_zero:
-            log.warning(
-                "The checkpoint was written by a run with seed %d; this run uses seed %s (from %s), so its data "
-                "order differs from the interrupted run's. Pass Trainer(seed=%d) or call seed_everything(%d) to "
-                "resume it exactly.",
-                recorded,
-                options.seed,
-                source,
-                recorded,
-                recorded,
-            )
-        return
-    options.seed = recorded
-    if sampler is not None and hasattr(sampler, "load_state_dict"):
-        sampler.load_state_dict({**sampler.state_dict(), "seed": recorded})
-    if trainer.is_global_zero:
-        log.info(
-            "Seed %d from the checkpoint (this run got no seed): the resumed run shuffles as the interrupted one.",
-            recorded,
-        )
 
 
 def teardown_stage(trainer: Trainer, stage: str, *, failed: bool) -> None:

@@ -4,12 +4,14 @@ Read :meth:`Trainer._train_epoch` (the fit loop) and :meth:`Trainer._training_mi
 :meth:`Trainer._optimizer_step` (one step): ``backward`` and ``optimizer.step`` are visible there,
 through the precision plugin (docs/design.md section 5). How the task is replicated or sharded is the
 :class:`~trainer.distributed.strategy.Strategy`'s business; the loop never asks which one runs. Evaluation and
-predict loops are in :mod:`trainer.evaluation`, manual optimization in :mod:`trainer.step.optim`, checkpoint
-state in :mod:`trainer.run_state`.
+predict loops are in :mod:`trainer.evaluation`, manual optimization in :mod:`trainer.step.optim`, saving and
+resuming in :class:`~trainer.checkpoint.checkpointer.Checkpointer`; the loop's position is its
+:class:`~trainer.state.TrainState`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -17,10 +19,10 @@ from typing import Any, Literal, cast
 
 import torch
 
-from trainer import efficiency, lifecycle, run_state
+from trainer import efficiency, lifecycle
 from trainer.callback import Callback, check_callbacks
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
-from trainer.checkpoint.reader import CheckpointIO
 from trainer.compat import TrainerAttributes, compile_step, fit_validation
 from trainer.data import global_batch as elastic
 from trainer.data import stages
@@ -28,13 +30,13 @@ from trainer.data.loaders import AdaptedLoader, EpochPlan, plan_epoch, warn_if_u
 from trainer.data.transfer import BatchCopier
 from trainer.distributed import comm, launcher
 from trainer.distributed import watchdog as wd
-from trainer.distributed.preemption import PreemptionWatcher, save_and_exit
+from trainer.distributed.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher
 from trainer.distributed.selection import select_strategy
 from trainer.distributed.strategy import StepAdapter, Strategy
 from trainer.estimate import MemoryPlan
 from trainer.evaluation import EvaluationLoop, log_results
 from trainer.hooks import TrainHooks
-from trainer.loggers.local import default_loggers, log_fit_start
+from trainer.loggers.local import default_loggers
 from trainer.loggers.logger import Logger
 from trainer.metrics import MetricCollector, logged_step, logger_row
 from trainer.module import DataModule, TaskModule, check_stage_inputs
@@ -42,6 +44,7 @@ from trainer.observability.phases import PhaseClock
 from trainer.observability.progress import ProgressBar
 from trainer.observability.rank_zero import configure_logging
 from trainer.options import TrainerOptions, check_lightning_keywords
+from trainer.state import TrainState
 from trainer.step.accumulation import (
     AccumulationSchedule,
     MicroBatch,
@@ -87,7 +90,6 @@ class Trainer(TrainerAttributes):
         self._moves_batches = self.device.type != "cpu" or self._precision.param_dtype is not None
         # How the task is replicated or sharded (trainer/distributed/strategy.py); chosen before any process group.
         self.strategy: Strategy = select_strategy(opts, self.env, self.device)
-        self.strategy.checkpoint_io = CheckpointIO()  # checkpoints: one folder per save (trainer/checkpoint/)
         self.callbacks: list[Callback] = check_callbacks(
             lifecycle.with_default_callbacks(
                 check_callbacks(opts.callbacks),
@@ -101,11 +103,20 @@ class Trainer(TrainerAttributes):
             [] if opts.fast_dev_run else default_loggers(opts.logger, opts.default_root_dir, name=self.default_log_name)
         )
         self.profiler = opts.profiler  # a trainer.observability.profiler.Profiler; PassThroughProfiler when off
-        self.global_step = 0  # the run state: the step clock, the epoch, the data cursor
-        self.current_epoch = 0
-        self._epoch_batches_done = 0  # micro-batches of current_epoch already consumed (resume)
-        self._epoch_samples = 0  # global sample cursor of current_epoch (all ranks together)
-        self._epoch_finished = False  # True while on_train_epoch_end runs (a checkpoint then resumes next epoch)
+        self.state = TrainState()  # the step clock, the epoch, the data cursor: saved with every checkpoint
+        self.checkpointer = Checkpointer(  # what a save holds; the stage's objects are tracked as they are built
+            strategy=self.strategy,
+            options=opts,
+            state=self.state,
+            scaler=self._precision,
+            callbacks=self.callbacks,
+            device=self.device,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            before_save=self._before_save,
+            on_save=self._on_save_checkpoint,
+            on_load=self._on_load_checkpoint,
+        )
         self.optimizer_stepped = False  # True during on_train_batch_end right after an optimizer step
         self._step_open = False  # from an optimizer step to the end of its batch, validation included (log_metrics)
         self._step_loss: torch.Tensor | None = None  # optimised loss of the last step (on device)
@@ -144,7 +155,6 @@ class Trainer(TrainerAttributes):
         self._manual_mode = False  # task.automatic_optimization is False for this fit
         self._check_sharding = False
         self._logged_options = False
-        self._initial_weights_of: TaskModule | None = None  # the task Trainer(initial_weights=...) went into
         self._eval_loop = EvaluationLoop(
             device=self.device,
             precision=self._precision,
@@ -199,7 +209,7 @@ class Trainer(TrainerAttributes):
             "fit",
             model,
             datamodule,
-            lambda train, val: self._fit(train, val, ckpt_path),
+            functools.partial(self._fit, ckpt_path=ckpt_path),  # a partial adds no frame to a save's or load's stack
             loaders=(train_dataloaders, val_dataloaders),
         )
 
@@ -250,17 +260,45 @@ class Trainer(TrainerAttributes):
             loaders=(dataloaders,),
         )
 
-    def save_checkpoint(self, path: str | os.PathLike, weights_only: bool = False, **options: Any) -> None:
-        """Write a checkpoint of the whole run state as the save folder ``path`` (every rank writes its part;
+    def save_checkpoint(
+        self, filepath: str | os.PathLike, weights_only: bool = False, storage_options: Any = None
+    ) -> None:
+        """Write a checkpoint of the whole run state as the save folder ``filepath`` (every rank writes its part;
         all ranks must call). ``weights_only``: one plain file with the weights, hyperparameters, step and
-        epoch (Lightning's; cannot resume a fit). ``options``: what ModelCheckpoint passes
-        (:func:`trainer.run_state.save`).
+        epoch (Lightning's; cannot resume a fit). ``storage_options``: Lightning's, for its CheckpointIO plugins,
+        which keel does not have: it must be None.
 
         Raises:
             FloatingPointError: a training loss since the last check, or the weights, hold NaN or inf; such a
                 checkpoint is never written.
+            ValueError: ``storage_options`` given.
         """
-        run_state.save(self, path, weights_only=weights_only, **options)
+        if storage_options is not None:
+            raise ValueError(
+                "save_checkpoint(storage_options=...) is for Lightning's CheckpointIO plugins, which keel does not "
+                "have: drop the argument (object storage credentials come from the URL's fsspec configuration)."
+            )
+        self.checkpointer.save(filepath, weights_only=weights_only)
+
+    def _before_save(self, path: str) -> None:
+        self._beat(wd.PHASE_CHECKPOINT)
+        self._nonfinite.check(f"before saving checkpoint {path!r}")  # never a checkpoint after a NaN step
+        self.state.data_parallel_size = self.strategy.data_parallel_size
+        self.state.global_batch = elastic.checkpoint_record(self)
+
+    def _on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        task = self.task
+        assert task is not None
+        task.on_save_checkpoint(checkpoint)
+        for cb in self.callbacks:
+            cb.on_save_checkpoint(self, task, checkpoint)
+
+    def _on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        task = self.task
+        assert task is not None
+        task.on_load_checkpoint(checkpoint)
+        for cb in self.callbacks:
+            cb.on_load_checkpoint(self, task, checkpoint)
 
     # ------------------------------------------------------------------ stage plumbing
     def _run(
@@ -339,14 +377,27 @@ class Trainer(TrainerAttributes):
         )
         self._check_sharding = self.strategy.data_parallel_size > 1 and self._train.sampler is None
         self._configure_model_and_optimizers()
-        self.global_step = self.current_epoch = self._epoch_batches_done = self._epoch_samples = 0
+        self.state.reset()
         self.should_stop = self._step_open = False
         self._nonfinite.reset()
-        load_s = run_state.restore(self, ckpt_path, full=True)
+        self.checkpointer.track(
+            task,
+            datamodule=self.datamodule,
+            optimizers=self.optimizers,
+            schedulers=[c.scheduler for c in self.lr_scheduler_configs],
+            stream=self._train.stream,
+            sampler=self._train.sampler,
+        )
+        load_s = self.checkpointer.load(ckpt_path, full=True)
+        resumed = self.state.continue_at(
+            micro_batch=getattr(self._train.loader, "batch_size", None), replicas=self.strategy.data_parallel_size
+        )
+        if resumed is not None:
+            elastic.check_resume(self, resumed.get("global_batch"), path=str(self.ckpt_path))
         self._phases, self._efficiency = efficiency.start(self, load_s)  # the run's time, from this step
         if self.is_global_zero:
             own_summary = any(getattr(cb, "is_model_summary", False) for cb in self.callbacks)
-            log_fit_start(self.loggers, task, opts.resolved(), summary=opts.enable_model_summary and not own_summary)
+            self._log_fit_start(summary=opts.enable_model_summary and not own_summary)
         task.on_fit_start()
         for cb in self.callbacks:
             cb.on_fit_start(self, task)
@@ -377,6 +428,30 @@ class Trainer(TrainerAttributes):
         task.on_fit_end()
         for cb in self.callbacks:
             cb.on_fit_end(self, task)
+
+    def _log_fit_start(self, *, summary: bool) -> None:
+        """Rank 0, at the start of ``fit``: the model summary line (when ``summary``) and the hyperparameters
+        (the resolved Trainer options, and the task's ``hparams`` unless ``save_hyperparameters(logger=False)``)."""
+        task = self.task
+        assert task is not None
+        if summary:
+            params = list(task.parameters())
+            total = sum(p.numel() for p in params)
+            trainable = sum(p.numel() for p in params if p.requires_grad)
+            size_mb = sum(p.numel() * p.element_size() for p in params) / 2**20
+            log.info(
+                "%s: %s parameters (%s trainable), %.2f MB.",
+                type(task).__name__,
+                f"{total:,}",
+                f"{trainable:,}",
+                size_mb,
+            )
+        hparams: dict[str, Any] = {"trainer": self.options.resolved()}
+        if task.hparams and task._log_hyperparams:
+            hparams["task"] = dict(task.hparams)
+        for logger in self.loggers:
+            logger.log_hyperparams(hparams)
+            logger.log_graph(task)  # Lightning's order: the hyperparameters, then the graph
 
     def _done_training(self, max_epochs: int | None) -> bool:
         if self.options.max_steps != -1 and self.global_step >= self.options.max_steps:
@@ -415,14 +490,14 @@ class Trainer(TrainerAttributes):
         plan = plan_epoch(
             train,
             epoch=self.current_epoch,
-            batches_done=self._epoch_batches_done,
-            samples_done=self._epoch_samples,
+            batches_done=self.state.batches_done,
+            samples_done=self.state.samples_done,
             limit=lambda loader: stages.batch_limit(self, loader, "limit_train_batches"),
             replicas=self.strategy.data_parallel_size,
             device=self.device,
             uneven=cast('Literal["error", "truncate"]', opts.uneven_batches),  # checked in options
         )
-        self._epoch_batches_done, self._epoch_samples = plan.start, plan.samples_done
+        self.state.batches_done, self.state.samples_done = plan.start, plan.samples_done
         self.num_training_batches = plan.num_batches
         task.train()
         self._metrics.stage = "train"
@@ -446,7 +521,7 @@ class Trainer(TrainerAttributes):
         log_every, max_steps = (1 if opts.fast_dev_run else opts.log_every_n_steps), opts.max_steps
         drop_incomplete = opts.drop_incomplete_accumulation
         unusual = drop_incomplete or self._manual_mode  # a window may end without an automatic optimizer step
-        samples_per_batch, batch_end_hooks = plan.samples_per_batch, hooks.on_train_batch_end
+        samples_per_batch, batch_end_hooks, state = plan.samples_per_batch, hooks.on_train_batch_end, self.state
         self._beat(wd.PHASE_DATA)  # the first batch: its loader's workers start
         for micro in micro_batches(
             plan.batches,
@@ -461,8 +536,8 @@ class Trainer(TrainerAttributes):
                 self._check_sharding = False
                 warn_if_unsharded(micro.batch, train.loader)
             outputs = self._training_micro_batch(micro, normaliser)
-            self._epoch_batches_done = micro.batch_idx + 1
-            self._epoch_samples += samples_per_batch
+            state.batches_done = micro.batch_idx + 1
+            state.samples_done += samples_per_batch
             stepped = False
             if micro.is_step_end:
                 stepped = self._end_unusual_window(micro, normaliser) if unusual else self._optimizer_step(normaliser)
@@ -486,7 +561,7 @@ class Trainer(TrainerAttributes):
                     self.global_step, device=self.device, world_size=self.world_size, interval=preempt_every
                 )
             ):
-                save_and_exit(self, preemption)
+                self._save_and_exit(preemption.signal_name)
             # should_stop (callbacks) takes effect at an optimizer-step boundary, never inside a window.
             if (self._stop_requested and self.should_stop) or (max_steps != -1 and self.global_step >= max_steps):
                 completed = micro.is_epoch_end
@@ -494,6 +569,26 @@ class Trainer(TrainerAttributes):
             self._beat(wd.PHASE_DATA)  # next: fetching the next batch (validation and the preemption check are not)
         normaliser.report_zero_steps(self.current_epoch)  # device-decided zero-item steps: one read per epoch
         self._epoch_end(val_loaders, completed=completed)
+
+    def _save_and_exit(self, signal_name: str | None) -> None:
+        """At the step boundary where the ranks agreed on preemption: save (the ModelCheckpoint's forced save, or
+        a plain checkpoint in the run directory) and exit with ``PREEMPTED_EXIT_CODE`` so that the launcher
+        restarts the job. Every rank calls it (saving is collective)."""
+        callback = self.checkpoint_callback
+        if callback is not None:
+            path = callback.save(self, suffix="-preempted", force=True)
+        else:
+            path = os.path.join(self.log_dir, "checkpoints", f"preempted-step={self.global_step}.ckpt")
+            self.save_checkpoint(path)
+        log.warning(
+            "Preempted (%s) at step %d: saved %s; exiting with code %d so the launcher restarts the "
+            "job (resume with ckpt_path='last').",
+            signal_name or "signal on another rank",
+            self.global_step,
+            path,
+            PREEMPTED_EXIT_CODE,
+        )
+        raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def _end_unusual_window(self, micro: MicroBatch, normaliser: StepNormaliser) -> bool:
         """The end of a window under manual optimization or ``drop_incomplete_accumulation``; True: a step."""
@@ -504,7 +599,7 @@ class Trainer(TrainerAttributes):
             return False
         if self._manual_mode:
             self._precision.update()
-            self.global_step += 1  # one training iteration (whatever number of optimizer calls) is one step
+            self.state.global_step += 1  # one training iteration (whatever number of optimizer calls) is one step
             self._nonfinite.record(self.global_step, self._step_loss)
             return True
         return self._optimizer_step(normaliser)
@@ -591,7 +686,7 @@ class Trainer(TrainerAttributes):
             for hook in hooks.on_before_zero_grad:
                 hook(optimizer)
             optimizer.zero_grad(set_to_none=True)
-        self.global_step += 1
+        self.state.global_step += 1
         if self.lr_scheduler_configs:
             step_schedulers(self.lr_scheduler_configs, "step", self.global_step, self.callback_metrics)
         self._step_loss = step_loss
@@ -651,7 +746,8 @@ class Trainer(TrainerAttributes):
             self._evaluate("validate", val_loaders)
         task = self.task
         assert task is not None
-        self._epoch_finished, self._step_open, self._metrics.batch = completed, False, None  # no batch in flight
+        state = self.state
+        state.epoch_finished, self._step_open, self._metrics.batch = completed, False, None  # no batch in flight
         task.on_train_epoch_end()
         # Training metrics logged with on_epoch=True (and in the hook above), reduced over ranks.
         self._publish(*self._metrics.reduce_epoch())
@@ -660,10 +756,10 @@ class Trainer(TrainerAttributes):
             step_schedulers(self.lr_scheduler_configs, "epoch", self.current_epoch + 1, self.callback_metrics)
         for cb in self.callbacks:
             cb.on_train_epoch_end(self, task)
-        self._epoch_finished = False
+        state.epoch_finished = False
         if completed:
-            self.current_epoch += 1
-            self._epoch_batches_done = self._epoch_samples = 0
+            state.current_epoch += 1
+            state.batches_done = state.samples_done = 0
 
     # ------------------------------------------------------------------ evaluation (trainer/evaluation.py)
     def _evaluate_stage(
@@ -684,7 +780,9 @@ class Trainer(TrainerAttributes):
     def _stage_loaders(self, stage: str, dataloaders: Any, ckpt_path: str | None) -> list[AdaptedLoader]:
         """validate / test / predict: the sharded loaders, and the weights of ``ckpt_path`` when given."""
         loaders = stages.eval_loaders(self, stage, dataloaders, required=True)
-        run_state.restore(self, ckpt_path, full=False)
+        assert self.task is not None
+        self.checkpointer.track(self.task, datamodule=self.datamodule)
+        self.checkpointer.load(ckpt_path, full=False)
         return loaders
 
     def _evaluate(

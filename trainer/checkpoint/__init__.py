@@ -1,5 +1,7 @@
 """Checkpoints: one folder per save for every strategy, verified before it is loaded (docs/design.md section 8).
 
+* :mod:`~trainer.checkpoint.checkpointer`: the ``Checkpointer`` the Trainer owns: what a save holds, ``save``
+  and ``load`` (resolving ``last`` / ``best``).
 * :mod:`~trainer.checkpoint.files`: keys, errors, plain files written atomically and loaded with
   ``weights_only=True``, the ``last`` pointer.
 * :mod:`~trainer.checkpoint.stateful`: the objects a save holds (model, optimizers, schedulers, RNG, callbacks).
@@ -14,6 +16,7 @@
 * :mod:`~trainer.checkpoint.model_checkpoint`: the ``ModelCheckpoint`` callback: when to save, what to keep.
 
 May import: torch (``torch.distributed.checkpoint`` included), :mod:`trainer.distributed`, :mod:`trainer.data`,
-:mod:`trainer.callback`, :mod:`trainer.storage`; safetensors (the ``hf`` extra), when a safetensors file is read.
-The Trainer is never imported or read: it hands in the state objects (trainer/run_state.py builds them).
+:mod:`trainer.callback`, :mod:`trainer.storage`, :mod:`trainer.options`, :mod:`trainer.state`; safetensors (the
+``hf`` extra), when a safetensors file is read. The Trainer is never imported or read: it hands its objects to the
+``Checkpointer``.
 """

@@ -31,7 +31,7 @@ FORMAT_VERSION = 2  # 1: one file per save (DDP) or a folder without a manifest 
 KEEL_VERSION = "0.1.0"
 
 # Keys of a checkpoint: the dict the on_save_checkpoint / on_load_checkpoint hooks see (Lightning's names
-# where Lightning has one), and of the state objects handed to Strategy.save_checkpoint.
+# where Lightning has one), and of the state objects the Checkpointer saves.
 K_FORMAT = "keel_format_version"
 K_KEEL_VERSION = "keel_version"
 K_WORLD_SIZE = "world_size"

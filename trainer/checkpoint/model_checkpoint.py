@@ -1,9 +1,9 @@
 """ModelCheckpoint: when to save, what to keep, and the ``last`` pointer (re-exported by ``callbacks``).
 
 It lives in ``trainer/`` because ``enable_checkpointing=True`` adds one by default and ``trainer`` never
-imports ``callbacks``. It uses only the public Callback API and ``Trainer.save_checkpoint``.
+imports ``callbacks``. It uses the public Callback API and the Trainer's ``checkpointer`` (its ``save``).
 
-Files in ``dirpath``: one ``*.ckpt`` folder per save (committed by ``Trainer.save_checkpoint``,
+Files in ``dirpath``: one ``*.ckpt`` folder per save (committed by ``Checkpointer.save``,
 trainer/checkpoint/store.py; a plain file with ``save_weights_only``) and a small JSON pointer ``last``
 (``{"last": name, "history": [newer, ..., older]}``) replaced atomically after each commit. Old saves are
 pruned only after the new one and the pointer are committed; what a killed save left is removed then too.
@@ -411,10 +411,10 @@ class ModelCheckpoint(Callback):
         self._last_saved_step = trainer.global_step  # before the save: its own callback state records it
         if self._names_in_store is not None:
             self._names_in_store.add(os.path.basename(path))
-        trainer.save_checkpoint(
+        trainer.checkpointer.save(
             path,
             weights_only=self.save_weights_only,
-            checkpointer=self._checkpointer if background else None,
+            background=self._checkpointer if background else None,
             on_commit=lambda: self._commit(trainer, path, victims),
             lightning_file=self.lightning_file,
         )

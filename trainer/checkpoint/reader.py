@@ -22,7 +22,6 @@ import zlib
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
-from trainer.checkpoint import store
 from trainer.checkpoint.files import (
     FORMAT_VERSION,
     K_CALLBACKS,
@@ -411,15 +410,3 @@ else:
         if name == "export_weights":
             return importlib.import_module("trainer.checkpoint.hf").export_weights
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class CheckpointIO:
-    """What a strategy saves and loads through (``Strategy.checkpoint_io``; Lightning's name)."""
-
-    @staticmethod
-    def save(path: str | os.PathLike, state: dict[str, Any], **options: Any) -> None:
-        store.save(path, state, **options)
-
-    @staticmethod
-    def load(path: str | os.PathLike, state: dict[str, Any], **options: Any) -> dict[str, Any]:
-        return load(path, state, **options)

@@ -1,7 +1,7 @@
 """What a save holds: objects with ``state_dict()`` / ``load_state_dict()``, one per checkpoint key.
 
-The Trainer hands a dict of these to ``Strategy.save_checkpoint`` / ``load_checkpoint`` (built by
-trainer/run_state.py); nothing here reads the Trainer. Model and optimizer states are in
+The Trainer's ``Checkpointer`` (trainer/checkpoint/checkpointer.py) builds a dict of these for each save and load;
+nothing here reads the Trainer. Model and optimizer states are in
 ``torch.distributed.checkpoint.state_dict`` form (keyed by parameter names, DTensor shards under FSDP), so
 a save loads at any world size and under any strategy. ``classes()`` names what a state needs to load
 into (the optimizer and scheduler classes): the reader compares it with the save's before loading anything.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -20,7 +20,6 @@ from trainer.checkpoint.files import CheckpointError
 from trainer.distributed import comm
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer.callback import Callback
     from trainer.distributed.strategy import Strategy
 
 log = logging.getLogger(__name__)
@@ -146,11 +145,22 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+class KeyedState(Protocol):
+    """What a callback's state is saved through (the callback API's ``state_key`` and state methods)."""
+
+    @property
+    def state_key(self) -> str: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
 class CallbackStates:
     """Each callback's ``state_dict()``, under its ``state_key``; a saved state without a matching callback
     in this run is reported and ignored."""
 
-    def __init__(self, callbacks: list[Callback]) -> None:
+    def __init__(self, callbacks: Sequence[KeyedState]) -> None:
         self.callbacks = callbacks
 
     def state_dict(self) -> dict[str, Any]:

@@ -147,7 +147,7 @@ def checkpoint_record(trainer: Trainer) -> dict[str, Any]:
     """What a checkpoint records of the global batch: the option, and the layout of the step to come."""
     micro = _micro_of(trainer)
     # A save in on_train_epoch_end resumes at the next epoch: record the accumulation in force there.
-    epoch = trainer.current_epoch + (1 if trainer._epoch_finished else 0)
+    epoch = trainer.current_epoch + (1 if trainer.state.epoch_finished else 0)
     k = trainer.accumulation_schedule.k(epoch=epoch, global_step=trainer.global_step)
     return {
         R_SPEC: _spec(trainer.options.global_batch_size),

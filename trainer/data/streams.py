@@ -352,3 +352,49 @@ class AllRanksHaveData:
             if comm.get_rank() == 0:  # the same count on every rank: said once per job
                 logger.warning("%s Every rank stops here; the rest is dropped (uneven_batches='truncate').", message)
         return False
+
+
+class StreamPositions:
+    """Every rank's position in the training ``stream`` for a checkpoint, gathered like the RNG states: a list
+    indexed by rank, None where the loader saves no position. Loaded after the loop's
+    :class:`~trainer.state.TrainState` (``state``): whether the save was mid-epoch is read from it."""
+
+    def __init__(
+        self, stream: Stream | None, state: Any, *, rank: int, world_size: int, reshard: str, path: str = ""
+    ) -> None:
+        self.stream, self.state, self.rank, self.world_size = stream, state, rank, world_size
+        self.reshard, self.path = reshard, path
+
+    def state_dict(self) -> list[Any]:
+        stream, state = self.stream, self.state
+        mine = stream.state_dict(state.batches_done, state.epoch_finished) if stream is not None else None
+        return comm.all_gather_object(mine)
+
+    def load_state_dict(self, positions: list[Any]) -> None:
+        stream, path = self.stream, self.path
+        saved = [p for p in positions or [] if p is not None]
+        if stream is None:
+            if saved:
+                raise ValueError(
+                    f"{path} was saved while training from a stream ({saved[0]['loader']}), but this run's "
+                    "training loader saves no position: resume with the loader the run was saved with."
+                )
+            return
+        if not saved:
+            return  # a save without positions (map-style data then, or an older keel): plan_epoch warns
+        if len(positions) == self.world_size:
+            stream.load_state_dict(positions[self.rank])
+        elif stream.reshardable:
+            stream.load_state_dict(saved[0])  # LitData re-splits the remaining samples of rank 0's position
+        elif self.state.mid_epoch:
+            epoch = self.state.current_epoch
+            why = (
+                f"{path} was saved mid-epoch at world size {len(positions)} by {saved[0]['loader']}, which "
+                f"cannot continue its stream at world size {self.world_size}"
+            )
+            if self.reshard == "error":
+                raise ValueError(
+                    f"{why}. Resume at world size {len(positions)}, or pass stream_reshard='restart_epoch' to start "
+                    f"epoch {epoch} again (its samples are seen twice)."
+                )
+            logger.warning("%s: epoch %d starts again (stream_reshard='restart_epoch').", why, epoch)

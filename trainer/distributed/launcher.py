@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -310,3 +311,37 @@ def parse_slurm_nodelist_first(nodelist: str) -> str:
     if not result:
         raise ValueError(f"Empty Slurm node list {nodelist!r}.")
     return result
+
+
+def run_identity() -> str | None:
+    """What stays the same across restarts of one job: torchrun's run id, else SLURM's job id.
+
+    A job of Hydra's ``submitit_local`` launcher is named by submitit's local job id (its controller's
+    pid): that launcher runs a sweep's jobs at the same time, so each needs a run directory of its own.
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return f"torchrun:{run_id}"
+    if run_id == "none":  # torchrun without --rdzv-id: its agent (our parent) lives across restarts
+        agent = _agent_identity()
+        if agent is not None:
+            return f"torchrun-agent:{agent}"
+    local_job = os.environ.get("SUBMITIT_LOCAL_JOB_ID")
+    if local_job:  # before SLURM's: submitit_local jobs started inside an allocation share its job id
+        return f"submitit-local:{socket.gethostname()}:{local_job}"
+    job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
+    if not job_id:
+        return None
+    # The step id tells apart two srun steps in one allocation; a requeued job starts again at step 0.
+    return f"slurm:{job_id}.{os.environ.get('SLURM_STEP_ID', os.environ.get('SLURM_STEPID', 'batch'))}"
+
+
+def _agent_identity() -> str | None:
+    """Host, pid and start time of the parent process (the torchrun agent), stable across restarts."""
+    agent = os.getppid()
+    try:
+        with open(f"/proc/{agent}/stat") as handle:
+            start_time = handle.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+    return f"{socket.gethostname()}:{agent}:{start_time}"

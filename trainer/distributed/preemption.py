@@ -11,19 +11,15 @@ distributed run on logging steps, where a collective happens anyway, or every
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from trainer.distributed import comm
-
-if TYPE_CHECKING:  # pragma: no cover
-    from trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -71,28 +67,3 @@ class PreemptionWatcher:
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
         comm.all_reduce(flag, "max")
         return bool(flag.item() > 0)
-
-
-def save_and_exit(trainer: Trainer, watcher: PreemptionWatcher) -> None:
-    """At the step boundary where the ranks agreed on preemption: save (the ModelCheckpoint's forced
-    save, or a plain checkpoint in the run directory) and exit with :data:`PREEMPTED_EXIT_CODE` so
-    that the launcher restarts the job. Every rank calls it (saving is collective).
-
-    Raises:
-        SystemExit: always, with :data:`PREEMPTED_EXIT_CODE`.
-    """
-    callback = trainer.checkpoint_callback
-    if callback is not None:
-        path = callback.save(trainer, suffix="-preempted", force=True)
-    else:
-        path = os.path.join(trainer.log_dir, "checkpoints", f"preempted-step={trainer.global_step}.ckpt")
-        trainer.save_checkpoint(path)
-    log.warning(
-        "Preempted (%s) at step %d: saved %s; exiting with code %d so the launcher restarts the "
-        "job (resume with ckpt_path='last').",
-        watcher.signal_name or "signal on another rank",
-        trainer.global_step,
-        path,
-        PREEMPTED_EXIT_CODE,
-    )
-    raise SystemExit(PREEMPTED_EXIT_CODE)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import os
 import re
 import time
 from collections.abc import Callable
@@ -349,23 +348,8 @@ class Strategy:
         ``params`` their mean over ranks (a collective in a multi-rank strategy)."""
 
     # ------------------------------------------------------------------ checkpoints
-    # What the strategy saves and loads through (trainer.checkpoint.reader.CheckpointIO): set by the
-    # Trainer, so this package never imports the checkpoint package (which builds on it).
-    checkpoint_io: Any = None
-
-    def save_checkpoint(self, path: str | os.PathLike, state: dict[str, Any], **options: Any) -> None:
-        """Write ``state`` (checkpoint key -> object with ``state_dict()``; ``state["state_dict"]`` is the
-        task's :class:`~trainer.checkpoint.stateful.ModelState`) as the save ``path``: one folder, every rank
-        writing its part (DCP), committed once every part is durable. A collective. ``options``: see
-        :func:`trainer.checkpoint.store.save`. Refuses non-finite weights (:meth:`weights_finite`)."""
-        task = state["state_dict"].task
-        self.checkpoint_io.save(path, state, finite=lambda: self.weights_finite(task), **options)
-
-    def load_checkpoint(self, path: str | os.PathLike, state: dict[str, Any], **options: Any) -> dict[str, Any]:
-        """Load the save ``path`` (written at any world size, by any strategy) into ``state``, after verifying
-        it. A collective. Returns the checkpoint dict (see :func:`trainer.checkpoint.reader.load`)."""
-        return self.checkpoint_io.load(path, state, **options)
-
+    # What a strategy varies in a checkpoint: how the model and optimizer state dicts are taken and loaded
+    # (trainer/checkpoint/stateful.py calls these; trainer/checkpoint/checkpointer.py saves and loads them).
     def model_state_dict(self, task: nn.Module) -> dict[str, Any]:
         """The task's weights for a checkpoint, keyed as ``task.state_dict()`` (no wrapper prefixes); DTensor
         shards under FSDP (``torch.distributed.checkpoint.state_dict``, the form DCP writes and reshards)."""

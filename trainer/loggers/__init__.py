@@ -11,7 +11,8 @@ This ``__init__`` is the public import path of every logger (``trainer.loggers.T
   hold what they share and how a resumed W&B run is read back.
 
 May import: torch, :mod:`trainer.distributed.comm` (one collective: agreeing on the version folder),
-:mod:`trainer.observability.rank_zero`, :mod:`trainer.storage` (local paths only).
+:mod:`trainer.distributed.launcher` (the run's identity across restarts), :mod:`trainer.observability.rank_zero`,
+:mod:`trainer.storage` (local paths only).
 """
 
 from trainer.loggers.local import CSVLogger, TensorBoardLogger

@@ -28,8 +28,6 @@ from trainer.observability.rank_zero import rank_zero_warn
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.tensorboard import SummaryWriter
 
-    from trainer.module import TaskModule
-
 log = logging.getLogger(__name__)
 
 _VALID_LOGGER_CHOICES = "True, False, a trainer.loggers.Logger or a list of them"
@@ -291,25 +289,6 @@ def _write_hparams(log_dir: str, merged: dict[str, Any], params: Any) -> None:
 def _tensorboard_available() -> bool:
     """True when the tensorboard package can be found (without importing it: that takes ~0.5 s)."""
     return importlib.util.find_spec("tensorboard") is not None
-
-
-def log_fit_start(loggers: list[Logger], task: TaskModule, options: dict[str, Any], *, summary: bool) -> None:
-    """Rank 0, at the start of ``fit``: the model summary line (when ``summary``) and the hyperparameters
-    (the resolved Trainer options, and the task's ``hparams`` unless ``save_hyperparameters(logger=False)``)."""
-    if summary:
-        params = list(task.parameters())
-        total = sum(p.numel() for p in params)
-        trainable = sum(p.numel() for p in params if p.requires_grad)
-        size_mb = sum(p.numel() * p.element_size() for p in params) / 2**20
-        log.info(
-            "%s: %s parameters (%s trainable), %.2f MB.", type(task).__name__, f"{total:,}", f"{trainable:,}", size_mb
-        )
-    hparams: dict[str, Any] = {"trainer": options}
-    if task.hparams and task._log_hyperparams:
-        hparams["task"] = dict(task.hparams)
-    for logger in loggers:
-        logger.log_hyperparams(hparams)
-        logger.log_graph(task)  # Lightning's order: the hyperparameters, then the graph
 
 
 def default_loggers(option: Any, default_root_dir: str | None, *, name: str = "keel_logs") -> list[Logger]:

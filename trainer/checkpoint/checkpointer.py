@@ -1,0 +1,338 @@
+"""The run's checkpoints: :class:`Checkpointer` holds what a save holds, writes it and loads it back.
+
+The Trainer owns one. A save is ``Checkpointer.save`` -> :func:`trainer.checkpoint.store.save` (the commit protocol)
+-> ``dcp.save``; a resume is ``Checkpointer.load`` -> :func:`trainer.checkpoint.reader.load` (verify, then
+``dcp.load``). What varies between strategies is how the model and optimizer state dicts are taken
+(``Strategy.model_state_dict`` and the rest, through :mod:`trainer.checkpoint.stateful`); nothing here asks which
+strategy runs. The Trainer is never read: it hands in the objects (:meth:`Checkpointer.track`) and three hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainer.checkpoint import store
+from trainer.checkpoint.files import (
+    FORMAT_VERSION,
+    K_CALLBACKS,
+    K_DATAMODULE,
+    K_FORMAT,
+    K_HPARAMS,
+    K_KEEL_VERSION,
+    K_LOOP,
+    K_OPTIMIZERS,
+    K_OPTIONS,
+    K_RNG,
+    K_SCALER,
+    K_SCHEDULERS,
+    K_STATE_DICT,
+    K_STREAMS,
+    K_WORLD_SIZE,
+    KEEL_VERSION,
+    CheckpointError,
+    CorruptCheckpointError,
+    refuse_non_finite,
+    save_file,
+)
+from trainer.checkpoint.reader import load, resolve_best, resolve_last
+from trainer.checkpoint.stateful import (
+    CallbackStates,
+    KeyedState,
+    ModelState,
+    OptimizerStates,
+    RNGStates,
+    SchedulerStates,
+    Value,
+    plain,
+    plain_hparams,
+)
+from trainer.data.streams import Stream, StreamPositions
+from trainer.distributed import comm
+from trainer.distributed.launcher import run_identity
+from trainer.options import SEED_DEFAULT, TrainerOptions, resolve_seed
+from trainer.state import TrainState
+from trainer.storage import location
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.checkpoint.async_save import AsyncCheckpointer
+    from trainer.distributed.strategy import Strategy
+
+log = logging.getLogger(__name__)
+
+Hook = Callable[[dict[str, Any]], None]
+
+
+class Checkpointer:
+    """Saves the run as one folder and loads one back into it; the Trainer owns one.
+
+    Args:
+        strategy: how the model and optimizer state dicts are taken and loaded.
+        options: the Trainer's options (saved with the run; ``seed``, ``stream_reshard``, ``initial_weights``).
+        state: the loop's :class:`~trainer.state.TrainState`.
+        scaler: the precision plugin (the loss scaler's state).
+        callbacks: the Trainer's callbacks (their states; ``ModelCheckpoint`` resolves ``last`` and ``best``).
+        device, rank, world_size: where this process runs.
+        before_save: called with the path before anything is written (the watchdog's phase, the non-finite
+            check); ``on_save`` / ``on_load``: the ``on_save_checkpoint`` / ``on_load_checkpoint`` hooks, with the
+            checkpoint dict.
+    """
+
+    def __init__(
+        self,
+        *,
+        strategy: Strategy,
+        options: TrainerOptions,
+        state: TrainState,
+        scaler: Any,
+        callbacks: Sequence[KeyedState],
+        device: torch.device,
+        rank: int,
+        world_size: int,
+        before_save: Callable[[str], None],
+        on_save: Hook,
+        on_load: Hook,
+    ) -> None:
+        self.strategy, self.options, self.state, self.scaler = strategy, options, state, scaler
+        self.callbacks, self.device, self.rank, self.world_size = callbacks, device, rank, world_size
+        self.before_save, self.on_save, self.on_load = before_save, on_save, on_load
+        self.task: torch.nn.Module | None = None  # the TaskModule
+        self.datamodule: Any = None  # a DataModule: saved with its state_dict() / load_state_dict()
+        self.optimizers: Sequence[torch.optim.Optimizer] = ()
+        self.schedulers: Sequence[Any] = ()
+        self.stream: Stream | None = None  # the training loader's position, when it keeps one
+        self.sampler: Any = None  # keel's training sampler: resumes with the saved seed
+        self.loaded_path: str | None = None  # Lightning's trainer.ckpt_path: what the last load read
+        self._initial_weights_of: torch.nn.Module | None = None  # the task Trainer(initial_weights=...) went into
+
+    def track(
+        self,
+        task: torch.nn.Module,
+        *,
+        datamodule: Any,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        schedulers: Sequence[Any] = (),
+        stream: Stream | None = None,
+        sampler: Any = None,
+    ) -> None:
+        """The stage's objects: its task and datamodule; in fit also its optimizers, schedulers and the training
+        loader's stream and sampler (a stream's position and the sampler's seed are saved). An evaluation stage of
+        the task a fit trained keeps the fit's objects: ``save_checkpoint`` after ``validate`` saves the whole run."""
+        if task is not self.task or optimizers:
+            self.optimizers, self.schedulers, self.stream, self.sampler = optimizers, schedulers, stream, sampler
+        self.task, self.datamodule = task, datamodule
+
+    # ------------------------------------------------------------------ what a save holds
+    def objects(self, *, full: bool = True, path: str = "") -> dict[str, Any]:
+        """Checkpoint key -> object with ``state_dict()`` / ``load_state_dict()``. ``full=False``: the weights
+        only (validate / test / predict from a checkpoint). ``path``: the save being loaded, for messages."""
+        task = self.task
+        assert task is not None
+        objects: dict[str, Any] = {K_STATE_DICT: ModelState(self.strategy, task)}
+        if not full:
+            return objects
+        options, state, sampler = self.options, self.state, self.sampler
+
+        def fallback_seed() -> int:  # a rank the save did not have
+            return (options.seed or 0) + 1_000_003 * (self.rank + 1) + state.global_step
+
+        objects.update(
+            {
+                K_OPTIMIZERS: OptimizerStates(self.strategy, task, list(self.optimizers)),
+                K_SCHEDULERS: SchedulerStates(list(self.schedulers)),
+                K_SCALER: self.scaler,
+                K_CALLBACKS: CallbackStates(self.callbacks),
+            }
+        )
+        if self.datamodule is not None:
+            objects[K_DATAMODULE] = self.datamodule
+        objects[K_LOOP] = state
+        objects[K_STREAMS] = StreamPositions(  # after the loop: it reads where the loop resumes
+            self.stream,
+            state,
+            rank=self.rank,
+            world_size=self.world_size,
+            reshard=options.stream_reshard,
+            path=path,
+        )
+        objects[K_RNG] = RNGStates(self.device, self.rank, fallback_seed)
+        announce = self.rank == 0
+        objects[K_OPTIONS] = Value(
+            plain(options.resolved()), lambda saved: resume_seed(options, saved, sampler, announce=announce)
+        )
+        if hparams := getattr(task, "hparams", None):
+            objects[K_HPARAMS] = Value(plain_hparams(dict(hparams)))
+        return objects
+
+    # ------------------------------------------------------------------ save
+    def save(
+        self,
+        path: str | os.PathLike,
+        *,
+        weights_only: bool = False,
+        background: AsyncCheckpointer | None = None,
+        on_commit: Callable[[], None] | None = None,
+        lightning_file: bool = False,
+    ) -> None:
+        """The whole run as one save folder (:func:`trainer.checkpoint.store.save`; ``background``: written by
+        that checkpointer's thread), or ``weights_only``: one plain file (weights, hyperparameters, step and
+        epoch). ``on_commit`` runs on rank 0 once the save is committed. A collective: every rank calls it."""
+        path = location(path, "save_checkpoint(path)")
+        task = self.task
+        assert task is not None, "save_checkpoint needs a task (call it during or after fit)"
+        self.before_save(os.fspath(path))
+        state = self.state
+        if not weights_only:
+            identity = {
+                "run": run_identity() or "",
+                "step": state.global_step,
+                "epoch": state.current_epoch,
+                "world_size": self.world_size,
+            }
+            store.save(
+                path,
+                self.objects(),
+                identity=identity,
+                on_save=self.on_save,
+                finite=lambda: self.strategy.weights_finite(task),
+                checkpointer=background,
+                commit=on_commit,
+                lightning_file=lightning_file,
+            )
+            return
+        refuse_non_finite(self.strategy.weights_finite(task), path, state.global_step)
+        checkpoint: dict[str, Any] = {
+            K_FORMAT: FORMAT_VERSION,
+            K_KEEL_VERSION: KEEL_VERSION,
+            K_STATE_DICT: self.strategy.full_model_state_dict(task),
+            K_LOOP: state.state_dict(),
+            K_OPTIONS: plain(self.options.resolved()),
+            K_WORLD_SIZE: self.world_size,
+            "epoch": state.current_epoch,
+            "global_step": state.global_step,
+        }
+        if hparams := getattr(task, "hparams", None):
+            checkpoint[K_HPARAMS] = plain_hparams(dict(hparams))
+        self.on_save(checkpoint)
+        if self.rank == 0:
+            save_file(checkpoint, path)
+        comm.barrier(self.device)
+        if on_commit is not None and self.rank == 0:
+            on_commit()
+
+    # ------------------------------------------------------------------ load
+    def load(self, ckpt_path: str | None, *, full: bool) -> float:
+        """Load ``ckpt_path`` (a path, ``"last"`` or ``"best"``): the whole run (``full``, fit) or the weights;
+        the seconds it took. ``"last"`` falls back to the previous committed save when the newest is damaged.
+        No checkpoint (None, or ``"last"`` before the first save): ``Trainer(initial_weights=...)``."""
+        if ckpt_path is None:
+            return self.initial_weights()
+        began = time.perf_counter()
+        if ckpt_path not in ("last", "best"):
+            ckpt_path = location(ckpt_path, "ckpt_path")
+        candidates = self._candidates(ckpt_path)
+        if not candidates:
+            log.info("ckpt_path='last': no checkpoint saved yet; starting from scratch.")
+            self.initial_weights()
+            return time.perf_counter() - began
+        task = self.task
+        assert task is not None
+        required = (K_OPTIMIZERS, K_SCHEDULERS, K_LOOP) if full else ()
+        for i, path in enumerate(candidates):
+            self.loaded_path = path
+            try:
+                load(path, self.objects(full=full, path=path), on_load=self.on_load, required=required)
+            except CorruptCheckpointError as exc:
+                if ckpt_path not in ("last", "best") or i + 1 == len(candidates):
+                    raise
+                log.warning(
+                    "%s Falling back to the next candidate for ckpt_path=%r, %s.", exc, ckpt_path, candidates[i + 1]
+                )
+                continue
+            break
+        self._initial_weights_of = task  # a later stage keeps these weights (initial_weights is not read over them)
+        log.info("Restored %s from %s.", "the run" if full else "the weights", self.loaded_path)
+        if full:
+            log.info("Resumed at global step %d, epoch %d.", self.state.global_step, self.state.current_epoch)
+        return time.perf_counter() - began
+
+    def initial_weights(self) -> float:
+        """``Trainer(initial_weights=...)`` into the task, once per task (a later stage keeps what it trained); the
+        seconds it took. Not called when a checkpoint is restored: its weights win."""
+        opts, task = self.options, self.task
+        if opts.initial_weights is None or task is None or self._initial_weights_of is task:
+            return 0.0
+        from trainer.checkpoint.initial import load_initial_weights
+
+        began = time.perf_counter()
+        load_initial_weights(
+            task, opts.initial_weights, rename=opts.initial_weights_rename, strict=opts.initial_weights_strict
+        )
+        self._initial_weights_of = task
+        return time.perf_counter() - began
+
+    def _candidates(self, ckpt_path: str) -> list[str]:
+        """The saves to try, in order, decided on rank 0 and broadcast (an error on rank 0 is raised everywhere)."""
+        if ckpt_path not in ("last", "best"):
+            return [str(ckpt_path)]
+        callback: Any = next((cb for cb in self.callbacks if getattr(cb, "is_model_checkpoint", False)), None)
+        if callback is None:
+            raise ValueError(f'ckpt_path="{ckpt_path}" needs a ModelCheckpoint callback (enable_checkpointing=True).')
+        dirpath = getattr(callback, "dirpath", None)
+        assert dirpath is not None  # set in the callback's setup, before any checkpoint is restored
+        found: list[str] | str = []
+        if self.rank == 0:
+            try:
+                if ckpt_path == "last":
+                    found = resolve_last(dirpath)
+                else:
+                    found = resolve_best(dirpath, callback.state_key, callback.best_k_models, callback.mode)
+                    if not found:
+                        found = f'ckpt_path="best": no best checkpoint is known (no monitored save in {dirpath}).'
+            except CheckpointError as exc:
+                found = str(exc)
+        found = comm.broadcast_object(found)
+        if isinstance(found, str):
+            raise (CheckpointError if ckpt_path == "last" else ValueError)(found)
+        return found
+
+
+def resume_seed(options: TrainerOptions, saved_options: Any, sampler: Any, *, announce: bool) -> None:
+    """A full restore read the interrupted run's options (``saved_options``): resume with its seed. The training
+    ``sampler`` (keel's, or None) was built with this run's seed before the checkpoint was read, and its shuffle
+    is what the seed still decides (the generators come back from the checkpoint).
+
+    When this run got no seed (no ``Trainer(seed=...)``, no ``seed_everything``) it takes the checkpoint's, so a
+    run started with ``seed_everything(42)`` resumes exactly from a script that does not call it; when it got
+    another one, that one is kept with a warning: the data order from here on differs from the interrupted run's.
+    """
+    recorded = saved_options.get("seed") if isinstance(saved_options, dict) else None
+    if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded == (options.seed or 0):
+        return
+    source = resolve_seed(options)
+    if source != SEED_DEFAULT:
+        if announce:
+            log.warning(
+                "The checkpoint was written by a run with seed %d; this run uses seed %s (from %s), so its data "
+                "order differs from the interrupted run's. Pass Trainer(seed=%d) or call seed_everything(%d) to "
+                "resume it exactly.",
+                recorded,
+                options.seed,
+                source,
+                recorded,
+                recorded,
+            )
+        return
+    options.seed = recorded
+    if sampler is not None and hasattr(sampler, "load_state_dict"):
+        sampler.load_state_dict({**sampler.state_dict(), "seed": recorded})
+    if announce:
+        log.info(
+            "Seed %d from the checkpoint (this run got no seed): the resumed run shuffles as the interrupted one.",
+            recorded,
+        )
