@@ -30,7 +30,7 @@ from trainer.data.loaders import AdaptedLoader, EpochPlan, plan_epoch, warn_if_u
 from trainer.data.transfer import BatchCopier
 from trainer.distributed import comm, launcher
 from trainer.distributed import watchdog as wd
-from trainer.distributed.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher
+from trainer.distributed.preemption import PreemptionWatcher
 from trainer.distributed.selection import select_strategy
 from trainer.distributed.strategy import StepAdapter, Strategy
 from trainer.estimate import MemoryPlan
@@ -554,6 +554,8 @@ class Trainer(TrainerAttributes):
             if stepped and val_loaders and self.val_check_due:
                 self._evaluate("validate", val_loaders)
             self._beat(wd.PHASE_PREEMPTION_CHECK)  # a signal seen here, or every preempt_every steps ranks agree
+            if preemption.requested and not preemption.announced:
+                preemption.announce(self.global_step, next_check=self._next_preemption_check(preempt_every))
             if (
                 stepped
                 and (preemption.requested or (multi_rank and self.global_step % preempt_every == 0))
@@ -561,7 +563,7 @@ class Trainer(TrainerAttributes):
                     self.global_step, device=self.device, world_size=self.world_size, interval=preempt_every
                 )
             ):
-                self._save_and_exit(preemption.signal_name)
+                self._save_and_exit()
             # should_stop (callbacks) takes effect at an optimizer-step boundary, never inside a window.
             if (self._stop_requested and self.should_stop) or (max_steps != -1 and self.global_step >= max_steps):
                 completed = micro.is_epoch_end
@@ -570,25 +572,36 @@ class Trainer(TrainerAttributes):
         normaliser.report_zero_steps(self.current_epoch)  # device-decided zero-item steps: one read per epoch
         self._epoch_end(val_loaders, completed=completed)
 
-    def _save_and_exit(self, signal_name: str | None) -> None:
-        """At the step boundary where the ranks agreed on preemption: save (the ModelCheckpoint's forced save, or
-        a plain checkpoint in the run directory) and exit with ``PREEMPTED_EXIT_CODE`` so that the launcher
-        restarts the job. Every rank calls it (saving is collective)."""
+    def _next_preemption_check(self, every: int) -> str:
+        if self.world_size == 1:
+            return "now"
+        return f"at step {(self.global_step // every + 1) * every}, where the ranks agree"
+
+    def _save_and_exit(self) -> None:
+        """At the step boundary where the ranks agreed on a signal: save (the ModelCheckpoint's forced save, or
+        a plain checkpoint in the run directory) and exit: after a preemption signal with ``PREEMPTED_EXIT_CODE``
+        so that the launcher restarts the job, after Ctrl-C with 130. Every rank calls it (saving is collective);
+        rank 0 logs one line."""
+        watcher = self._preemption
+        suffix = "-interrupted" if watcher.interrupted else "-preempted"
         callback = self.checkpoint_callback
         if callback is not None:
-            path = callback.save(self, suffix="-preempted", force=True)
+            path = callback.save(self, suffix=suffix, force=True)
         else:
-            path = os.path.join(self.log_dir, "checkpoints", f"preempted-step={self.global_step}.ckpt")
+            path = os.path.join(self.log_dir, "checkpoints", f"{suffix[1:]}-step={self.global_step}.ckpt")
             self.save_checkpoint(path)
-        log.warning(
-            "Preempted (%s) at step %d: saved %s; exiting with code %d so the launcher restarts the "
-            "job (resume with ckpt_path='last').",
-            signal_name or "signal on another rank",
-            self.global_step,
-            path,
-            PREEMPTED_EXIT_CODE,
-        )
-        raise SystemExit(PREEMPTED_EXIT_CODE)
+        if self.is_global_zero:
+            what = "Stopped by Ctrl-C" if watcher.interrupted else f"Preempted ({watcher.signal_name or 'a signal'})"
+            then = "run the same command again" if watcher.interrupted else "the launcher restarts the job"
+            log.warning(
+                "%s at step %d: saved %s; exiting with code %d (%s: ckpt_path='last' resumes it).",
+                what,
+                self.global_step,
+                path,
+                watcher.exit_code,
+                then,
+            )
+        raise SystemExit(watcher.exit_code)
 
     def _end_unusual_window(self, micro: MicroBatch, normaliser: StepNormaliser) -> bool:
         """The end of a window under manual optimization or ``drop_incomplete_accumulation``; True: a step."""

@@ -16,7 +16,7 @@ from trainer import Trainer
 from trainer.checkpoint.files import CheckpointError, read_pointer
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.checkpoint.reader import export_weights, load_weights
-from trainer.distributed.preemption import PREEMPTED_EXIT_CODE
+from trainer.distributed.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 SCRIPT = REPO_ROOT / "tests" / "harness" / "scripts" / "resume_fit.py"
 
@@ -112,6 +112,22 @@ def test_sigterm_on_one_rank_stops_both(tmp_path: Path, ddp_reference: list[dict
     assert first.returncode != 0
     # Checked every 2 steps (preemption_check_interval=2): both ranks agree at step 4 and save there.
     assert "step=4-preempted" in read_pointer(tmp_path / "ck")[0]
+    spawn_ranks(SCRIPT, *args, "--resumed", nproc=2, timeout=180).check()
+    for rank in (0, 1):
+        assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])
+
+
+def test_ctrl_c_on_two_ranks_saves_stops_quietly_and_resumes_exactly(
+    tmp_path: Path, ddp_reference: list[dict]
+) -> None:
+    """Ctrl-C reaches every rank (twice, as torchrun's agent forwards the terminal's SIGINT): the ranks agree at
+    the next check (every 2 steps), save, rank 0 logs one line, and every rank exits 130 without a traceback."""
+    args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck")]
+    first = spawn_ranks(SCRIPT, *args, "--sigint-at", "3", nproc=2, timeout=180)
+    assert first.returncode == INTERRUPTED_EXIT_CODE, first.tail()
+    assert "step=4-interrupted" in read_pointer(tmp_path / "ck")[0]
+    assert first.stdout.count("Stopped by Ctrl-C at step 4") == 1 and "Traceback" not in first.stdout
+    assert first.stdout.count("SIGINT received at step 3") == 2  # each rank says once that it heard it
     spawn_ranks(SCRIPT, *args, "--resumed", nproc=2, timeout=180).check()
     for rank in (0, 1):
         assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])

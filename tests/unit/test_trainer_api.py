@@ -418,3 +418,25 @@ def test_fast_dev_run_writes_no_logs_and_no_checkpoints(tmp_path) -> None:
     trainer.fit(Regression(), loader(regression_data(), 8), loader(regression_data(16), 8))
     assert trainer.global_step == 1 and trainer.loggers == [] and trainer.checkpoint_callback is not None
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == []
+
+
+def test_a_second_ctrl_c_stops_at_once_but_a_forwarded_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first SIGINT asks for a save at the next step; the same keypress passed on by a launcher within a
+    second changes nothing; a second Ctrl-C after that raises KeyboardInterrupt (no save)."""
+    import signal
+
+    from trainer.distributed import preemption
+
+    clock = [100.0]
+    monkeypatch.setattr(preemption.time, "monotonic", lambda: clock[0])
+    watcher = preemption.PreemptionWatcher()
+    watcher._handle(signal.SIGINT, None)
+    clock[0] += 0.01
+    watcher._handle(signal.SIGINT, None)  # torchrun's agent forwarding the terminal's Ctrl-C
+    assert watcher.requested and watcher.interrupted and watcher.exit_code == 130
+    clock[0] += 2.0
+    with pytest.raises(KeyboardInterrupt):
+        watcher._handle(signal.SIGINT, None)
+    sigterm = preemption.PreemptionWatcher()
+    sigterm._handle(signal.SIGTERM, None)
+    assert sigterm.requested and not sigterm.interrupted and sigterm.exit_code == 75

@@ -318,6 +318,7 @@ class ModelCheckpoint(Callback):
         self._checkpointer.wait(raise_errors=False)  # finish (commit) the save in flight; the run's error wins
         if (
             self.save_on_exception
+            and not isinstance(exception, KeyboardInterrupt)  # a second Ctrl-C: stop now, as asked
             and trainer.state_stage == "fit"
             and trainer.optimizers
             and trainer.global_step != self._last_saved_step

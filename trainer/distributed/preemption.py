@@ -1,10 +1,13 @@
-"""Preemption: SIGTERM / SIGUSR1 set a flag; the Trainer acts on it at a step boundary.
+"""Preemption and Ctrl-C: SIGTERM / SIGUSR1 / SIGINT set a flag; the Trainer acts on it at a step boundary.
 
 Handlers only set a flag (docs/design.md section 10). At the next check the ranks agree with one tiny
-all-reduce (max of the flags), save a checkpoint and exit with :data:`PREEMPTED_EXIT_CODE` so that
-torchrun (``--max-restarts``) or SLURM (``--requeue``) starts the job again, which resumes from
-``ckpt_path="last"``. In a single process the flag is read on every step (no collective); in a
-distributed run on logging steps, where a collective happens anyway, or every
+all-reduce (max of the flags), save a checkpoint and exit: with :data:`PREEMPTED_EXIT_CODE` after SIGTERM or
+SIGUSR1, so that torchrun (``--max-restarts``) or SLURM (``--requeue``) starts the job again, which resumes from
+``ckpt_path="last"``; with :data:`INTERRUPTED_EXIT_CODE` after Ctrl-C (SIGINT on any rank). A second Ctrl-C
+raises ``KeyboardInterrupt`` at once; one that follows the first within :data:`FORWARDED_WITHIN` seconds is the
+same keypress forwarded by a launcher (torchrun's agent passes the terminal's SIGINT on to its workers, which the
+terminal already signalled), not a second one. In a single process the flag is read on every step (no
+collective); in a distributed run on logging steps, where a collective happens anyway, or every
 ``preemption_check_interval`` steps when set.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -24,7 +28,12 @@ from trainer.distributed import comm
 log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
-SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s is not None)
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a program stopped by Ctrl-C
+SIGNALS = tuple(
+    s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None), signal.SIGINT) if s is not None
+)
+FORWARDED_WITHIN = 1.0  # seconds: a SIGINT this soon after the first is the launcher passing it on
+PREEMPT, INTERRUPT = 1.0, 2.0  # the flags the ranks agree on (the largest wins: Ctrl-C on any rank)
 
 
 class PreemptionWatcher:
@@ -32,17 +41,40 @@ class PreemptionWatcher:
 
     def __init__(self) -> None:
         self.requested = False
+        self.interrupted = False  # Ctrl-C (SIGINT) rather than a preemption signal
+        self.announced = False
         self.signal_name: str | None = None
+        self._interrupted_at: float | None = None
         self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}  # signal.signal's
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._interrupted_at is not None and now - self._interrupted_at > FORWARDED_WITHIN:
+                raise KeyboardInterrupt  # the second Ctrl-C: stop now, without the save
+            if self._interrupted_at is None:
+                self._interrupted_at, self.interrupted = now, True
         self.requested = True  # nothing else: the loop acts on it at a step boundary
-        self.signal_name = signal.Signals(signum).name
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+
+    def announce(self, global_step: int, *, next_check: str) -> None:
+        """Once per process, at the first step boundary after the signal: say that it arrived and when the
+        run saves (logging is not safe inside a signal handler, so the loop calls this)."""
+        self.announced = True
+        log.warning(
+            "%s received at step %d: the run saves and stops %s%s.",
+            self.signal_name,
+            global_step,
+            next_check,
+            " (press Ctrl-C again to stop at once, without saving)" if self.interrupted else "",
+        )
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             log.warning("Trainer.fit runs outside the main thread: preemption signals are not handled.")
             return
+        self.requested = self.interrupted = self.announced = False
+        self.signal_name = self._interrupted_at = None
         for signum in SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
 
@@ -61,9 +93,16 @@ class PreemptionWatcher:
         return self.agreed(device, world_size=world_size)
 
     def agreed(self, device: torch.device, *, world_size: int) -> bool:
-        """True when any rank got a signal. Collective when ``world_size > 1``: all ranks call it at the same step."""
+        """True when any rank got a signal (then :attr:`interrupted` says whether any got Ctrl-C). Collective
+        when ``world_size > 1``: all ranks call it at the same step."""
         if world_size == 1:
             return self.requested
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        flag = torch.tensor([INTERRUPT if self.interrupted else PREEMPT if self.requested else 0.0], device=device)
         comm.all_reduce(flag, "max")
-        return bool(flag.item() > 0)
+        agreed = float(flag.item())
+        self.interrupted = self.interrupted or agreed == INTERRUPT
+        return agreed > 0
+
+    @property
+    def exit_code(self) -> int:
+        return INTERRUPTED_EXIT_CODE if self.interrupted else PREEMPTED_EXIT_CODE

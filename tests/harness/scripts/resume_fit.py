@@ -4,6 +4,8 @@ Faults on demand (first attempt only, TORCHELASTIC_RESTART_COUNT == 0 or unset):
   --crash-at S        raise an exception at step S (after that step's checkpoint)
   --kill-at S         SIGKILL rank --kill-rank at step S (before that step's checkpoint)
   --sigterm-at S      SIGTERM to rank --kill-rank at step S (keel saves and exits 75)
+  --sigint-at S       Ctrl-C at step S: SIGINT to every rank, twice within a few ms as under torchrun (the
+                      terminal's, then the agent's forward); keel saves and exits 130
   --check-on-logging-steps   preemption checked on the logging steps (every 3), not every 2 steps
   --kill-in-save-at S SIGKILL rank 0 halfway through committing the checkpoint of step S (a torn keel.pt)
   --kill-mid-upload-at S  SIGKILL rank --kill-rank inside its first write of step S's save, its data file half
@@ -79,6 +81,9 @@ class Faults(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if step == self.args.sigterm_at and mine:
             os.kill(os.getpid(), signal.SIGTERM)
+        if step == self.args.sigint_at:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
         if step == self.args.kill_in_save_at and mine:
 
             def torn_finish(job, files):  # rank 0, once every rank's data files are written: keel.pt torn
@@ -118,6 +123,7 @@ def main() -> None:
     parser.add_argument("--crash-at", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--sigterm-at", type=int, default=-1)
+    parser.add_argument("--sigint-at", type=int, default=-1)
     parser.add_argument(
         "--check-on-logging-steps",
         action="store_true",
