@@ -111,6 +111,33 @@ def setup_stage(trainer: Trainer, stage: str) -> None:
         metrics.clear()
 
 
+def seed_at_construction(seed: int | None, rank: int) -> None:
+    """``Trainer(...)`` seeds the generators at once (``seed + rank``, as each stage does again), so a task built
+    after the Trainer draws the same weights in every run."""
+    if seed is not None:
+        _seed_generators(seed + rank)
+
+
+def warn_unseeded_task(task: TaskModule, seed: int | None) -> None:
+    """Rank 0, at the start of a fit: say it when the task's weights were drawn before any seed was set (built
+    before the Trainer and before ``seed_everything``): two runs of the script then start from different weights,
+    whatever the Trainer's seed. Once per task."""
+    drawn = getattr(task, "_built_with_seed", None)
+    if seed is None or drawn is None or drawn < 2**32 or getattr(task, "_unseeded_warned", False):
+        return
+    if not any(p.device.type != "meta" for p in task.parameters()):
+        return  # nothing drawn yet: configure_model builds the layers, after the stage's seeding
+    task.__dict__["_unseeded_warned"] = True
+    log.warning(
+        "%s's weights were drawn before any seed was set (the task was built before the Trainer and before "
+        "seed_everything), so two runs of this script start from different weights although the run is seeded "
+        "(seed %d). Build the task after Trainer(...), or call seed_everything(%d) first.",
+        type(task).__name__,
+        seed,
+        seed,
+    )
+
+
 def stage_seed(trainer: Trainer, stage: str) -> int | None:
     """The seed this stage uses (``trainer.options.seed``, resolved again now: ``Trainer(seed=...)``, else the
     program's ``seed_everything(n)``, else 0; :func:`trainer.options.resolve_seed`), logged on rank 0 with where

@@ -132,6 +132,9 @@ class TaskModule(DataHooks, HyperparametersMixin, nn.Module):
         # Lightning's switch: False means training_step calls manual_backward and optimizer.step itself.
         self.automatic_optimization = True
         self._toggled: dict[torch.nn.Parameter, bool] | None = None
+        # The CPU generator's seed when the task was built: torch's unseeded default is a random 64-bit number, so a
+        # value >= 2**32 means the weights drawn in __init__ come from no seed (trainer.lifecycle.warn_unseeded_task).
+        self._built_with_seed = torch.initial_seed()
 
     # ------------------------------------------------------------------ read-only run state
     @property

@@ -85,6 +85,7 @@ class Trainer(TrainerAttributes):
         self.world_size, self.is_global_zero = self.env.world_size, self.env.rank == 0
         check_lightning_keywords(opts, self.env)  # devices / num_nodes / strategy against the launcher
         configure_logging(self.env.rank)
+        lifecycle.seed_at_construction(opts.seed, self.env.rank)  # a task built after the Trainer is repeatable
         self.device = comm.select_device(cast("comm.Accelerator", opts.accelerator), self.env)  # checked in options
         self._precision = Precision(opts.precision, self.device)
         self._moves_batches = self.device.type != "cpu" or self._precision.param_dtype is not None
@@ -348,6 +349,8 @@ class Trainer(TrainerAttributes):
             self._logged_options = True
         lifecycle.setup_stage(self, stage)
         assert self.task is not None
+        if stage == "fit" and self.is_global_zero:
+            lifecycle.warn_unseeded_task(self.task, self.options.seed)
         # configure_model, then the task on its device in its dtype; how (whole, or sharded first and materialised
         # shard by shard) is the strategy's business.
         self.strategy.prepare_model(self.task, dtype=self._precision.param_dtype)

@@ -117,9 +117,7 @@ def test_sigterm_on_one_rank_stops_both(tmp_path: Path, ddp_reference: list[dict
         assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])
 
 
-def test_ctrl_c_on_two_ranks_saves_stops_quietly_and_resumes_exactly(
-    tmp_path: Path, ddp_reference: list[dict]
-) -> None:
+def test_ctrl_c_on_two_ranks_saves_stops_quietly_and_resumes_exactly(tmp_path: Path, ddp_reference: list[dict]) -> None:
     """Ctrl-C reaches every rank (twice, as torchrun's agent forwards the terminal's SIGINT): the ranks agree at
     the next check (every 2 steps), save, rank 0 logs one line, and every rank exits 130 without a traceback."""
     args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck")]

@@ -440,3 +440,13 @@ def test_a_second_ctrl_c_stops_at_once_but_a_forwarded_one_does_not(monkeypatch:
     sigterm = preemption.PreemptionWatcher()
     sigterm._handle(signal.SIGTERM, None)
     assert sigterm.requested and not sigterm.interrupted and sigterm.exit_code == 75
+
+
+def test_a_task_built_after_the_trainer_draws_the_seeded_weights() -> None:
+    """Trainer(seed=3) seeds the generators when it is built (seed + rank), so a task built after it starts from
+    the same weights in every run; without it the weights came from torch's random default seed."""
+    torch.seed()  # an unseeded process
+    Trainer(seed=3, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    built = torch.nn.Linear(4, 2).weight.detach().clone()
+    torch.manual_seed(3)
+    assert torch.equal(built, torch.nn.Linear(4, 2).weight)
