@@ -151,6 +151,7 @@ class Trainer(TrainerAttributes):
         self._skip_nonfinite = opts.on_nonfinite == "skip"
         self._dynamo_ctx: Any = None  # torch.compile settings when fit() got torch.compile(task)
         self._preemption = PreemptionWatcher()
+        self._continues_run = False  # fit(ckpt_path="last"): continue the newest run directory, not a new version
         self._watchdog: wd.Watchdog | None = None
         self._manual: ManualOptimization | None = None  # built per fit (TaskModule.optimizers() wraps with it)
         self._manual_mode = False  # task.automatic_optimization is False for this fit
@@ -206,6 +207,7 @@ class Trainer(TrainerAttributes):
     ) -> None:
         """Train ``model`` (a TaskModule, or ``torch.compile(task)``; Lightning's parameter name). A DataModule
         may come second, as in Lightning. ``ckpt_path`` resumes from a checkpoint file, or ``"last"`` / ``"best"``."""
+        self._continues_run = ckpt_path == "last"  # the loggers continue the newest run directory
         self._run(
             "fit",
             model,
@@ -391,6 +393,7 @@ class Trainer(TrainerAttributes):
             stream=self._train.stream,
             sampler=self._train.sampler,
         )
+        self.checkpointer.begin(ckpt_path)  # the run's identity, and its claim on the checkpoint folder
         load_s = self.checkpointer.load(ckpt_path, full=True)
         resumed = self.state.continue_at(
             micro_batch=getattr(self._train.loader, "batch_size", None), replicas=self.strategy.data_parallel_size

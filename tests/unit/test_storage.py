@@ -20,6 +20,7 @@ import torch
 from models import Regression, loader, quiet, regression_data
 
 from trainer import Trainer, storage
+from trainer.checkpoint.claim import CLAIM_FILE
 from trainer.checkpoint.files import CorruptCheckpointError
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.checkpoint.reader import committed, export_weights, resolve_last
@@ -133,7 +134,8 @@ def test_resume_from_object_storage_equals_the_uninterrupted_run(bucket: str, as
     resumed, callback = fit(bucket + "/resumed", 8, ckpt_path="last", async_save=async_save)
     assert same_weights(full, resumed)
     names = objects(bucket + "/resumed")
-    assert "last" in names and all(n.count("/") == 2 or n == "last" or n.endswith(MANIFEST_FILE) for n in names), names
+    top = ("last", CLAIM_FILE)  # the pointer, and the run's claim on the folder
+    assert "last" in names and all(n.count("/") == 2 or n in top or n.endswith(MANIFEST_FILE) for n in names), names
     export_weights(callback.best_model_path, bucket + "/weights.pt")  # reads from the store, writes to it
     weights = torch.load(fsspec.open(bucket + "/weights.pt").open(), weights_only=True)
     expected = resumed.state_dict()

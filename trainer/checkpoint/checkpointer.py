@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.checkpoint import store
+from trainer.checkpoint import claim, store
 from trainer.checkpoint.files import (
     FORMAT_VERSION,
     K_CALLBACKS,
@@ -40,7 +41,7 @@ from trainer.checkpoint.files import (
     refuse_non_finite,
     save_file,
 )
-from trainer.checkpoint.reader import load, resolve_best, resolve_last
+from trainer.checkpoint.reader import committed_runs, load, read_manifest, resolve_best, resolve_last, save_folder
 from trainer.checkpoint.stateful import (
     CallbackStates,
     KeyedState,
@@ -108,6 +109,10 @@ class Checkpointer:
         self.stream: Stream | None = None  # the training loader's position, when it keeps one
         self.sampler: Any = None  # keel's training sampler: resumes with the saved seed
         self.loaded_path: str | None = None  # Lightning's trainer.ckpt_path: what the last load read
+        # The run's identity, in every manifest and in the claim on the checkpoint folder: the launcher's job id
+        # (a restart or requeue is the same run), else this Trainer's own; ckpt_path="last" adopts the folder's.
+        self.run_id = run_identity() or f"keel:{uuid.uuid4().hex[:12]}"
+        self.claimed: str | None = None  # the checkpoint folder this run holds (begin)
         self._initial_weights_of: torch.nn.Module | None = None  # the task Trainer(initial_weights=...) went into
 
     def track(
@@ -189,7 +194,7 @@ class Checkpointer:
         state = self.state
         if not weights_only:
             identity = {
-                "run": run_identity() or "",
+                "run": self.run_id,
                 "step": state.global_step,
                 "epoch": state.current_epoch,
                 "world_size": self.world_size,
@@ -203,9 +208,11 @@ class Checkpointer:
                 checkpointer=background,
                 commit=on_commit,
                 lightning_file=lightning_file,
+                check=self._claim_check(path),
             )
             return
         refuse_non_finite(self.strategy.weights_finite(task), path, state.global_step)
+        check = self._claim_check(path)
         checkpoint: dict[str, Any] = {
             K_FORMAT: FORMAT_VERSION,
             K_KEEL_VERSION: KEEL_VERSION,
@@ -220,10 +227,92 @@ class Checkpointer:
             checkpoint[K_HPARAMS] = plain_hparams(dict(hparams))
         self.on_save(checkpoint)
         if self.rank == 0:
+            if check is not None:
+                check()
             save_file(checkpoint, path)
         comm.barrier(self.device)
         if on_commit is not None and self.rank == 0:
             on_commit()
+
+    # ------------------------------------------------------------------ the run and its folder
+    def begin(self, ckpt_path: str | None) -> None:
+        """Fit start, before anything is restored: decide the run's identity and claim its checkpoint folder
+        (rank 0 decides; every rank learns the run id, or raises rank 0's refusal). ``ckpt_path="last"``
+        continues the run that wrote the folder; an explicit save continues the run that wrote it; otherwise
+        this is a new run, which may not write a folder holding another run's saves.
+
+        Raises:
+            CheckpointError: another live process holds the folder, or it holds saves of another run and this
+                fit does not continue that run: naming the other run and the fix. Nothing is written or deleted.
+        """
+        callback = self._checkpoint_callback()
+        folder = getattr(callback, "dirpath", None) if callback is not None else None
+        if folder is None or self.options.fast_dev_run:  # a smoke test writes nothing (unless forced: no claim)
+            return
+        decided: tuple[str, str] = ("", "")
+        if self.rank == 0:
+            try:
+                decided = (self._claim(folder, ckpt_path), "")
+            except CheckpointError as exc:
+                decided = ("", str(exc))
+        run, error = comm.broadcast_object(decided)
+        if error:
+            raise CheckpointError(error)
+        self.run_id, self.claimed = run, os.fspath(folder)
+
+    def _claim(self, folder: str | os.PathLike, ckpt_path: str | None) -> str:
+        """Rank 0: the run this fit continues or starts, once ``folder`` is claimed for it."""
+        held = claim.read(folder)
+        saves = committed_runs(folder)
+        run = self.run_id
+        if ckpt_path == "last":
+            run = (held or {}).get("run") or next((r for _, r in saves if r), run)
+        elif ckpt_path not in (None, "best"):
+            run = _run_of(ckpt_path) or run
+        if held is not None:
+            live = claim.alive(held)
+            if live or (live is None and held.get("run") != run):
+                elsewhere = (
+                    f" If that run has stopped, delete {os.path.join(os.fspath(folder), claim.CLAIM_FILE)}."
+                    if live is None
+                    else ""
+                )
+                raise CheckpointError(
+                    f"Checkpoint folder {os.fspath(folder)!r} is being written by {claim.describe(held)}: two runs "
+                    "may not write one folder. Stop the other run, or give this one its own folder "
+                    f"(ModelCheckpoint(dirpath=...), or another logger version).{elsewhere}"
+                )
+        others = [(name, r) for name, r in saves if r and r != run]
+        if others:
+            name, other = others[0]
+            raise CheckpointError(
+                f"Checkpoint folder {os.fspath(folder)!r} holds saves of another run ({other!r}, newest {name}); "
+                "keel neither resumes nor deletes them from a new run. Continue that run with ckpt_path='last', or "
+                "give this run its own folder (ModelCheckpoint(dirpath=...), or another logger version)."
+            )
+        claim.write(folder, run)
+        return run
+
+    def _claim_check(self, path: str | os.PathLike) -> Callable[[], None] | None:
+        """Rank 0, before a save into the claimed folder is committed: the claim is still this run's."""
+        folder = self.claimed
+        if folder is None or os.path.dirname(os.fspath(path).rstrip("/")) != folder.rstrip("/"):
+            return None
+        run = self.run_id
+
+        def check() -> None:
+            held = claim.read(folder)
+            if not claim.mine(held, run):
+                who = claim.describe(held) if held is not None else "no run (its claim was removed)"
+                raise CheckpointError(
+                    f"Checkpoint folder {folder!r} is now held by {who}, not by this run ({run!r}): {path} was not "
+                    "committed, and nothing another run wrote was touched."
+                )
+
+        return check
+
+    def _checkpoint_callback(self) -> Any:
+        return next((cb for cb in self.callbacks if getattr(cb, "is_model_checkpoint", False)), None)
 
     # ------------------------------------------------------------------ load
     def load(self, ckpt_path: str | None, *, full: bool) -> float:
@@ -256,9 +345,15 @@ class Checkpointer:
                 continue
             break
         self._initial_weights_of = task  # a later stage keeps these weights (initial_weights is not read over them)
-        log.info("Restored %s from %s.", "the run" if full else "the weights", self.loaded_path)
         if full:
-            log.info("Resumed at global step %d, epoch %d.", self.state.global_step, self.state.current_epoch)
+            log.info(
+                "Resumed at global step %d, epoch %d, from %s.",
+                self.state.global_step,
+                self.state.current_epoch,
+                self.loaded_path,
+            )
+        else:
+            log.info("Restored the weights from %s.", self.loaded_path)
         return time.perf_counter() - began
 
     def initial_weights(self) -> float:
@@ -280,7 +375,7 @@ class Checkpointer:
         """The saves to try, in order, decided on rank 0 and broadcast (an error on rank 0 is raised everywhere)."""
         if ckpt_path not in ("last", "best"):
             return [str(ckpt_path)]
-        callback: Any = next((cb for cb in self.callbacks if getattr(cb, "is_model_checkpoint", False)), None)
+        callback = self._checkpoint_callback()
         if callback is None:
             raise ValueError(f'ckpt_path="{ckpt_path}" needs a ModelCheckpoint callback (enable_checkpointing=True).')
         dirpath = getattr(callback, "dirpath", None)
@@ -336,3 +431,11 @@ def resume_seed(options: TrainerOptions, saved_options: Any, sampler: Any, *, an
             "Seed %d from the checkpoint (this run got no seed): the resumed run shuffles as the interrupted one.",
             recorded,
         )
+
+
+def _run_of(path: str | os.PathLike) -> str:
+    """The run that wrote the save ``path`` (its manifest), "" when it names none or cannot be read."""
+    try:
+        return str(read_manifest(save_folder(location(path, "ckpt_path")))["identity"].get("run") or "")
+    except (CheckpointError, OSError, ValueError, KeyError):
+        return ""

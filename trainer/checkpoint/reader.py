@@ -317,7 +317,13 @@ def load_model_into(folder: AnyPath, manifest: dict[str, Any] | None, targets: d
 def committed(directory: str | os.PathLike) -> list[str]:
     """Names of the committed saves in ``directory``, newest first (by step, then time): folders with a
     manifest, and weights-only files. Reads manifests only."""
-    found: list[tuple[int, float, str]] = []
+    return [name for name, _ in committed_runs(directory)]
+
+
+def committed_runs(directory: str | os.PathLike) -> list[tuple[str, str]]:
+    """:func:`committed`, each with the run that wrote it (its manifest's ``identity.run``; "" where unknown: a
+    weights-only file, a save of an older keel)."""
+    found: list[tuple[int, float, str, str]] = []
     root = as_path(directory)
     if not root.is_dir():
         return []
@@ -326,15 +332,16 @@ def committed(directory: str | os.PathLike) -> list[str]:
             continue
         try:
             if (entry / MANIFEST_FILE).is_file():
-                step = int(read_manifest(entry)["identity"].get("step", -1))
-                found.append((step, (entry / MANIFEST_FILE).stat().st_mtime, entry.name))
+                identity = read_manifest(entry)["identity"]
+                step, run = int(identity.get("step", -1)), str(identity.get("run") or "")
+                found.append((step, (entry / MANIFEST_FILE).stat().st_mtime, entry.name, run))
             elif entry.suffix == ".ckpt" and entry.is_file():
-                found.append((-1, entry.stat().st_mtime, entry.name))
+                found.append((-1, entry.stat().st_mtime, entry.name, ""))
         except (CorruptCheckpointError, OSError, ValueError):
             continue  # not committed, or damaged: never a candidate (the pointer's newest is reported)
         except CheckpointError:  # a newer format: the newest candidate, refused when loaded ("upgrade keel")
-            found.append((1 << 62, entry.stat().st_mtime, entry.name))
-    return [name for _, _, name in sorted(found, reverse=True)]
+            found.append((1 << 62, entry.stat().st_mtime, entry.name, ""))
+    return [(name, run) for _, _, name, run in sorted(found, reverse=True)]
 
 
 def resolve_last(directory: str | os.PathLike) -> list[str]:

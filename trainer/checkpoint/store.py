@@ -123,13 +123,15 @@ def save(
     checkpointer: AsyncCheckpointer | None = None,
     commit: Callable[[], None] | None = None,
     lightning_file: bool = False,
+    check: Callable[[], None] | None = None,
 ) -> None:
     """Write ``state`` (name -> object with ``state_dict()``) as the save folder ``path``. A collective:
     every rank calls it at the same point. ``identity``: the save's run, step, epoch, world size (a fresh
     save id is added); ``on_save(checkpoint)``: the ``on_save_checkpoint`` hooks; ``finite()``: whether the
     weights are finite (one reduction, the same on every rank); ``commit`` (rank 0): runs once the folder
-    is committed (the pointer swap and pruning). With ``checkpointer`` the write and ``commit`` run on its
-    worker thread, and the save is reported done (or its error raised) at a later step boundary.
+    is committed (the pointer swap and pruning); ``check`` (rank 0) runs just before the commit and may refuse
+    it (the run's claim on the folder). With ``checkpointer`` the write and ``commit`` run on its worker
+    thread, and the save is reported done (or its error raised) at a later step boundary.
 
     Raises:
         FloatingPointError: the weights hold NaN or inf; nothing is written.
@@ -155,7 +157,7 @@ def save(
     tensors = {name: checkpoint.pop(key) for key, name in DCP_KEYS.items() if key in checkpoint}
     tensors[f"identity_{comm.get_rank()}"] = json.dumps(identity, sort_keys=True)  # in this rank's data file
     extras = _lightning_extras(checkpoint) if lightning_file and is_writer else None
-    job = _Save(target, tmp, tensors, checkpoint if is_writer else None, extras)
+    job = _Save(target, tmp, tensors, checkpoint if is_writer else None, extras, check)
     if checkpointer is None:
         _write(job, _stage(job, None), None)  # ends with every rank agreeing on the outcome: no barrier needed
         if commit is not None and is_writer:
@@ -174,9 +176,16 @@ class _Save:
     """One save in progress: where it goes and what it holds."""
 
     def __init__(
-        self, target: AnyPath, tmp: AnyPath, tensors: dict[str, Any], rest: dict[str, Any] | None, extras: Any
+        self,
+        target: AnyPath,
+        tmp: AnyPath,
+        tensors: dict[str, Any],
+        rest: dict[str, Any] | None,
+        extras: Any,
+        check: Callable[[], None] | None,
     ) -> None:
         self.target, self.tmp, self.tensors, self.rest, self.extras = target, tmp, tensors, rest, extras
+        self.check = check
         self.nbytes = tensor_bytes(tensors)  # this rank's share, for the message of a failed write
         from trainer.checkpoint import dcp_io  # on the first save: importing DCP takes 0.6 s (dcp_io's docstring)
 
@@ -292,6 +301,8 @@ def _finish(job: _Save, files: dict[str, list[int]]) -> None:
     """Rank 0, once every rank's data files are durable: keel.pt, the Lightning file, the manifest (each
     fsynced), then the folder is renamed into place (on object storage: the manifest, written last, commits)."""
     assert job.rest is not None
+    if job.check is not None:
+        job.check()
     if not isinstance(job.target, RemotePath):  # on object storage one listing checks everything, below
         _check_shared(job, files)
     identity = job.rest[K_IDENTITY]

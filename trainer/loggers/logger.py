@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainer.distributed import comm
@@ -79,12 +79,15 @@ class Logger:
         folder = f"version_{self.version}" if isinstance(self.version, int) else str(self.version)
         return join(self.root_dir, folder)
 
-    def resolve_version(self) -> None:
-        """Picks the next free ``version_N`` on rank 0 and shares it with every rank.
+    def resolve_version(self, continue_newest: Callable[[str], bool] | None = None) -> None:
+        """Picks the run's ``version_N`` on rank 0 and shares it with every rank: a restarted job's own folder
+        (:meth:`_pick_version`); with ``continue_newest`` (a fit with ``ckpt_path="last"``) the newest version whose
+        folder ``continue_newest(log_dir)`` accepts (no other live run holds it), so re-running the same command
+        continues the run; else the next free one.
 
         A collective (one ``broadcast_object``) when the version is still None: every rank must call it
         at the same point. Idempotent: once resolved (or given to the constructor), the version is kept
-        and nothing is communicated, so ``fit`` then ``test`` write to the same folder. Creates nothing.
+        and nothing is communicated, so ``fit`` then ``test`` write to the same folder.
         """
         if self.version is not None:
             return
@@ -92,7 +95,7 @@ class Logger:
         failure: BaseException | None = None
         if comm.get_rank() == 0:
             try:
-                picked = self._pick_version()
+                picked = self._pick_version(continue_newest)
             except Exception as exc:  # every rank raises it: the others would wait in the broadcast for good
                 failure, picked = exc, f"error:{type(exc).__name__}: {exc}"
         shared = comm.broadcast_object(picked, src=0)
@@ -105,15 +108,16 @@ class Logger:
         self.version = shared
         log.debug("%s resolved version %s under %s", type(self).__name__, self.version, self.root_dir)
 
-    def _pick_version(self) -> int:
-        """A restarted job (same ``run_identity()``) gets its own folder back; a new run gets the next one.
+    def _pick_version(self, continue_newest: Callable[[str], bool] | None = None) -> int:
+        """A restarted job (same ``run_identity()``) gets its own folder back; with ``continue_newest`` the newest
+        folder it accepts; otherwise a new run gets the next one.
 
         The chosen folder is created with a ``.keel_run_id`` marker so that a torchrun restart or a
         SLURM requeue of the same job lands in the same run directory and resumes from its checkpoints.
         """
         identity = run_identity()
         if is_url(self.root_dir):
-            return self._pick_remote_version(identity)
+            return self._pick_remote_version(identity, continue_newest)
         if identity is not None:
             for entry in sorted(os.listdir(self.root_dir)) if os.path.isdir(self.root_dir) else []:
                 marker = os.path.join(self.root_dir, entry, RUN_ID_MARKER)
@@ -122,6 +126,16 @@ class Logger:
                         if handle.read().strip() == identity:
                             return int(_VERSION_DIR.fullmatch(entry).group(1))  # type: ignore[union-attr]
         version = self._next_version()
+        if continue_newest is not None and version > 0:
+            newest = version - 1
+            if continue_newest(join(self.root_dir, f"version_{newest}")):
+                if identity is not None:  # a restart of this job lands here again
+                    with open(os.path.join(self.root_dir, f"version_{newest}", RUN_ID_MARKER), "w") as handle:
+                        handle.write(identity)
+                log.info(
+                    "Continuing the run in %s (fit with ckpt_path='last').", join(self.root_dir, f"version_{newest}")
+                )
+                return newest
         if identity is not None:
             # Claimed by an exclusive mkdir: jobs that start at the same moment (a submitit sweep on one
             # node) would otherwise all pick the same next free N and share one run directory.
@@ -137,7 +151,7 @@ class Logger:
                 handle.write(identity)
         return version
 
-    def _pick_remote_version(self, identity: str | None) -> int:
+    def _pick_remote_version(self, identity: str | None, continue_newest: Callable[[str], bool] | None) -> int:
         """:meth:`_pick_version` on object storage: the marker object names the job; there is no exclusive
         create, so two jobs that start in the same second under one prefix may share a version (give each its
         own ``version=`` or ``save_dir`` there)."""
@@ -153,6 +167,8 @@ class Logger:
                 marker = root / f"version_{version}" / RUN_ID_MARKER
                 if marker.is_file() and marker.read_text().strip() == identity:
                     return version
+        if continue_newest is not None and versions and continue_newest(join(self.root_dir, f"version_{versions[-1]}")):
+            return versions[-1]
         version = versions[-1] + 1 if versions else 0
         if identity is not None:
             (root / f"version_{version}" / RUN_ID_MARKER).write_bytes(identity.encode())

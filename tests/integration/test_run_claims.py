@@ -1,0 +1,81 @@
+"""One writer per checkpoint folder: a fresh run refuses a folder holding another run's saves (and deletes
+nothing), a dead run's claim is taken over, and a save is not committed once another run holds the folder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from models import Regression, loader, quiet, regression_data
+
+from trainer import Callback, Trainer
+from trainer.checkpoint import claim
+from trainer.checkpoint.files import CheckpointError
+from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+
+
+def fit(folder: Path, *, max_steps: int = 4, ckpt_path: str | None = None, callbacks: tuple = ()) -> Trainer:
+    trainer = Trainer(
+        **quiet(max_steps=max_steps, enable_checkpointing=True),
+        callbacks=[ModelCheckpoint(dirpath=folder, every_n_train_steps=2), *callbacks],
+    )
+    trainer.fit(Regression(), loader(regression_data(32), batch_size=4), ckpt_path=ckpt_path)
+    return trainer
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_a_new_run_refuses_a_folder_holding_another_runs_saves_and_deletes_nothing(tmp_path: Path) -> None:
+    first = fit(tmp_path / "ck")
+    before = listing(tmp_path / "ck")
+    with pytest.raises(CheckpointError, match="holds saves of another run") as info:
+        fit(tmp_path / "ck")  # ckpt_path=None: a new run
+    assert first.checkpointer.run_id in str(info.value) and "ckpt_path='last'" in str(info.value)
+    assert listing(tmp_path / "ck") == before
+    resumed = fit(tmp_path / "ck", max_steps=6, ckpt_path="last")  # continuing that run is what "last" does
+    assert resumed.global_step == 6 and resumed.checkpointer.run_id == first.checkpointer.run_id
+
+
+def test_a_dead_runs_claim_is_taken_over(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    dead = {"run": "keel:someone", **claim.holder(), "pid": int(done.stdout)}  # that process has exited
+    (folder / claim.CLAIM_FILE).write_text(json.dumps(dead))
+    trainer = fit(folder)
+    assert claim.mine(claim.read(folder), trainer.checkpointer.run_id)
+
+
+def test_a_live_claim_on_this_host_is_refused_by_name(tmp_path: Path) -> None:
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as other:
+        try:
+            live = {"run": "keel:other", **claim.holder(), "pid": other.pid, "started": claim._start_time(other.pid)}
+            (folder / claim.CLAIM_FILE).write_text(json.dumps(live))
+            with pytest.raises(CheckpointError, match=rf"is being written by run 'keel:other' \(pid {other.pid} on"):
+                fit(folder)
+        finally:
+            other.kill()
+    assert listing(folder) == [claim.CLAIM_FILE]  # nothing trained, nothing written
+
+
+class Steal(Callback):
+    """Another run takes the folder at step 3 (as a second writer would)."""
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+        if trainer.optimizer_stepped and trainer.global_step == 3:
+            folder = Path(trainer.checkpoint_callback.dirpath)
+            (folder / claim.CLAIM_FILE).write_text(json.dumps({"run": "keel:intruder", "host": "elsewhere", "pid": 1}))
+
+
+def test_a_save_is_not_committed_once_another_run_holds_the_folder(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"is now held by run 'keel:intruder' \(pid 1 on elsewhere\)"):
+        fit(tmp_path / "ck", callbacks=(Steal(),))
+    saves = [p.name for p in (tmp_path / "ck").iterdir() if p.name.endswith(".ckpt")]
+    assert saves == ["epoch=0-step=2.ckpt"]  # the step-2 save stays; the step-4 save was never committed

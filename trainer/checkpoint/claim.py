@@ -1,0 +1,74 @@
+"""Who writes a folder: a run's claim on its checkpoint folder (one writer per folder, docs/checkpoints.md).
+
+A claim is a small JSON file, ``keel.claim``, in the folder: the run's id and the process that holds it (host,
+pid and the pid's start time, so a recycled pid is not mistaken for the holder). On object storage it is an
+object; there is no exclusive create there, so two runs that start in the same second may both claim a prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any
+
+from trainer.checkpoint.files import write_atomic
+from trainer.storage import AnyPath, as_path
+
+CLAIM_FILE = "keel.claim"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def holder() -> dict[str, Any]:
+    """This process, as a claim names it."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "started": _start_time(pid)}
+
+
+def read(folder: str | os.PathLike | AnyPath) -> dict[str, Any] | None:
+    """The folder's claim, or None when it has none (or an unreadable one, which a new claim replaces)."""
+    try:
+        claim = json.loads((as_path(folder) / CLAIM_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return claim if isinstance(claim, dict) else None
+
+
+def alive(claim: dict[str, Any]) -> bool | None:
+    """Whether the process that wrote ``claim`` still runs: True or False on this host, None on another (it
+    cannot be told from here). This process is not alive in this sense: a claim it wrote is its own."""
+    if claim.get("host") != socket.gethostname():
+        return None
+    pid = claim.get("pid")
+    if not isinstance(pid, int) or pid == os.getpid():
+        return False
+    started = _start_time(pid)
+    return started is not None and started == claim.get("started")
+
+
+def mine(claim: dict[str, Any] | None, run: str) -> bool:
+    """Whether ``claim`` is this process's claim for ``run``."""
+    me = holder()
+    return (
+        claim is not None and claim.get("run") == run and all(claim.get(k) == me[k] for k in ("host", "pid", "started"))
+    )
+
+
+def write(folder: str | os.PathLike | AnyPath, run: str) -> None:
+    """Claim ``folder`` for ``run`` (this process holds it), replacing any claim there."""
+    target = as_path(folder)
+    target.mkdir(parents=True, exist_ok=True)
+    body = json.dumps({"run": run, **holder()}, sort_keys=True).encode()
+    write_atomic(target / CLAIM_FILE, lambda handle: handle.write(body))
+
+
+def describe(claim: dict[str, Any]) -> str:
+    return f"run {claim.get('run')!r} (pid {claim.get('pid')} on {claim.get('host')})"
