@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from models import Regression, loader, quiet, regression_data
 
 from trainer import Callback, Trainer
@@ -79,3 +80,41 @@ def test_a_save_is_not_committed_once_another_run_holds_the_folder(tmp_path: Pat
         fit(tmp_path / "ck", callbacks=(Steal(),))
     saves = [p.name for p in (tmp_path / "ck").iterdir() if p.name.endswith(".ckpt")]
     assert saves == ["epoch=0-step=2.ckpt"]  # the step-2 save stays; the step-4 save was never committed
+
+
+class Score(Regression):
+    """Logs a validation score that improves every epoch, so save_top_k keeps the newest saves."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("score", torch.tensor(float(self.current_epoch)))
+
+
+def fit_top_k(dirpath: str | Path, epochs: int, ckpt_path: str | None = None) -> tuple[Trainer, ModelCheckpoint]:
+    callback = ModelCheckpoint(dirpath=dirpath, monitor="score", mode="max", save_top_k=2)
+    trainer = Trainer(**quiet(max_epochs=epochs, enable_checkpointing=True), callbacks=[callback])
+    data = loader(regression_data(16), batch_size=4)
+    trainer.fit(Score(), data, data, ckpt_path=ckpt_path)
+    return trainer, callback
+
+
+@pytest.mark.parametrize("how", ["absolute", "symlinked", "moved"])
+def test_best_and_pruning_do_not_depend_on_how_the_folder_is_reached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Saved as the relative ``ck``; continued through another spelling, or after the folder was moved: the
+    callback's state is found, ``best`` resolves, and save_top_k=2 still prunes what it kept before."""
+    monkeypatch.chdir(tmp_path)
+    fit_top_k("ck", epochs=3)
+    assert sorted(p.name for p in (tmp_path / "ck").glob("*.ckpt")) == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+    if how == "absolute":
+        folder = tmp_path / "ck"
+    elif how == "symlinked":
+        (tmp_path / "link").symlink_to(tmp_path / "ck")
+        folder = tmp_path / "link"
+    else:
+        (tmp_path / "ck").rename(tmp_path / "elsewhere")
+        folder = tmp_path / "elsewhere"
+    trainer, callback = fit_top_k(folder, epochs=5, ckpt_path="best")
+    assert trainer.ckpt_path == str(folder / "epoch=2-step=12.ckpt")  # the best one, found in its new place
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["epoch=3-step=16.ckpt", "epoch=4-step=20.ckpt"]
+    assert set(callback.best_k_models) == {str(folder / "epoch=3-step=16.ckpt"), str(folder / "epoch=4-step=20.ckpt")}

@@ -237,8 +237,8 @@ class Checkpointer:
     # ------------------------------------------------------------------ the run and its folder
     def begin(self, ckpt_path: str | None) -> None:
         """Fit start, before anything is restored: decide the run's identity and claim its checkpoint folder
-        (rank 0 decides; every rank learns the run id, or raises rank 0's refusal). ``ckpt_path="last"``
-        continues the run that wrote the folder; an explicit save continues the run that wrote it; otherwise
+        (rank 0 decides; every rank learns the run id, or raises rank 0's refusal). ``ckpt_path="last"`` (or
+        ``"best"``) continues the run that wrote the folder; an explicit save continues the run that wrote it; otherwise
         this is a new run, which may not write a folder holding another run's saves.
 
         Raises:
@@ -265,9 +265,9 @@ class Checkpointer:
         held = claim.read(folder)
         saves = committed_runs(folder)
         run = self.run_id
-        if ckpt_path == "last":
+        if ckpt_path in ("last", "best"):  # a save of the folder's run, resumed: that run continues
             run = (held or {}).get("run") or next((r for _, r in saves if r), run)
-        elif ckpt_path not in (None, "best"):
+        elif ckpt_path is not None:
             run = _run_of(ckpt_path) or run
         if held is not None:
             live = claim.alive(held)

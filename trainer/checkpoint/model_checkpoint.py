@@ -251,7 +251,16 @@ class ModelCheckpoint(Callback):
 
     @property
     def state_key(self) -> str:
-        return f"ModelCheckpoint{{monitor={self.monitor!r}, mode={self.mode!r}, dirpath={self.dirpath!r}}}"
+        """Lightning's key: what the callback does, not where its folder is, so a folder spelled another way
+        (relative, absolute, through a symlink) or moved keeps its state."""
+        key = {
+            "monitor": self.monitor,
+            "mode": self.mode,
+            "every_n_train_steps": self.every_n_train_steps,
+            "every_n_epochs": self.every_n_epochs,
+            "train_time_interval": self.train_time_interval,
+        }
+        return f"{type(self).__name__}{key!r}"
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Trainer, task: TaskModule, stage: str) -> None:
@@ -338,11 +347,22 @@ class ModelCheckpoint(Callback):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best_k_models = {k: float(v) for k, v in state.get("best_k_models", {}).items() if as_path(k).exists()}
-        self._best_path = state.get("best_model_path", "")
+        """The saves the state names are looked up by name in this run's ``dirpath``: the folder may be spelled
+        another way, or have been moved or copied, since they were written."""
+        here = {k: self._here(k) for k in state.get("best_k_models", {})}
+        self.best_k_models = {
+            here[k]: float(v) for k, v in state.get("best_k_models", {}).items() if as_path(here[k]).exists()
+        }
+        self._best_path = self._here(state.get("best_model_path", ""))
         self.best_model_score = state.get("best_model_score")
-        self._last_path = state.get("last_model_path", "")
+        self._last_path = self._here(state.get("last_model_path", ""))
         self._last_saved_step = int(state.get("last_saved_step", -1))
+
+    def _here(self, path: str) -> str:
+        """A save named in a saved state, as a path in this run's ``dirpath`` (by its name)."""
+        if not path or self.dirpath is None:
+            return path
+        return join(self.dirpath, os.path.basename(str(path).rstrip("/")))
 
     # ------------------------------------------------------------------ saving
     def format_name(

@@ -399,11 +399,11 @@ def resolve_best(directory: str | os.PathLike, state_key: str, best_k: dict[str,
         break
     out = []
     for path, _ in sorted((best_k or {}).items(), key=lambda kv: kv[1], reverse=mode == "max"):
-        folder = save_folder(path)
-        if folder.parent.resolve() != as_path(directory).resolve() or folder.name not in saves:
+        name = save_folder(path).name  # looked up by name: the folder may be spelled otherwise, or have moved
+        if name not in saves:
             log.warning("ckpt_path='best': skipping %s: it is not a committed save in %s.", path, directory)
         else:
-            out.append(os.fspath(folder))
+            out.append(os.path.join(os.fspath(directory), name))
     return out
 
 
