@@ -163,7 +163,12 @@ class RemotePath:
         return bool(self.fs.exists(self.url))
 
     def is_file(self) -> bool:
-        return bool(self.fs.isfile(self.url))
+        """Whether an object has this name. A store that fails raises (fsspec's ``isfile`` answers False on any
+        error, which would make an intact save look uncommitted during an outage)."""
+        try:
+            return bool(self.fs.info(self.url).get("type") == "file")
+        except FileNotFoundError:
+            return False
 
     def is_dir(self) -> bool:
         return bool(self.fs.isdir(self.url))

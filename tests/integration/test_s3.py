@@ -19,7 +19,7 @@ from launch import REPO_ROOT, elastic_agents, python, spawn_ranks, torchrun
 from models import Regression, loader, quiet, regression_data
 
 from trainer import Callback, Trainer, storage
-from trainer.checkpoint.files import CheckpointSaveError
+from trainer.checkpoint.files import CheckpointError, CheckpointSaveError
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.checkpoint.reader import committed, load_weights, resolve_last
 from trainer.loggers import CSVLogger
@@ -333,3 +333,33 @@ def test_a_run_directory_on_s3_holds_logs_config_and_checkpoints_and_no_secret(s
     for path in tmp_path.rglob("*"):
         assert not path.is_file() or secret not in path.read_bytes(), path
     assert s3.secret_key not in done.stdout
+
+
+def test_a_store_that_fails_while_last_is_resolved_stops_the_resume(own_server) -> None:
+    """An intact save must never look uncommitted because the store did not answer: the resume stops with keel's
+    CheckpointError naming the folder, instead of resuming an older save or starting over."""
+    ck = own_server.url(own_server.bucket("outage"), "ck")
+    _fit(ck, 4)
+
+    class DiesAfterSetup(ModelCheckpoint):
+        def setup(self, trainer, task, stage) -> None:
+            super().setup(trainer, task, stage)  # the store answered here
+            own_server.kill()  # ... and not when the run's saves are listed and `last` resolved
+
+    trainer = Trainer(**quiet(max_steps=8, callbacks=[DiesAfterSetup(dirpath=ck, every_n_train_steps=2)]))
+    with pytest.raises(CheckpointError, match="could not be verified; run again once the store answers") as info:
+        trainer.fit(Regression(optimizer="adamw"), loader(regression_data(), 16), ckpt_path="last")
+    assert ck in str(info.value) and trainer.global_step == 0
+
+
+def test_what_a_killed_save_left_in_a_bucket_is_swept_and_never_renames_a_save(s3, tmp_path: Path) -> None:
+    ck = s3.url(s3.bucket("leftover"), "ck")
+    _fit(ck, 2)
+    leftovers = [f"{ck}/epoch=0-step=4.ckpt/0badc0de", f"{ck}/epoch=0-step=3.ckpt/0ddba11"]
+    for leftover in leftovers:  # saves killed before their manifest: data, no keel.json
+        fs(s3).pipe({f"{leftover}/__0_0.distcp": b"half", f"{leftover}/.metadata": b"x"})
+    resumed = _fit(ck, 4, ckpt_path="last")
+    assert resumed.global_step == 4
+    assert committed(ck) == ["epoch=0-step=4.ckpt", "epoch=0-step=2.ckpt"]  # the name was free: no -v1
+    assert not any(fs(s3).exists(leftover) for leftover in leftovers)
+    assert not fs(s3).exists(f"{ck}/epoch=0-step=3.ckpt")

@@ -6,6 +6,8 @@ case (each of 4 ranks reading its slices) is tests/integration/test_sharded.py."
 from __future__ import annotations
 
 import logging
+import struct
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,26 @@ def test_a_tied_weight_loads_from_either_of_its_names(tmp_path: Path, held: str)
     )
     assert task.net[3].weight is task.net[0].weight
     assert torch.equal(task.net[0].weight.detach(), state[held])
+
+
+@pytest.mark.parametrize("reader", ["load_from_checkpoint", "initial_weights"])
+def test_a_flipped_bit_in_a_weights_file_is_named_not_loaded(tmp_path: Path, reader: str) -> None:
+    """A plain weights file carries its zip records' CRC32s; both ways of reading one check them."""
+    trainer = Trainer(**quiet(max_steps=2))
+    task = Regression()
+    trainer.fit(task, loader(regression_data(16), batch_size=4))
+    trainer.save_checkpoint(tmp_path / "w.ckpt", weights_only=True)
+    with zipfile.ZipFile(tmp_path / "w.ckpt") as archive:  # a bit inside the largest tensor's bytes
+        record = max(archive.infolist(), key=lambda info: info.file_size)
+        name_len, extra_len = struct.unpack("<HH", (tmp_path / "w.ckpt").read_bytes()[record.header_offset + 26 :][:4])
+        offset = record.header_offset + 30 + name_len + extra_len
+    data = bytearray((tmp_path / "w.ckpt").read_bytes())
+    data[offset + 3] ^= 0x01
+    (tmp_path / "w.ckpt").write_bytes(data)
+    with pytest.raises(CheckpointError, match=r"is damaged: its record '.*' does not match the CRC32"):
+        if reader == "load_from_checkpoint":
+            Regression.load_from_checkpoint(tmp_path / "w.ckpt")
+        else:
+            Trainer(**quiet(max_steps=1, initial_weights=str(tmp_path / "w.ckpt"))).fit(
+                Regression(), loader(regression_data(16), batch_size=4)
+            )

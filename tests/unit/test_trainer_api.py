@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -450,3 +451,16 @@ def test_a_task_built_after_the_trainer_draws_the_seeded_weights() -> None:
     built = torch.nn.Linear(4, 2).weight.detach().clone()
     torch.manual_seed(3)
     assert torch.equal(built, torch.nn.Linear(4, 2).weight)
+
+
+def test_a_local_dirpath_that_is_a_file_is_refused_when_fit_starts(tmp_path: Path) -> None:
+    """Not an epoch later at the first save with a bare FileExistsError: at fit start, naming the file."""
+    from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+
+    (tmp_path / "taken").write_text("a file")
+    trainer = Trainer(
+        **quiet(max_steps=4, enable_checkpointing=True), callbacks=[ModelCheckpoint(dirpath=tmp_path / "taken" / "ck")]
+    )
+    with pytest.raises(ValueError, match=r"'.*taken' is a file, so no checkpoint folder can be made there"):
+        trainer.fit(Regression(), loader(regression_data(16), batch_size=4))
+    assert trainer.global_step == 0

@@ -58,7 +58,7 @@ from trainer.distributed import comm
 from trainer.distributed.launcher import run_identity
 from trainer.options import SEED_DEFAULT, TrainerOptions, resolve_seed
 from trainer.state import TrainState
-from trainer.storage import location
+from trainer.storage import describe_error, location
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.checkpoint.async_save import AsyncCheckpointer
@@ -255,6 +255,8 @@ class Checkpointer:
                 decided = (self._claim(folder, ckpt_path), "")
             except CheckpointError as exc:
                 decided = ("", str(exc))
+            except Exception as exc:  # the store failed: say so on every rank, never a bare traceback on one
+                decided = ("", unverified(folder, exc))
         run, error = comm.broadcast_object(decided)
         if error:
             raise CheckpointError(error)
@@ -391,7 +393,11 @@ class Checkpointer:
                         found = f'ckpt_path="best": no best checkpoint is known (no monitored save in {dirpath}).'
             except CheckpointError as exc:
                 found = str(exc)
+            except Exception as exc:  # the store failed: never a fallback to an older save, never a fresh start
+                found = unverified(dirpath, exc)
         found = comm.broadcast_object(found)
+        if isinstance(found, str) and found.startswith(_UNVERIFIED):
+            raise CheckpointError(found)
         if isinstance(found, str):
             raise (CheckpointError if ckpt_path == "last" else ValueError)(found)
         return found
@@ -439,3 +445,14 @@ def _run_of(path: str | os.PathLike) -> str:
         return str(read_manifest(save_folder(location(path, "ckpt_path")))["identity"].get("run") or "")
     except (CheckpointError, OSError, ValueError, KeyError):
         return ""
+
+
+_UNVERIFIED = "Checkpoint folder "
+
+
+def unverified(folder: str | os.PathLike, exc: BaseException) -> str:
+    """The message for a checkpoint folder whose store failed while its saves were listed or resolved."""
+    return (
+        f"{_UNVERIFIED}{os.fspath(folder)!r} could not be read ({describe_error(exc)}): its saves could not be "
+        "verified; run again once the store answers. Nothing was resumed, started over or deleted."
+    )

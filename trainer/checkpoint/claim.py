@@ -37,7 +37,7 @@ def read(folder: str | os.PathLike | AnyPath) -> dict[str, Any] | None:
     """The folder's claim, or None when it has none (or an unreadable one, which a new claim replaces)."""
     try:
         claim = json.loads((as_path(folder) / CLAIM_FILE).read_bytes())
-    except (OSError, ValueError):
+    except (FileNotFoundError, NotADirectoryError, ValueError):
         return None
     return claim if isinstance(claim, dict) else None
 

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
+import zipfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -149,15 +150,19 @@ def refuse_non_finite(finite: bool, path: str | os.PathLike, step: Any) -> None:
         )
 
 
-def tensor_bytes(obj: Any) -> int:
-    """Sum of ``nbytes`` of the tensors in a (nested) state: the size estimate of its files."""
+def tensor_bytes(obj: Any, *, whole: bool = False) -> int:
+    """Sum of ``nbytes`` of the tensors in a (nested) state: the size estimate of its files. A sharded tensor
+    (DTensor) counts its local shard, or with ``whole`` the whole tensor: then every rank's answer is the size of
+    the save all ranks write together (a replicated tensor is written once)."""
     if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        if whole or not hasattr(obj, "to_local"):
+            return obj.nelement() * obj.element_size()
+        local = obj.to_local()
         return local.nelement() * local.element_size()
     if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
+        return sum(tensor_bytes(v, whole=whole) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
+        return sum(tensor_bytes(v, whole=whole) for v in obj)
     return 0
 
 
@@ -299,6 +304,35 @@ def unreadable(path: Any, exc: Exception) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"Checkpoint {str(path)!r} is truncated or corrupt ({type(exc).__name__}: {first}).")
 
 
+def verify_records(path: AnyPath, source: Any) -> None:
+    """Check every record of a ``torch.save`` file (a zip archive) against the CRC32 it was written with: a plain
+    file (a weights-only save, ``export_weights``' output, a keel.pt) is verified when it is read, as a save folder
+    is by its manifest. One sequential read of the file. A file in torch's legacy (non-zip) format has no
+    checksums and is left to ``torch.load``.
+
+    Raises:
+        CorruptCheckpointError: naming the file and the damaged record.
+    """
+    if isinstance(source, io.BytesIO):
+        source.seek(0)
+    try:
+        with zipfile.ZipFile(source) as archive:
+            bad = archive.testzip()
+    except zipfile.BadZipFile as exc:
+        head = source.getvalue()[:2] if isinstance(source, io.BytesIO) else Path(source).read_bytes()[:2]
+        if head != b"PK":
+            return  # the legacy format
+        raise CorruptCheckpointError(f"Checkpoint {str(path)!r} is damaged: {exc} (a torn copy?).") from exc
+    finally:
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+    if bad is not None:
+        raise CorruptCheckpointError(
+            f"Checkpoint {str(path)!r} is damaged: its record {bad!r} does not match the CRC32 it was written with "
+            "(a flipped bit or a torn copy). Use another copy of the file."
+        )
+
+
 def load_file(path: str | os.PathLike, *, required: tuple[str, ...] = REQUIRED_KEYS) -> dict[str, Any]:
     """A plain file with ``torch.load(weights_only=True)``: nothing in it can run code. Raises
     :class:`CheckpointError` naming the file and the cause. ``required``: the top-level keys it must hold."""
@@ -307,7 +341,10 @@ def load_file(path: str | os.PathLike, *, required: tuple[str, ...] = REQUIRED_K
         raise CheckpointError(f"Checkpoint {str(path)!r} does not exist.")
     try:
         source = io.BytesIO(path.read_bytes()) if isinstance(path, RemotePath) else path
+        verify_records(path, source)
         state = torch.load(source, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise unreadable(path, exc) from exc
     missing = [k for k in required if not isinstance(state, dict) or k not in state]

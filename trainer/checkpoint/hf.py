@@ -38,6 +38,7 @@ from trainer.checkpoint.files import (
     CorruptCheckpointError,
     save_file,
     unreadable,
+    verify_records,
     write_atomic,
 )
 from trainer.checkpoint.store import KEEL_FILE, MANIFEST_FILE, METADATA_FILE
@@ -242,12 +243,15 @@ def _load_torch(path: AnyPath) -> Any:
     remote = isinstance(path, RemotePath)
     try:
         source: Any = io.BytesIO(path.read_bytes()) if remote else path
+        verify_records(path, source)  # the file's own CRC32s: a flipped bit is named, never loaded
         try:
             return torch.load(source, map_location="cpu", mmap=not remote, weights_only=True)
         except RuntimeError as exc:
             if remote or "mmap" not in str(exc):
                 raise
             return torch.load(source, map_location="cpu", weights_only=True)  # the legacy format: no mmap
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise unreadable(path, exc) from exc
 

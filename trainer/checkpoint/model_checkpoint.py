@@ -17,11 +17,13 @@ import os
 import re
 import time
 import weakref
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.callback import Callback
 from trainer.checkpoint.async_save import AsyncCheckpointer
 from trainer.checkpoint.files import write_pointer
+from trainer.checkpoint.reader import committed
 from trainer.checkpoint.store import LIGHTNING_FILE, remove_save
 from trainer.storage import as_path, check_writable, is_url, join, location, sync_mirrors
 
@@ -223,7 +225,8 @@ class ModelCheckpoint(Callback):
         self._last_saved_step = -1
         self._pending_after_validation = False
         self._last_time = time.monotonic()
-        self._names_in_store: set[str] | None = None  # a dirpath on object storage: the names there (setup)
+        self._names_in_store: set[str] | None = None  # a dirpath on object storage: its committed saves (setup)
+        self._leftovers: list[str] = []  # uncommitted saves found there at setup: removed after the next commit
 
     @property
     def best_model_path(self) -> str:
@@ -266,12 +269,17 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: Trainer, task: TaskModule, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = join(trainer.log_dir, "checkpoints")
+        if stage == "fit" and not is_url(self.dirpath):
+            _check_folder(self.dirpath)
         if stage == "fit" and is_url(self.dirpath):
             _check_store(self.dirpath)
             # Listed once, here: a save then asks the store nothing on the training thread, so a store that hangs
             # stalls only the background upload.
             folder = as_path(self.dirpath)
-            self._names_in_store = {e.name for e in folder.iterdir()} if folder.is_dir() else set()
+            present = {e.name for e in folder.iterdir()} if folder.is_dir() else set()
+            # Only committed saves keep their names; what a killed save left is removed after the next commit.
+            self._names_in_store = set(committed(self.dirpath))
+            self._leftovers = sorted(n for n in present - self._names_in_store if n.endswith(".ckpt"))
         shared = _CHECKPOINTERS.setdefault(trainer, AsyncCheckpointer())
         if self._checkpointer is not shared:
             self._checkpointer.wait()
@@ -458,6 +466,11 @@ class ModelCheckpoint(Callback):
         for victim in victims:
             if victim != path and victim not in self.best_k_models:
                 remove_save(victim)
+        leftovers, self._leftovers = self._leftovers, []
+        for name in leftovers:  # this run holds the folder (its claim): no other run is writing these
+            if join(self.dirpath or "", name) != path:
+                log.info("Removing %s: an uncommitted save a stopped run left.", join(self.dirpath or "", name))
+                remove_save(join(self.dirpath or "", name))
         sync_mirrors()  # a run directory on object storage: the logs up to this checkpoint go with it
 
     def _versioned(self, path: str) -> str:
@@ -507,6 +520,37 @@ class ModelCheckpoint(Callback):
             self._best_path = best
             self.best_model_score = self.best_k_models[best] if self.monitor is not None else None
         return removed
+
+
+def _check_folder(path: str) -> None:
+    """A local ``dirpath``, checked when fit starts as a URL is (:func:`_check_store`): a folder this process can
+    create and write, not a file. A collective: every rank raises the same error.
+
+    Raises:
+        ValueError: ``dirpath`` is a file (or under one). PermissionError: it cannot be created or written.
+    """
+    from trainer.distributed import comm
+
+    problem = ""
+    folder = Path(path)
+    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        problem = (
+            f"ValueError:ModelCheckpoint(dirpath={path!r}): {str(blocker)!r} is a file, so no checkpoint folder can be "
+            "made there. Remove it, or choose another dirpath."
+        )
+    else:
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        if not os.access(existing, os.W_OK | os.X_OK):
+            problem = (
+                f"PermissionError:ModelCheckpoint(dirpath={path!r}): {str(existing)!r} is not writable by this user, "
+                "so no checkpoint could be saved. Make it writable, or choose another dirpath."
+            )
+    problems = comm.all_gather_object(problem) if comm.get_world_size() > 1 else [problem]
+    failed = next((text for text in problems if text), "")
+    if failed:
+        kind, text = failed.split(":", 1)
+        raise (ValueError if kind == "ValueError" else PermissionError)(text)
 
 
 def _check_store(url: str) -> None:

@@ -337,10 +337,14 @@ def committed_runs(directory: str | os.PathLike) -> list[tuple[str, str]]:
                 found.append((step, (entry / MANIFEST_FILE).stat().st_mtime, entry.name, run))
             elif entry.suffix == ".ckpt" and entry.is_file():
                 found.append((-1, entry.stat().st_mtime, entry.name, ""))
-        except (CorruptCheckpointError, OSError, ValueError):
+        except (CorruptCheckpointError, ValueError):
             continue  # not committed, or damaged: never a candidate (the pointer's newest is reported)
         except CheckpointError:  # a newer format: the newest candidate, refused when loaded ("upgrade keel")
             found.append((1 << 62, entry.stat().st_mtime, entry.name, ""))
+        except OSError:
+            if isinstance(entry, RemotePath):  # the store failed, not the save: it cannot be judged now
+                raise
+            continue  # an unreadable local file: never a candidate
     return [(name, run) for _, _, name, run in sorted(found, reverse=True)]
 
 

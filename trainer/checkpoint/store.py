@@ -186,7 +186,7 @@ class _Save:
     ) -> None:
         self.target, self.tmp, self.tensors, self.rest, self.extras = target, tmp, tensors, rest, extras
         self.check = check
-        self.nbytes = tensor_bytes(tensors)  # this rank's share, for the message of a failed write
+        self.nbytes = tensor_bytes(tensors, whole=True)  # the whole save (every rank's part), for a failure's message
         from trainer.checkpoint import dcp_io  # on the first save: importing DCP takes 0.6 s (dcp_io's docstring)
 
         self.writer, self.fs = dcp_io.writer(tmp)
