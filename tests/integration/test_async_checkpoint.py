@@ -307,7 +307,11 @@ def test_async_saves_equal_sync_saves_and_the_end_of_fit_waits(tmp_path: Path, m
     Trainer(**quiet(max_steps=8, enable_checkpointing=True, callbacks=[sync_cb], seed=0)).fit(
         Regression(optimizer="adamw"), loader(regression_data(), 16)
     )
-    assert sorted(os.listdir(a)) == sorted(os.listdir(s)) == ["epoch=1-step=7.ckpt", "epoch=1-step=8.ckpt", "last"]
+    assert (
+        sorted(os.listdir(a))
+        == sorted(os.listdir(s))
+        == ["epoch=1-step=7.ckpt", "epoch=1-step=8.ckpt", "keel.claim", "last"]
+    )
     assert read_pointer(a) == read_pointer(s)
     assert Path(cb.best_model_path).name == Path(sync_cb.best_model_path).name == "epoch=1-step=8.ckpt"
     for name in ("epoch=1-step=7.ckpt", "epoch=1-step=8.ckpt"):
@@ -371,7 +375,7 @@ def test_the_loop_is_blocked_only_for_staging_and_the_pointer_swaps_after_the_fo
     assert times.what.endswith("epoch=0-step=3.ckpt")
     assert times.background >= Gate.HOLD > 2 * times.blocked, times  # the loop waited for the staging only
     assert read_pointer(tmp_path / "ck")[0] == "epoch=1-step=6.ckpt"
-    assert sorted(os.listdir(tmp_path / "ck")) == ["epoch=1-step=6.ckpt", "last"]
+    assert sorted(os.listdir(tmp_path / "ck")) == ["epoch=1-step=6.ckpt", "keel.claim", "last"]
 
 
 class RaiseAt(Callback):
@@ -391,7 +395,11 @@ def test_an_exception_waits_for_the_save_in_flight(tmp_path: Path, monkeypatch) 
     ck = tmp_path / "ck"
     assert boom.in_flight is True and slow.background == 3  # step 3's save was being written when it raised
     assert read_pointer(ck)[0] == "epoch=0-step=3.ckpt"
-    assert sorted(os.listdir(ck)) == ["epoch=0-step=3.ckpt", "last"]  # step 2's pruned, no temporary folder
+    assert sorted(os.listdir(ck)) == [
+        "epoch=0-step=3.ckpt",
+        "keel.claim",
+        "last",
+    ]  # step 2's pruned, no temporary folder
     for name, value in task.state_dict().items():
         assert torch.equal(weights_of(ck / "epoch=0-step=3.ckpt")[name], value), name
 
@@ -443,7 +451,9 @@ def test_non_finite_weights_are_refused_by_the_async_save_call_itself(tmp_path: 
     assert checks == [True, True, True] and len(staged) == 2  # one check per save, on the main thread; no staging
     ck = tmp_path / "ck"
     assert read_pointer(ck)[0] == "epoch=0-step=2.ckpt"  # the save in flight was committed first
-    assert sorted(os.listdir(ck)) == ["epoch=0-step=2.ckpt", "last"] and slow.background == 2  # nothing written
+    assert (
+        sorted(os.listdir(ck)) == ["epoch=0-step=2.ckpt", "keel.claim", "last"] and slow.background == 2
+    )  # nothing written
     assert all(torch.isfinite(v).all() for v in weights_of(ck / "epoch=0-step=2.ckpt").values())
 
 
@@ -455,7 +465,12 @@ def test_async_save_option_is_checked() -> None:
 def test_pruning_under_async_saves_leaves_the_two_newest_saves_and_the_pointer_only(tmp_path: Path) -> None:
     _, cb, _ = async_fit(tmp_path, save_top_k=2, max_steps=6)
     ck = tmp_path / "ck"
-    assert sorted(os.listdir(ck)) == ["epoch=1-step=5.ckpt", "epoch=1-step=6.ckpt", "last"]  # hidden ones too
+    assert sorted(os.listdir(ck)) == [
+        "epoch=1-step=5.ckpt",
+        "epoch=1-step=6.ckpt",
+        "keel.claim",
+        "last",
+    ]  # hidden ones too
     for name in ("epoch=1-step=5.ckpt", "epoch=1-step=6.ckpt"):
         assert sorted(os.listdir(ck / name)) == SAVE_FILES
     assert read_pointer(ck)[0] == "epoch=1-step=6.ckpt" and committed(ck) == [
@@ -481,7 +496,7 @@ def test_a_leftover_temporary_folder_is_removed_by_the_first_async_save(tmp_path
     probe = Exists(leftover)
     async_fit(tmp_path, before=[probe], max_steps=1)  # one step: one save
     assert probe.seen == [True]  # still there at step 1, before the save
-    assert sorted(os.listdir(ck)) == ["epoch=0-step=1.ckpt", "last"]
+    assert sorted(os.listdir(ck)) == ["epoch=0-step=1.ckpt", "keel.claim", "last"]
     assert (
         sorted(os.listdir(ck / "epoch=0-step=1.ckpt")) == SAVE_FILES
         and loop_of(ck / "epoch=0-step=1.ckpt")["global_step"] == 1
@@ -513,7 +528,7 @@ def test_async_fit_equals_sync_and_resumes_exactly_after_a_crash(tmp_path: Path,
     first = python(SCRIPT, *args, "--crash-at", "9", timeout=120)
     assert first.returncode != 0 and "simulated crash at step 9" in first.stdout
     assert read_pointer(tmp_path / "ck")[0] == "epoch=1-step=9.ckpt"  # the exception waited for the save in flight
-    assert sorted(os.listdir(tmp_path / "ck")) == ["epoch=1-step=9.ckpt", "last"]
+    assert sorted(os.listdir(tmp_path / "ck")) == ["epoch=1-step=9.ckpt", "keel.claim", "last"]
     assert loop_of(tmp_path / "ck" / "epoch=1-step=9.ckpt")["global_step"] == 9
     second = python(SCRIPT, *args, "--resumed", timeout=120).check()
     assert "Resumed at global step 9" in second.stdout
@@ -577,7 +592,11 @@ def test_a_background_write_failing_on_one_rank_is_raised_on_every_rank_at_the_s
         assert f"{str(ck / 'epoch=1-step=5.ckpt')!r}" in error["message"], error  # names the folder
         assert "previous checkpoint" in error["message"] and "intact" in error["message"]
     assert read_pointer(ck)[0] == "epoch=1-step=4.ckpt"
-    assert sorted(os.listdir(ck)) == ["epoch=1-step=4.ckpt", "last"]  # nothing pruned, no temporary folder
+    assert sorted(os.listdir(ck)) == [
+        "epoch=1-step=4.ckpt",
+        "keel.claim",
+        "last",
+    ]  # nothing pruned, no temporary folder
     assert loop_of(ck / "epoch=1-step=4.ckpt")["global_step"] == 4 and weights_of(ck / "epoch=1-step=4.ckpt")
 
 
@@ -660,7 +679,7 @@ def run_tensor_bytes(trainer: Trainer, task: Regression) -> int:
 def full_or_read_only(kind: str, request, tmp_path: Path) -> dict:
     """A save on a real disk that cannot take it. ``full-sync``: Trainer.save_checkpoint of a second save on
     a 1 MiB disk holding the first; ``full-async``: a fit saving Wide every step in the background on it
-    (step 1's save fits, step 2's does not); ``read-only``: an async fit on a read-only disk."""
+    (step 1's save fits, step 2's does not); ``read-only``: Trainer.save_checkpoint onto a read-only disk."""
     if kind == "full-sync":
         disk, task = request.getfixturevalue("small_disk"), Wide()
         trainer = fitted(tmp_path, task)
@@ -677,18 +696,21 @@ def full_or_read_only(kind: str, request, tmp_path: Path) -> dict:
             task=task,
             trainer=trainer,
         )
-    disk = request.getfixturevalue("small_disk" if kind == "full-async" else "read_only_disk")
-    task = Wide() if kind == "full-async" else Regression(optimizer="adamw")
+    if kind == "read-only":  # a fit with dirpath there is refused when it starts (the test below); a save is not
+        disk, task = request.getfixturevalue("read_only_disk"), Regression(optimizer="adamw")
+        trainer = fitted(tmp_path, task)
+        with pytest.raises(Exception) as info:
+            trainer.save_checkpoint(disk / "epoch=0-step=1.ckpt")
+        return dict(
+            error=info.value, disk=disk, path=disk / "epoch=0-step=1.ckpt", previous=None, trainer=trainer, task=task
+        )
+    disk, task = request.getfixturevalue("small_disk"), Wide()
     cb = ModelCheckpoint(dirpath=disk, every_n_train_steps=1, async_save=True)
     trainer = Trainer(
         **quiet(max_steps=4, enable_checkpointing=True, callbacks=[cb], seed=0, default_root_dir=str(tmp_path / "run"))
     )
     with pytest.raises(Exception) as info:
         trainer.fit(task, loader(regression_data(), 16))
-    if kind == "read-only":
-        return dict(
-            error=info.value, disk=disk, path=disk / "epoch=0-step=1.ckpt", previous=None, trainer=trainer, task=task
-        )
     first = disk / "epoch=0-step=1.ckpt"
     return dict(
         error=info.value,
@@ -709,7 +731,7 @@ def test_a_full_or_read_only_disk_fails_naming_the_folder_and_loses_nothing(kind
     if previous is None:
         assert os.listdir(disk) == []  # nothing written, nothing left
         return
-    assert sorted(os.listdir(disk)) == [previous.name, "last"]  # no temporary folder, nothing pruned
+    assert sorted(os.listdir(disk)) == [previous.name, "keel.claim", "last"]  # no temporary folder, nothing pruned
     assert read_pointer(disk) == [previous.name]
     assert loop_of(previous)["global_step"] == failed["step"]
     if kind == "full-sync":
@@ -727,6 +749,15 @@ def test_a_full_or_read_only_disk_fails_naming_the_folder_and_loses_nothing(kind
     )
     resumed.fit(Wide(), loader(regression_data(), 16), ckpt_path="last")  # `last` still loads
     assert resumed.global_step == 1
+
+
+def test_a_read_only_dirpath_is_refused_when_fit_starts(read_only_disk: Path, tmp_path: Path) -> None:
+    trainer = Trainer(
+        **quiet(max_steps=4, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=read_only_disk)])
+    )
+    with pytest.raises(PermissionError, match=r"is not writable by this user, so no checkpoint could be saved"):
+        trainer.fit(Regression(), loader(regression_data(), 16))
+    assert trainer.global_step == 0 and os.listdir(read_only_disk) == []
 
 
 @pytest.mark.parametrize("kind", ["full-sync", "full-async", "read-only"])

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from trainer import Callback, Trainer
+from trainer.checkpoint.claim import CLAIM_FILE
 from trainer.checkpoint.files import POINTER_NAME, CheckpointError, read_pointer
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.checkpoint.reader import export_weights, load_weights
@@ -219,7 +220,7 @@ def assert_refused_everywhere(
 def one_save(dirpath: Path, **ckpt: Any) -> tuple[Trainer, Regression, Path]:
     """A run of 2 steps that keeps only its newest save (so ``ckpt_path="last"`` has no fallback)."""
     trainer, task, cb = train(dirpath, 2, save_top_k=1, **ckpt)
-    saves = [p for p in dirpath.iterdir() if p.name != POINTER_NAME]
+    saves = [p for p in dirpath.iterdir() if p.name not in (POINTER_NAME, CLAIM_FILE)]
     assert [p.name for p in saves] == [save_name(2)]
     return trainer, task, saves[0]
 
@@ -670,7 +671,9 @@ def test_other_optimizer_or_scheduler_is_refused_before_anything_loads(
         assert trainer.global_step == 0
         assert all(not o.state for o in trainer.optimizers)  # no step taken, no optimizer state loaded
         assert_same_weights(weights(resumed), before)
-    assert sorted(p.name for p in ck.iterdir() if p.name != POINTER_NAME) == [save_name(s) for s in (1, 2, 3)]
+    assert sorted(p.name for p in ck.iterdir() if p.name not in (POINTER_NAME, CLAIM_FILE)) == [
+        save_name(s) for s in (1, 2, 3)
+    ]
 
 
 # ---------------------------------------------------------------------- 6. teardown after a failure

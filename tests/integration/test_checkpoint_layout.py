@@ -155,13 +155,13 @@ def test_pruning_leaves_exactly_the_kept_saves_and_the_pointer(runs: Runs, strat
     assert result["global_step"] == STEPS
     b_saves = [s for s in range(first + 1, STEPS + 1) if s % 2 == 0]
     expected = {
-        "a": {name(STEPS), "last"},
-        "b": {name(b_saves[0]), name(b_saves[1]), name(b_saves[-1]), "last", "last.ckpt"},
+        "a": {name(STEPS), "keel.claim", "last"},
+        "b": {name(b_saves[0]), name(b_saves[1]), name(b_saves[-1]), "keel.claim", "last", "last.ckpt"},
     }
     for sub in ("a", "b"):
         folder = prune / sub
         assert set(os.listdir(folder)) == expected[sub], (sub, sorted(os.listdir(folder)))
-        saves = expected[sub] - {"last", "last.ckpt"}
+        saves = expected[sub] - {"keel.claim", "last", "last.ckpt"}
         assert set(committed(folder)) == saves and all((folder / s).is_dir() for s in saves)
         assert read_pointer(folder)[0] == name(STEPS)
         assert Path(result["prune"][sub]["last"]) == folder / name(STEPS)
@@ -184,7 +184,7 @@ def test_two_async_pruning_callbacks_under_ddp(tmp_path: Path) -> None:
     collectives never interleave on the checkpoint group (before they did: a gloo mismatch, or a hang)."""
     args = [str(tmp_path / "out"), "--prune-dir", str(tmp_path / "prune"), "--async-save", "ab"]
     spawn_ranks(SCRIPT, *args, "--strategy", "ddp", "--batch", "4", nproc=2, timeout=60).check()
-    assert set(os.listdir(tmp_path / "prune" / "a")) == {name(STEPS), "last"}
+    assert set(os.listdir(tmp_path / "prune" / "a")) == {name(STEPS), "keel.claim", "last"}
 
 
 # ---------------------------------------------------------------------- 2. one format
@@ -283,7 +283,7 @@ def test_weights_only_saves_are_one_plain_file_of_full_tensors(runs: Runs, run: 
     every 4 steps: plain files (under FSDP gathered: full, unsharded tensors) equal to the trained model."""
     result = runs[run][0]
     weights = runs.dir(run) / "weights"
-    assert sorted(os.listdir(weights / "cb")) == [name(4), name(8), "last"]
+    assert sorted(os.listdir(weights / "cb")) == [name(4), name(8), "keel.claim", "last"]
     shapes = {k: v.shape for k, v in ckpt_fit.Net().state_dict().items()}
     for path, expected in (
         (weights / "final.ckpt", result["final"]["weights"]),

@@ -112,7 +112,7 @@ class Checkpointer:
         # The run's identity, in every manifest and in the claim on the checkpoint folder: the launcher's job id
         # (a restart or requeue is the same run), else this Trainer's own; ckpt_path="last" adopts the folder's.
         self.run_id = run_identity() or f"keel:{uuid.uuid4().hex[:12]}"
-        self.claimed: str | None = None  # the checkpoint folder this run holds (begin)
+        self.claimed: list[str] = []  # the checkpoint folders this run holds (begin)
         self._initial_weights_of: torch.nn.Module | None = None  # the task Trainer(initial_weights=...) went into
 
     def track(
@@ -245,14 +245,21 @@ class Checkpointer:
             CheckpointError: another live process holds the folder, or it holds saves of another run and this
                 fit does not continue that run: naming the other run and the fix. Nothing is written or deleted.
         """
-        callback = self._checkpoint_callback()
-        folder = getattr(callback, "dirpath", None) if callback is not None else None
-        if folder is None or self.options.fast_dev_run:  # a smoke test writes nothing (unless forced: no claim)
+        folders: list[str] = []  # every ModelCheckpoint's; the first is the one `last` and `best` resolve in
+        for cb in self.callbacks:
+            folder = getattr(cb, "dirpath", None) if getattr(cb, "is_model_checkpoint", False) else None
+            if folder is not None and os.fspath(folder) not in folders:
+                folders.append(os.fspath(folder))
+        if not folders or self.options.fast_dev_run:  # a smoke test writes nothing (unless forced: no claim)
             return
         decided: tuple[str, str] = ("", "")
         if self.rank == 0:
+            folder = folders[0]
             try:
-                decided = (self._claim(folder, ckpt_path), "")
+                run = self._claim(folder, ckpt_path, self.run_id)
+                for folder in folders[1:]:
+                    self._claim(folder, None, run)
+                decided = (run, "")
             except CheckpointError as exc:
                 decided = ("", str(exc))
             except Exception as exc:  # the store failed: say so on every rank, never a bare traceback on one
@@ -260,13 +267,13 @@ class Checkpointer:
         run, error = comm.broadcast_object(decided)
         if error:
             raise CheckpointError(error)
-        self.run_id, self.claimed = run, os.fspath(folder)
+        self.run_id, self.claimed = run, folders
 
-    def _claim(self, folder: str | os.PathLike, ckpt_path: str | None) -> str:
-        """Rank 0: the run this fit continues or starts, once ``folder`` is claimed for it."""
+    def _claim(self, folder: str, ckpt_path: str | None, run: str) -> str:
+        """Rank 0: the run this fit continues or starts (``run`` unless ``ckpt_path`` continues another), once
+        ``folder`` is claimed for it."""
         held = claim.read(folder)
         saves = committed_runs(folder)
-        run = self.run_id
         if ckpt_path in ("last", "best"):  # a save of the folder's run, resumed: that run continues
             run = (held or {}).get("run") or next((r for _, r in saves if r), run)
         elif ckpt_path is not None:
@@ -275,12 +282,12 @@ class Checkpointer:
             live = claim.alive(held)
             if live or (live is None and held.get("run") != run):
                 elsewhere = (
-                    f" If that run has stopped, delete {os.path.join(os.fspath(folder), claim.CLAIM_FILE)}."
+                    f" If that run has stopped, delete {os.path.join(folder, claim.CLAIM_FILE)}."
                     if live is None
                     else ""
                 )
                 raise CheckpointError(
-                    f"Checkpoint folder {os.fspath(folder)!r} is being written by {claim.describe(held)}: two runs "
+                    f"Checkpoint folder {folder!r} is being written by {claim.describe(held)}: two runs "
                     "may not write one folder. Stop the other run, or give this one its own folder "
                     f"(ModelCheckpoint(dirpath=...), or another logger version).{elsewhere}"
                 )
@@ -288,7 +295,7 @@ class Checkpointer:
         if others:
             name, other = others[0]
             raise CheckpointError(
-                f"Checkpoint folder {os.fspath(folder)!r} holds saves of another run ({other!r}, newest {name}); "
+                f"Checkpoint folder {folder!r} holds saves of another run ({other!r}, newest {name}); "
                 "keel neither resumes nor deletes them from a new run. Continue that run with ckpt_path='last', or "
                 "give this run its own folder (ModelCheckpoint(dirpath=...), or another logger version)."
             )
@@ -297,8 +304,9 @@ class Checkpointer:
 
     def _claim_check(self, path: str | os.PathLike) -> Callable[[], None] | None:
         """Rank 0, before a save into the claimed folder is committed: the claim is still this run's."""
-        folder = self.claimed
-        if folder is None or os.path.dirname(os.fspath(path).rstrip("/")) != folder.rstrip("/"):
+        parent = os.path.dirname(os.fspath(path).rstrip("/"))
+        folder = next((f for f in self.claimed if f.rstrip("/") == parent), None)
+        if folder is None:
             return None
         run = self.run_id
 
@@ -388,7 +396,7 @@ class Checkpointer:
                 if ckpt_path == "last":
                     found = resolve_last(dirpath)
                 else:
-                    found = resolve_best(dirpath, callback.state_key, callback.best_k_models, callback.mode)
+                    found = resolve_best(dirpath, callback.find_state_key, callback.best_k_models, callback.mode)
                     if not found:
                         found = f'ckpt_path="best": no best checkpoint is known (no monitored save in {dirpath}).'
             except CheckpointError as exc:

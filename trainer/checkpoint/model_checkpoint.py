@@ -254,16 +254,22 @@ class ModelCheckpoint(Callback):
 
     @property
     def state_key(self) -> str:
-        """Lightning's key: what the callback does, not where its folder is, so a folder spelled another way
-        (relative, absolute, through a symlink) or moved keeps its state."""
-        key = {
-            "monitor": self.monitor,
-            "mode": self.mode,
-            "every_n_train_steps": self.every_n_train_steps,
-            "every_n_epochs": self.every_n_epochs,
-            "train_time_interval": self.train_time_interval,
-        }
-        return f"{type(self).__name__}{key!r}"
+        """What it monitors and the name of its folder, not the folder's path: a folder spelled another way
+        (relative, absolute, through a symlink) or moved keeps its state, and so does a run that changes how
+        often it saves."""
+        folder = os.path.basename(str(self.dirpath).rstrip("/")) if self.dirpath is not None else None
+        return f"{type(self).__name__}{{monitor={self.monitor!r}, mode={self.mode!r}, folder={folder!r}}}"
+
+    def matching_state_key(self, keys: list[str]) -> str | None:
+        """Among saved states no callback of this run claimed, this callback's in another folder: the one key of a
+        ModelCheckpoint with the same monitor and mode (the folder was renamed, moved or reached through a link)."""
+        mine = self.state_key.split(", folder=")[0]
+        same = [key for key in keys if key.split(", folder=")[0] == mine]
+        return same[0] if len(same) == 1 else None
+
+    def find_state_key(self, keys: list[str]) -> str | None:
+        """This callback's key among the saved ones: its own, else :meth:`matching_state_key`."""
+        return self.state_key if self.state_key in keys else self.matching_state_key(keys)
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Trainer, task: TaskModule, stage: str) -> None:

@@ -388,14 +388,21 @@ def resolve_last(directory: str | os.PathLike) -> list[str]:
     return [os.path.join(directory, n) for n in order]
 
 
-def resolve_best(directory: str | os.PathLike, state_key: str, best_k: dict[str, float] | None, mode: str) -> list[str]:
+def resolve_best(
+    directory: str | os.PathLike,
+    state_key: Callable[[list[str]], str | None],
+    best_k: dict[str, float] | None,
+    mode: str,
+) -> list[str]:
     """``ckpt_path="best"``: the callback's kept saves, best first (its state in this process, else the newest
     save's ``keel.pt``). Every candidate that is not a committed save in ``directory`` is logged and skipped."""
     saves = committed(directory)
     for name in saves if not best_k else []:  # a fresh process: the callback's state is in the newest save
         try:
             folder = as_path(directory) / name
-            saved = _read_keel(data_root(folder, read_manifest(folder))).get(K_CALLBACKS, {}).get(state_key, {})
+            states = _read_keel(data_root(folder, read_manifest(folder))).get(K_CALLBACKS, {})
+            key = state_key(list(states))
+            saved = states.get(key, {}) if key is not None else {}
         except (CheckpointError, OSError) as exc:
             log.warning("ckpt_path='best': skipping %s for the callback's state: %s", name, exc)
             continue

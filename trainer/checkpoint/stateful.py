@@ -168,10 +168,17 @@ class CallbackStates:
 
     def load_state_dict(self, states: dict[str, Any]) -> None:
         saved = dict(states or {})
+        unmatched = []
         for cb in self.callbacks:
             state = saved.pop(cb.state_key, None)
             if state is not None:
                 cb.load_state_dict(state)
+            else:
+                unmatched.append(cb)
+        for cb in unmatched:  # a callback that can tell its state under another key (a moved folder: ModelCheckpoint)
+            key = cb.matching_state_key(list(saved)) if hasattr(cb, "matching_state_key") else None
+            if key is not None:
+                cb.load_state_dict(saved.pop(key))
         if saved:
             log.warning(
                 "Checkpoint state for callbacks %s has no matching callback in this run; it is ignored.", sorted(saved)
