@@ -4,6 +4,7 @@ nothing), a dead run's claim is taken over, and a save is not committed once ano
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,15 +32,35 @@ def listing(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
-def test_a_new_run_refuses_a_folder_holding_another_runs_saves_and_deletes_nothing(tmp_path: Path) -> None:
+def test_a_new_run_writes_beside_another_runs_saves_and_never_touches_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As in Lightning, a new run (ckpt_path=None) may share a folder with a stopped run's saves: it is told so by
+    name, and it neither resumes, prunes nor deletes them; 'last' then continues the newest run."""
     first = fit(tmp_path / "ck")
     before = listing(tmp_path / "ck")
-    with pytest.raises(CheckpointError, match="holds saves of another run") as info:
-        fit(tmp_path / "ck")  # ckpt_path=None: a new run
-    assert first.checkpointer.run_id in str(info.value) and "ckpt_path='last'" in str(info.value)
-    assert listing(tmp_path / "ck") == before
-    resumed = fit(tmp_path / "ck", max_steps=6, ckpt_path="last")  # continuing that run is what "last" does
-    assert resumed.global_step == 6 and resumed.checkpointer.run_id == first.checkpointer.run_id
+    with caplog.at_level("WARNING"):
+        second = fit(tmp_path / "ck", max_steps=6)
+    assert f"save(s) of another run ({first.checkpointer.run_id!r}" in caplog.text
+    after = listing(tmp_path / "ck")
+    assert all(name in after for name in before if name.endswith(".ckpt") or ".ckpt/" in name)  # all still there
+    resumed = fit(tmp_path / "ck", max_steps=8, ckpt_path="last")
+    assert resumed.checkpointer.run_id == second.checkpointer.run_id != first.checkpointer.run_id
+    assert resumed.ckpt_path is not None and resumed.ckpt_path.endswith("epoch=0-step=6.ckpt")
+
+
+def test_a_save_of_another_run_copied_into_the_folder_is_never_resumed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fit(tmp_path / "other", max_steps=8)
+    mine = fit(tmp_path / "ck", max_steps=4)
+    shutil.copytree(tmp_path / "other" / "epoch=0-step=8.ckpt", tmp_path / "ck" / "epoch=0-step=8.ckpt")
+    (tmp_path / "ck" / "last").unlink()  # no pointer: `last` falls back to the newest committed save by step
+    with caplog.at_level("WARNING"):
+        resumed = fit(tmp_path / "ck", max_steps=6, ckpt_path="last")
+    assert "epoch=0-step=8.ckpt: it was written by run" in caplog.text and "never resumes another run" in caplog.text
+    assert resumed.checkpointer.run_id == mine.checkpointer.run_id
+    assert resumed.ckpt_path is not None and resumed.ckpt_path.endswith("epoch=0-step=4.ckpt")
 
 
 def test_a_dead_runs_claim_is_taken_over(tmp_path: Path) -> None:

@@ -292,12 +292,17 @@ class Checkpointer:
                     f"(ModelCheckpoint(dirpath=...), or another logger version).{elsewhere}"
                 )
         others = [(name, r) for name, r in saves if r and r != run]
-        if others:
+        if others:  # as Lightning, a new run may write beside them; keel neither resumes nor deletes them
             name, other = others[0]
-            raise CheckpointError(
-                f"Checkpoint folder {folder!r} holds saves of another run ({other!r}, newest {name}); "
-                "keel neither resumes nor deletes them from a new run. Continue that run with ckpt_path='last', or "
-                "give this run its own folder (ModelCheckpoint(dirpath=...), or another logger version)."
+            log.warning(
+                "Checkpoint folder %r holds %d save(s) of another run (%r, newest %s): this run (%r) writes beside "
+                "them and never resumes, prunes or deletes them. To continue that run instead, pass "
+                "ckpt_path='last'; to keep runs apart, give each its own folder.",
+                folder,
+                len(others),
+                other,
+                name,
+                run,
             )
         claim.write(folder, run)
         return run
@@ -381,6 +386,35 @@ class Checkpointer:
         self._initial_weights_of = task
         return time.perf_counter() - began
 
+    def _this_runs(self, dirpath: str, found: list[str], ckpt_path: str) -> list[str]:
+        """Rank 0: the candidates this run wrote (or an older keel, which named no run); a save of another run,
+        copied or written into the folder, is named and never resumed.
+
+        Raises:
+            CheckpointError: every candidate is another run's.
+        """
+        runs = dict(committed_runs(dirpath))
+        mine: list[tuple[str, str]] = []
+        theirs: list[tuple[str, str]] = []
+        for path in found:
+            run = runs.get(os.path.basename(path.rstrip("/")), "")
+            (mine if run in ("", self.run_id) else theirs).append((path, run))
+        for path, run in theirs:
+            log.warning(
+                "ckpt_path=%r: skipping %s: it was written by run %r, not by this run (%r); keel never resumes "
+                "another run's save.",
+                ckpt_path,
+                path,
+                run,
+                self.run_id,
+            )
+        if theirs and not mine:
+            raise CheckpointError(
+                f"ckpt_path={ckpt_path!r}: {dirpath!r} holds only saves of another run ({theirs[0][1]!r}); this run "
+                f"({self.run_id!r}) resumes none of them. Pass that save's path as ckpt_path to continue from it."
+            )
+        return [path for path, _ in mine]
+
     def _candidates(self, ckpt_path: str) -> list[str]:
         """The saves to try, in order, decided on rank 0 and broadcast (an error on rank 0 is raised everywhere)."""
         if ckpt_path not in ("last", "best"):
@@ -399,6 +433,7 @@ class Checkpointer:
                     found = resolve_best(dirpath, callback.find_state_key, callback.best_k_models, callback.mode)
                     if not found:
                         found = f'ckpt_path="best": no best checkpoint is known (no monitored save in {dirpath}).'
+                found = self._this_runs(dirpath, found, ckpt_path) if isinstance(found, list) else found
             except CheckpointError as exc:
                 found = str(exc)
             except Exception as exc:  # the store failed: never a fallback to an older save, never a fresh start
