@@ -142,9 +142,11 @@ def warn_unseeded_task(task: TaskModule, seed: int | None) -> None:
 
 def _not_held(run_dir: str) -> bool:
     """Whether a run directory may be continued: no live process holds its checkpoint folder (the default one,
-    ``<run dir>/checkpoints``; a folder given elsewhere is checked when the fit claims it)."""
+    ``<run dir>/checkpoints``; a folder given elsewhere is checked when the fit claims it), and no earlier Trainer
+    of this process wrote it (the jobs of a sweep that Hydra runs one after another in one process are separate
+    runs; re-running the command is a new process)."""
     held = claim.read(join(run_dir, "checkpoints")) if not is_url(run_dir) else None
-    return held is None or claim.alive(held) is False
+    return held is None or (claim.alive(held) is False and not claim.by_this_process(held))
 
 
 def stage_seed(trainer: Trainer, stage: str) -> int | None:

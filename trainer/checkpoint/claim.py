@@ -54,12 +54,15 @@ def alive(claim: dict[str, Any]) -> bool | None:
     return started is not None and started == claim.get("started")
 
 
+def by_this_process(claim: dict[str, Any]) -> bool:
+    """Whether this process wrote ``claim`` (for any run)."""
+    me = holder()
+    return all(claim.get(k) == me[k] for k in ("host", "pid", "started"))
+
+
 def mine(claim: dict[str, Any] | None, run: str) -> bool:
     """Whether ``claim`` is this process's claim for ``run``."""
-    me = holder()
-    return (
-        claim is not None and claim.get("run") == run and all(claim.get(k) == me[k] for k in ("host", "pid", "started"))
-    )
+    return claim is not None and claim.get("run") == run and by_this_process(claim)
 
 
 def write(folder: str | os.PathLike | AnyPath, run: str) -> None:
