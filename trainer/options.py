@@ -396,6 +396,11 @@ class TrainerOptions:
         resolve_seed(built)
         return built
 
+    def changed(self) -> dict[str, Any]:
+        """:meth:`resolved`, only the options whose value differs from the default (the start-of-run line)."""
+        defaults = TrainerOptions().resolved()
+        return {k: v for k, v in self.resolved().items() if k not in defaults or defaults[k] != v}
+
     def resolved(self) -> dict[str, Any]:
         """The options as plain values, for the start-of-run log line and the checkpoint."""
         out: dict[str, Any] = {}

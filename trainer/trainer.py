@@ -347,7 +347,9 @@ class Trainer(TrainerAttributes):
 
     def _setup_stage(self, stage: str) -> None:
         if not self._logged_options and self.is_global_zero:
-            log.info("Trainer options: %s", self.options.resolved())
+            changed = self.options.changed()
+            log.info("Trainer options: %s", ", ".join(f"{k}={v!r}" for k, v in changed.items()) or "the defaults")
+            log.debug("All Trainer options: %s", self.options.resolved())
             self._logged_options = True
         lifecycle.setup_stage(self, stage)
         assert self.task is not None
