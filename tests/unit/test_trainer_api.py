@@ -467,8 +467,9 @@ def test_a_local_dirpath_that_is_a_file_is_refused_when_fit_starts(tmp_path: Pat
 
 
 def test_the_options_line_names_only_what_differs_from_the_defaults(caplog: pytest.LogCaptureFixture) -> None:
+    trainer = Trainer(**quiet(max_steps=2))  # sets keel's loggers to INFO on rank 0
     with caplog.at_level("DEBUG", logger="trainer"):
-        Trainer(**quiet(max_steps=2)).fit(Regression(), loader(regression_data(16), batch_size=4))
+        trainer.fit(Regression(), loader(regression_data(16), batch_size=4))
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Trainer options:")]
     assert "max_steps=2" in line and "enable_progress_bar=False" in line and "precision" not in line
     assert len(line) < 200
