@@ -127,6 +127,8 @@ def run(cfg: DictConfig, *, command: str = COMMAND) -> dict[str, Any]:
         ``epochs``, ``seconds``.
     """
     trainer, task, datamodule = build(cfg, command=command)
+    if _in_a_sweep():  # each job of a sweep is a run of its own (a restart of that job still finds its folder)
+        trainer.continue_run_directory = False
     if trainer.is_global_zero:
         _warn_about_restarts()
     start = time.monotonic()
@@ -203,6 +205,14 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     lines += [f"  {name:<30} {value:.6g}" for name, value in summary["metrics"].items()]
     return "\n".join(lines + ["=" * 78])
+
+
+def _in_a_sweep() -> bool:
+    """Whether this is a job of a ``-m`` sweep (any launcher)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _check_sweep_launcher() -> None:

@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.checkpoint import claim
 from trainer.compat import warn_uncalled_hooks
 from trainer.distributed import comm
 from trainer.distributed.watchdog import Watchdog, nccl_flight_recorder_env_defaults, start_for_run
 from trainer.observability.rank_zero import rank_zero_only
 from trainer.options import resolve_seed
-from trainer.storage import is_url, join, local_dir, sync_mirrors
+from trainer.storage import local_dir, sync_mirrors
 
 if TYPE_CHECKING:
     from trainer.callback import Callback
@@ -90,9 +89,9 @@ def setup_stage(trainer: Trainer, stage: str) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
-    free = _not_held if stage == "fit" and getattr(trainer, "_continues_run", False) else None
+    continues = stage == "fit" and getattr(trainer, "_continues_run", False)  # fit(ckpt_path="last")
     for logger in trainer.loggers:
-        logger.resolve_version(continue_newest=free)  # rank 0 picks, all ranks agree (broadcast)
+        logger.resolve_version(continue_newest=continues)  # rank 0 picks, all ranks agree (broadcast)
     if profiler is not None:
         profiler.setup(stage, run_dir=local_dir(trainer.log_dir), rank=trainer.global_rank)
         if profiler.enabled:
@@ -138,15 +137,6 @@ def warn_unseeded_task(task: TaskModule, seed: int | None) -> None:
         seed,
         seed,
     )
-
-
-def _not_held(run_dir: str) -> bool:
-    """Whether a run directory may be continued: no live process holds its checkpoint folder (the default one,
-    ``<run dir>/checkpoints``; a folder given elsewhere is checked when the fit claims it), and no earlier Trainer
-    of this process wrote it (the jobs of a sweep that Hydra runs one after another in one process are separate
-    runs; re-running the command is a new process)."""
-    held = claim.read(join(run_dir, "checkpoints")) if not is_url(run_dir) else None
-    return held is None or (claim.alive(held) is False and not claim.by_this_process(held))
 
 
 def stage_seed(trainer: Trainer, stage: str) -> int | None:

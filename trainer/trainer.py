@@ -152,6 +152,9 @@ class Trainer(TrainerAttributes):
         self._dynamo_ctx: Any = None  # torch.compile settings when fit() got torch.compile(task)
         self._preemption = PreemptionWatcher()
         self._continues_run = False  # fit(ckpt_path="last"): continue the newest run directory, not a new version
+        # False: fit(ckpt_path="last") never continues another process's run directory (a sweep's jobs are runs of
+        # their own; a restart of the same job still finds its own by the launcher's marker).
+        self.continue_run_directory = True
         self._watchdog: wd.Watchdog | None = None
         self._manual: ManualOptimization | None = None  # built per fit (TaskModule.optimizers() wraps with it)
         self._manual_mode = False  # task.automatic_optimization is False for this fit
@@ -207,7 +210,8 @@ class Trainer(TrainerAttributes):
     ) -> None:
         """Train ``model`` (a TaskModule, or ``torch.compile(task)``; Lightning's parameter name). A DataModule
         may come second, as in Lightning. ``ckpt_path`` resumes from a checkpoint file, or ``"last"`` / ``"best"``."""
-        self._continues_run = ckpt_path == "last"  # the loggers continue the newest run directory
+        # The loggers continue the newest run directory (a rerun of the same command), unless told not to.
+        self._continues_run = ckpt_path == "last" and self.continue_run_directory
         self._run(
             "fit",
             model,

@@ -9,28 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from typing import Any
 
 from trainer.checkpoint.files import write_atomic
+from trainer.distributed.launcher import is_this_process, process_alive, this_process
 from trainer.storage import AnyPath, as_path
 
 CLAIM_FILE = "keel.claim"
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux), None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 def holder() -> dict[str, Any]:
     """This process, as a claim names it."""
-    pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "started": _start_time(pid)}
+    return this_process()
 
 
 def read(folder: str | os.PathLike | AnyPath) -> dict[str, Any] | None:
@@ -45,19 +35,12 @@ def read(folder: str | os.PathLike | AnyPath) -> dict[str, Any] | None:
 def alive(claim: dict[str, Any]) -> bool | None:
     """Whether the process that wrote ``claim`` still runs: True or False on this host, None on another (it
     cannot be told from here). This process is not alive in this sense: a claim it wrote is its own."""
-    if claim.get("host") != socket.gethostname():
-        return None
-    pid = claim.get("pid")
-    if not isinstance(pid, int) or pid == os.getpid():
-        return False
-    started = _start_time(pid)
-    return started is not None and started == claim.get("started")
+    return process_alive(claim)
 
 
 def by_this_process(claim: dict[str, Any]) -> bool:
     """Whether this process wrote ``claim`` (for any run)."""
-    me = holder()
-    return all(claim.get(k) == me[k] for k in ("host", "pid", "started"))
+    return is_this_process(claim)
 
 
 def mine(claim: dict[str, Any] | None, run: str) -> bool:

@@ -14,7 +14,7 @@ import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
 
@@ -345,3 +345,36 @@ def _agent_identity() -> str | None:
     except (OSError, IndexError):
         return None
     return f"{socket.gethostname()}:{agent}:{start_time}"
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time in clock ticks since boot (Linux), None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def this_process() -> dict[str, Any]:
+    """This process as a record another process can check: host, pid and the pid's start time (so that a
+    recycled pid is not mistaken for it)."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "started": _start_time(pid)}
+
+
+def is_this_process(record: dict[str, Any]) -> bool:
+    me = this_process()
+    return all(record.get(k) == me[k] for k in ("host", "pid", "started"))
+
+
+def process_alive(record: dict[str, Any]) -> bool | None:
+    """Whether the process a record names still runs: True or False on this host, None on another (it cannot be
+    told from here). This process counts as not alive: a record it wrote is its own."""
+    if record.get("host") != socket.gethostname():
+        return None
+    pid = record.get("pid")
+    if not isinstance(pid, int) or pid == os.getpid():
+        return False
+    started = _start_time(pid)
+    return started is not None and started == record.get("started")

@@ -11,14 +11,17 @@ in their own modules; trainer.loggers re-exports all of them. This module import
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
+import tempfile
+from collections.abc import Mapping
 from typing import Any
 
 from trainer.distributed import comm
-from trainer.distributed.launcher import run_identity
+from trainer.distributed.launcher import is_this_process, process_alive, run_identity, this_process
 from trainer.storage import RemotePath, check_writable, is_url, join, local_dir, location
 
 log = logging.getLogger(__name__)
@@ -27,6 +30,7 @@ _VERSION_DIR = re.compile(r"version_(\d+)")
 
 
 RUN_ID_MARKER = ".keel_run_id"
+HOLDER_FILE = ".keel_run_holder"  # the process running in a version folder (host, pid, start time)
 
 
 class Logger:
@@ -79,11 +83,10 @@ class Logger:
         folder = f"version_{self.version}" if isinstance(self.version, int) else str(self.version)
         return join(self.root_dir, folder)
 
-    def resolve_version(self, continue_newest: Callable[[str], bool] | None = None) -> None:
+    def resolve_version(self, continue_newest: bool = False) -> None:
         """Picks the run's ``version_N`` on rank 0 and shares it with every rank: a restarted job's own folder
-        (:meth:`_pick_version`); with ``continue_newest`` (a fit with ``ckpt_path="last"``) the newest version whose
-        folder ``continue_newest(log_dir)`` accepts (no other live run holds it), so re-running the same command
-        continues the run; else the next free one.
+        (:meth:`_pick_version`); with ``continue_newest`` (a fit with ``ckpt_path="last"``) the newest version that
+        no live process holds, so re-running the same command continues the run; else the next free one.
 
         A collective (one ``broadcast_object``) when the version is still None: every rank must call it
         at the same point. Idempotent: once resolved (or given to the constructor), the version is kept
@@ -108,12 +111,15 @@ class Logger:
         self.version = shared
         log.debug("%s resolved version %s under %s", type(self).__name__, self.version, self.root_dir)
 
-    def _pick_version(self, continue_newest: Callable[[str], bool] | None = None) -> int:
-        """A restarted job (same ``run_identity()``) gets its own folder back; with ``continue_newest`` the newest
-        folder it accepts; otherwise a new run gets the next one.
+    def _pick_version(self, continue_newest: bool = False) -> int:
+        """A restarted job (same ``run_identity()``) gets its own folder back; with ``continue_newest`` (a fit
+        with ``ckpt_path="last"``) the newest folder, unless a live process holds it (the ``.keel_run_holder``
+        record: another run, or a sweep's job running beside this one) or an earlier Trainer of this process does
+        (a sweep's jobs run one after another in one process are separate runs); otherwise the next free one.
 
-        The chosen folder is created with a ``.keel_run_id`` marker so that a torchrun restart or a
-        SLURM requeue of the same job lands in the same run directory and resumes from its checkpoints.
+        A new folder is created with the holder record and, under a launcher, a ``.keel_run_id`` marker so that a
+        torchrun restart or a SLURM requeue of the same job lands in the same run directory and resumes from its
+        checkpoints. It is created whole by one rename, so jobs that start at the same moment never share one.
         """
         identity = run_identity()
         if is_url(self.root_dir):
@@ -124,34 +130,50 @@ class Logger:
                 if _VERSION_DIR.fullmatch(entry) and os.path.isfile(marker):
                     with open(marker) as handle:
                         if handle.read().strip() == identity:
-                            return int(_VERSION_DIR.fullmatch(entry).group(1))  # type: ignore[union-attr]
+                            version = int(_VERSION_DIR.fullmatch(entry).group(1))  # type: ignore[union-attr]
+                            self._hold(os.path.join(self.root_dir, entry), identity)
+                            return version
         version = self._next_version()
-        if continue_newest is not None and version > 0:
-            newest = version - 1
-            if continue_newest(join(self.root_dir, f"version_{newest}")):
-                if identity is not None:  # a restart of this job lands here again
-                    with open(os.path.join(self.root_dir, f"version_{newest}", RUN_ID_MARKER), "w") as handle:
-                        handle.write(identity)
-                log.info(
-                    "Continuing the run in %s (fit with ckpt_path='last').", join(self.root_dir, f"version_{newest}")
-                )
-                return newest
+        if continue_newest and version > 0:
+            folder = os.path.join(self.root_dir, f"version_{version - 1}")
+            if self._free(folder):
+                self._hold(folder, identity)
+                log.info("Continuing the run in %s (fit with ckpt_path='last').", folder)
+                return version - 1
+        if identity is None and not continue_newest:
+            return version  # nothing to record: the folder is made when something is written
+        os.makedirs(self.root_dir, exist_ok=True)
+        staged = tempfile.mkdtemp(prefix=".version-", dir=self.root_dir)
+        self._hold(staged, identity)
+        while True:  # a rename onto an existing (non-empty) folder fails: the next N is tried
+            try:
+                os.rename(staged, os.path.join(self.root_dir, f"version_{version}"))
+                return version
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                version += 1
+
+    @staticmethod
+    def _free(folder: str) -> bool:
+        """Whether ``folder`` may be continued: no live process, and no earlier Trainer of this one, holds it."""
+        try:
+            with open(os.path.join(folder, HOLDER_FILE)) as handle:
+                record = json.load(handle)
+        except (OSError, ValueError):
+            return True  # written by an older keel, or by nothing yet that holds it
+        return not isinstance(record, dict) or (process_alive(record) is False and not is_this_process(record))
+
+    @staticmethod
+    def _hold(folder: str, identity: str | None) -> None:
+        """Record that this process runs in ``folder`` (and, under a launcher, the job's identity)."""
+        with open(os.path.join(folder, HOLDER_FILE), "w") as handle:
+            json.dump(this_process(), handle)
         if identity is not None:
-            # Claimed by an exclusive mkdir: jobs that start at the same moment (a submitit sweep on one
-            # node) would otherwise all pick the same next free N and share one run directory.
-            os.makedirs(self.root_dir, exist_ok=True)
-            while True:
-                folder = os.path.join(self.root_dir, f"version_{version}")
-                try:
-                    os.mkdir(folder)
-                    break
-                except FileExistsError:
-                    version += 1
             with open(os.path.join(folder, RUN_ID_MARKER), "w") as handle:
                 handle.write(identity)
-        return version
 
-    def _pick_remote_version(self, identity: str | None, continue_newest: Callable[[str], bool] | None) -> int:
+    def _pick_remote_version(self, identity: str | None, continue_newest: bool) -> int:
         """:meth:`_pick_version` on object storage: the marker object names the job; there is no exclusive
         create, so two jobs that start in the same second under one prefix may share a version (give each its
         own ``version=`` or ``save_dir`` there)."""
@@ -167,7 +189,7 @@ class Logger:
                 marker = root / f"version_{version}" / RUN_ID_MARKER
                 if marker.is_file() and marker.read_text().strip() == identity:
                     return version
-        if continue_newest is not None and versions and continue_newest(join(self.root_dir, f"version_{versions[-1]}")):
+        if continue_newest and versions:  # no process to check on a store: the newest run continues
             return versions[-1]
         version = versions[-1] + 1 if versions else 0
         if identity is not None:
