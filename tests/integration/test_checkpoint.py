@@ -322,7 +322,7 @@ def test_save_last_leaves_the_final_state_whatever_the_periodic_triggers(tmp_pat
     trainer.fit(Regression(), loader(regression_data(), 16))
     final = {k: v.clone() for k, v in trainer.task.state_dict().items()}
     # Named at the end of fit, when current_epoch is 3 (epochs done), as Lightning's trainer reports it then.
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=3-step=12.ckpt", "last", "last.ckpt"]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=3-step=12.ckpt", "keel.claim", "last", "last.ckpt"]
     assert os.path.islink(ckpt_dir / "last.ckpt") and read_pointer(ckpt_dir) == ["epoch=3-step=12.ckpt"]
     restored = load_weights(str(ckpt_dir / "last.ckpt"))["state_dict"]
     assert all(torch.equal(restored[k], final[k]) for k in final)
@@ -333,7 +333,7 @@ def test_save_last_leaves_the_final_state_whatever_the_periodic_triggers(tmp_pat
         Regression(), loader(regression_data(), 16)
     )
     names = sorted(p.name for p in ckpt_dir.iterdir())
-    assert names == ["epoch=1-step=8.ckpt", "epoch=3-step=12.ckpt", "last", "last.ckpt"]
+    assert names == ["epoch=1-step=8.ckpt", "epoch=3-step=12.ckpt", "keel.claim", "last", "last.ckpt"]
     assert cb.best_model_path.endswith("epoch=1-step=8.ckpt") and cb.last_model_path.endswith("epoch=3-step=12.ckpt")
 
     again = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=2, save_last=save_last)

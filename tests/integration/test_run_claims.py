@@ -17,6 +17,7 @@ from trainer import Callback, Trainer
 from trainer.checkpoint import claim
 from trainer.checkpoint.files import CheckpointError
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+from trainer.distributed.launcher import _start_time
 
 
 def fit(folder: Path, *, max_steps: int = 4, ckpt_path: str | None = None, callbacks: tuple = ()) -> Trainer:
@@ -78,7 +79,7 @@ def test_a_live_claim_on_this_host_is_refused_by_name(tmp_path: Path) -> None:
     folder.mkdir()
     with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as other:
         try:
-            live = {"run": "keel:other", **claim.holder(), "pid": other.pid, "started": claim._start_time(other.pid)}
+            live = {"run": "keel:other", **claim.holder(), "pid": other.pid, "started": _start_time(other.pid)}
             (folder / claim.CLAIM_FILE).write_text(json.dumps(live))
             with pytest.raises(CheckpointError, match=rf"is being written by run 'keel:other' \(pid {other.pid} on"):
                 fit(folder)

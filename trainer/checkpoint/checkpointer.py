@@ -278,7 +278,7 @@ class Checkpointer:
             run = (held or {}).get("run") or next((r for _, r in saves if r), run)
         elif ckpt_path is not None:
             run = _run_of(ckpt_path) or run
-        if held is not None:
+        if held is not None and not claim.same_launch(held):
             live = claim.alive(held)
             if live or (live is None and held.get("run") != run):
                 elsewhere = (

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from trainer.checkpoint.files import write_atomic
-from trainer.distributed.launcher import is_this_process, process_alive, this_process
+from trainer.distributed.launcher import is_this_process, process_alive, run_identity, this_process
 from trainer.storage import AnyPath, as_path
 
 CLAIM_FILE = "keel.claim"
@@ -52,8 +52,15 @@ def write(folder: str | os.PathLike | AnyPath, run: str) -> None:
     """Claim ``folder`` for ``run`` (this process holds it), replacing any claim there."""
     target = as_path(folder)
     target.mkdir(parents=True, exist_ok=True)
-    body = json.dumps({"run": run, **holder()}, sort_keys=True).encode()
+    body = json.dumps({"run": run, "launch": run_identity(), **holder()}, sort_keys=True).encode()
     write_atomic(target / CLAIM_FILE, lambda handle: handle.write(body))
+
+
+def same_launch(claim: dict[str, Any]) -> bool:
+    """Whether ``claim`` was written by an earlier incarnation of this launched job (a torchrun restart, a SLURM
+    requeue): its processes may still be exiting, and the folder is this job's to take over."""
+    launch = run_identity()
+    return launch is not None and claim.get("launch") == launch
 
 
 def describe(claim: dict[str, Any]) -> str:
