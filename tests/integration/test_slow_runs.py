@@ -172,6 +172,10 @@ def test_checkpoint_bound_and_communication_bound_jobs_and_the_backward_judged_w
         "throttled device, a larger batch)"
     ]
     assert unsplit.warnings == []  # without the split, a long backward may be a wait: not judged
+    toy = Diagnosis(patience=2, backward_waits=False)  # a balanced 2-rank run of a tiny model: 1 ms of a 3 ms step
+    for _ in range(4):
+        toy.update([row(data=0.2, forward=0.8, backward=0.9, sync=1.0), row(data=0.2, forward=0.8, backward=1, sync=1)])
+    assert toy.warnings == []
 
 
 def test_the_phase_clock_splits_a_backward_at_its_last_all_reduce_launch(monkeypatch) -> None:

@@ -190,8 +190,10 @@ class Diagnosis:
     ``backward_waits``, i.e. where its sync is split out), since a rank that waits in a collective is waiting for
     someone else. The job is *data-bound* (or *checkpoint-bound*) when every rank spends more than ``bound_share``
     of its time waiting for data (or blocked by saves), and *communication-bound* when no rank is slow and every
-    rank spends more than that waiting in the gradient sync. A verdict holds once it has held for ``patience``
-    intervals in a row; the warning comes when the verdict changes (and again only when it changes again)."""
+    rank spends more than that waiting in the gradient sync; a job-wide verdict also needs the median wait above
+    ``min_excess`` seconds a step (a balanced toy run waiting 1 ms a step is healthy). A verdict holds once it has
+    held for ``patience`` intervals in a row; the warning comes when the verdict changes (and again only when it
+    changes again)."""
 
     def __init__(
         self,
@@ -311,11 +313,12 @@ class Diagnosis:
         sync (communication-bound)."""
         wall = max(walls)
 
-        def every_rank(phase: int) -> bool:
-            return all(w > 0 and r[phase] / w > self.bound_share for r, w in zip(per_step, walls))
-
         def median(phase: int) -> float:
             return statistics.median(r[phase] for r in per_step)
+
+        def every_rank(phase: int) -> bool:  # and long enough to matter: a toy run's 1 ms sync is not a finding
+            shares = all(w > 0 and r[phase] / w > self.bound_share for r, w in zip(per_step, walls))
+            return shares and median(phase) > self.min_excess
 
         if every_rank(_DATA):
             return "data-bound", (
