@@ -420,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
             "the same launcher as the job (torchrun on every node, srun, or plain python)."
         ),
         epilog=(
+            "Commands: python -m trainer.doctor [options] checks the launch (above); python -m trainer.doctor "
+            "goodput RUN_DIR [--json] prints a job's goodput across its restarts (see its --help). "
             "Examples: python -m trainer.doctor | torchrun --nproc-per-node 8 -m trainer.doctor | "
             "srun python -m trainer.doctor --sizes 1M,256M. Exit status: 0 and 'doctor: all checks "
             "passed' (rank 0); 1 with a 'FAIL <check>: <why>' line per failure; 2 for bad arguments."

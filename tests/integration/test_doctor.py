@@ -55,6 +55,7 @@ def test_help_documents_the_options(capsys):
     for option in ("--init-timeout", "--sizes", "--iters", "--accelerator", "--run-dir"):
         assert option in text
     assert "all checks passed" in text and "FAIL" in text  # exit status documented
+    assert "python -m trainer.doctor goodput RUN_DIR" in " ".join(text.split())  # every command is listed
 
 
 def test_relevant_env_vars():
