@@ -241,3 +241,16 @@ def test_import_trainer_does_not_import_safetensors() -> None:
         "print(sorted(m for m in ('safetensors', 'torch.distributed.checkpoint') if m in sys.modules))"
     )
     assert import_check(code).stdout.strip() == "[]"
+
+
+def test_export_weights_of_the_last_pointer_follows_it(tmp_path: Path) -> None:
+    """The `last` pointer is a small JSON file; given to export_weights it names the save it points at (it used
+    to be read as a checkpoint and refused as 'pickled objects')."""
+    from trainer import Trainer
+    from trainer.checkpoint.model_checkpoint import ModelCheckpoint
+
+    trainer = Trainer(**quiet(max_steps=2, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2)]))
+    trainer.fit(Regression(), loader(regression_data(16), batch_size=4))
+    export_weights(tmp_path / "ck" / "last", tmp_path / "via-pointer.safetensors")
+    export_weights(tmp_path / "ck" / "epoch=0-step=2.ckpt", tmp_path / "direct.safetensors")
+    assert (tmp_path / "via-pointer.safetensors").read_bytes() == (tmp_path / "direct.safetensors").read_bytes()

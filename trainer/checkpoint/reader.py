@@ -180,8 +180,17 @@ def _read_keel(folder: AnyPath) -> dict[str, Any]:
 
 def save_folder(path: str | os.PathLike) -> AnyPath:
     """The save a path names: a folder; ``<folder>/lightning.ckpt`` (what ``callbacks.lightning`` reports)
-    names its folder; a plain file (a weights file) itself."""
+    names its folder; the ``last`` pointer names the newest save it records; a plain file (a weights file) itself.
+
+    Raises:
+        CheckpointError: a ``last`` pointer that names no save.
+    """
     path = as_path(path)
+    if path.name == POINTER_NAME and path.is_file():
+        names = read_pointer(path.parent)
+        if not names:
+            raise CheckpointError(f"{str(path)!r} is a `last` pointer that names no save yet; pass a save folder.")
+        path = path.parent / names[0]
     if isinstance(path, RemotePath):
         return path.parent if path.name == LIGHTNING_FILE else path
     if path.is_symlink():  # last.ckpt -> a save folder, or its lightning.ckpt
