@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import difflib
 import math
 import os
 from collections.abc import Mapping
@@ -387,8 +388,10 @@ class TrainerOptions:
             for name in lightning
         ]
         lines += [_moved_to_strategy(name, options[name]) for name in moved]
-        if unknown:
-            lines.append(f"Unknown Trainer option(s) {unknown}. Valid options: {sorted(known)}.")
+        for name in unknown:
+            close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+            hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"valid: {sorted(known)}"
+            lines.append(f"Unknown Trainer option {name!r}: {hint}")
         if lines:
             raise ValueError("\n".join(lines))
         built = cls(**options)

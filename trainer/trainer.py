@@ -11,6 +11,7 @@ resuming in :class:`~trainer.checkpoint.checkpointer.Checkpointer`; the loop's p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -58,6 +59,11 @@ from trainer.step.precision import Precision
 
 log = logging.getLogger(__name__)
 
+_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(TrainerOptions))
+_OPTION_DEFAULTS = {
+    f.name: f.default for f in dataclasses.fields(TrainerOptions) if f.default is not dataclasses.MISSING
+}
+
 
 class Trainer(TrainerAttributes):
     """Runs ``fit`` / ``validate`` / ``test`` / ``predict`` for a :class:`~trainer.TaskModule`.
@@ -70,14 +76,82 @@ class Trainer(TrainerAttributes):
     re-creating the default group in the same process races with the old group's rendezvous keys: a
     caught exception leaves the group usable for the next ``fit``/``test`` call.
 
-    Args:
-        **options: see :class:`~trainer.options.TrainerOptions` and docs/options.md. Invalid
-            values raise ``ValueError`` naming the option, the value and the valid choices, before any
-            process group exists.
+    Every option is a keyword argument with its type and default; what each does is in
+    :class:`~trainer.options.TrainerOptions` and docs/options.md. A misspelled option raises ``ValueError`` naming it
+    and the closest valid ones; an invalid value raises ``ValueError`` naming the option, the value and the valid
+    choices, before any process group exists.
     """
 
-    def __init__(self, **options: Any) -> None:
-        self.options = TrainerOptions.from_kwargs(options)
+    def __new__(cls, *args: Any, **options: Any) -> Trainer:
+        """Refuses a misspelled or unsupported option by name before anything is built (with "did you mean" and
+        Lightning's options keel does not have explained), and records which options the call named."""
+        if cls.__init__ is Trainer.__init__:
+            if args:
+                raise TypeError("Trainer takes its options as keywords: Trainer(max_epochs=3, ...).")
+            if set(options) - _OPTION_NAMES:
+                TrainerOptions.from_kwargs(options)  # raises, naming each unknown option
+        trainer = super().__new__(cls)
+        trainer.__dict__["_named_options"] = set(options) & _OPTION_NAMES
+        return trainer
+
+    def __init__(
+        self,
+        *,
+        max_epochs: int | None = None,
+        max_steps: int = -1,
+        min_epochs: int | None = None,
+        min_steps: int | None = None,
+        accumulate_grad_batches: int | dict = 1,
+        global_batch_size: int | dict | None = None,
+        drop_incomplete_accumulation: bool = False,
+        precision: str = "32",
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        val_check_interval: int | None = None,
+        check_val_every_n_epoch: int | None = 1,
+        limit_train_batches: int | float = 1.0,
+        limit_val_batches: int | float = 1.0,
+        limit_test_batches: int | float = 1.0,
+        limit_predict_batches: int | float = 1.0,
+        num_sanity_val_steps: int = 2,
+        fast_dev_run: bool | int = False,
+        log_every_n_steps: int = 50,
+        seed: int | None = 0,
+        deterministic: bool = False,
+        benchmark: bool | None = None,
+        accelerator: str = "auto",
+        devices: int | str = "auto",
+        num_nodes: int | None = None,
+        strategy: Any = "auto",
+        default_root_dir: str | None = None,
+        callbacks: list[Any] | None = None,
+        logger: Any = True,
+        profiler: Any = None,
+        enable_progress_bar: bool = True,
+        enable_checkpointing: bool = True,
+        enable_model_summary: bool = True,
+        memory_plan: bool = False,
+        sync_batchnorm: bool = False,
+        process_group_timeout: float = 1800.0,
+        init_timeout: float = 300.0,
+        watchdog_timeout: float | None = None,
+        on_nonfinite: str = "error",
+        uneven_batches: str = "truncate",
+        predict_return: str = "all_ranks",
+        preemption_check_interval: int | None = None,
+        stream_reshard: str = "error",
+        initial_weights: str | None = None,
+        initial_weights_rename: Any = None,
+        initial_weights_strict: bool = True,
+    ) -> None:
+        # Every option is a keyword with its type and default; TrainerOptions is the one source (a test compares
+        # them). An option the call did not name (Trainer.__new__ records them) is left to TrainerOptions, which
+        # resolves some later (seed: the program's seed_everything).
+        named = self.__dict__.pop("_named_options", set())
+        values = {k: v for k, v in locals().items() if k in _OPTION_NAMES}
+        self.options = TrainerOptions.from_kwargs(
+            {k: v for k, v in values.items() if k in named or v is not _OPTION_DEFAULTS.get(k)}
+        )
         opts = self.options
         self.env = launcher.detect_env()
         # Where this process sits in the job (fixed for the Trainer's life; Lightning's names).

@@ -99,7 +99,7 @@ def test_every_option_has_an_invalid_case() -> None:
 
 
 def test_unknown_option_lists_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"Unknown Trainer option\(s\) \['max_epoch'\].*max_epochs"):
+    with pytest.raises(ValueError, match=r"Unknown Trainer option 'max_epoch': did you mean 'max_epochs'"):
         Trainer(max_epoch=3)
 
 
@@ -125,3 +125,34 @@ def test_partial_torchrun_environment_is_refused_before_init(monkeypatch: pytest
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="RANK"):
         Trainer(logger=False)
+
+
+def test_the_trainer_signature_spells_out_every_option_as_trainer_options_does() -> None:
+    """One source of truth: Trainer.__init__ has a keyword for every TrainerOptions field, in order, with the same
+    type and default (a field with a factory default is None there), so editors and mypy see them."""
+    import dataclasses
+    import inspect
+
+    from trainer import Trainer
+    from trainer.options import TrainerOptions
+
+    params = list(inspect.signature(Trainer.__init__).parameters.values())[1:]
+    fields = dataclasses.fields(TrainerOptions)
+    assert [p.name for p in params] == [f.name for f in fields]
+    for param, f in zip(params, fields):
+        assert param.kind is inspect.Parameter.KEYWORD_ONLY, param
+        if f.default is dataclasses.MISSING:
+            assert param.default is None and param.annotation == f"{f.type} | None", (param, f.type)
+        else:
+            assert param.default == f.default and param.annotation == f.type, (param, f.default, f.type)
+
+
+def test_a_misspelled_option_is_named_with_the_closest_ones() -> None:
+    from trainer import Trainer
+
+    with pytest.raises(
+        ValueError, match=r"Unknown Trainer option 'enable_progressbar': did you mean 'enable_progress_bar'"
+    ):
+        Trainer(enable_progressbar=False)
+    with pytest.raises(TypeError, match="keywords"):
+        Trainer(3)
