@@ -140,3 +140,25 @@ def test_best_and_pruning_do_not_depend_on_how_the_folder_is_reached(
     assert trainer.ckpt_path == str(folder / "epoch=2-step=12.ckpt")  # the best one, found in its new place
     assert sorted(p.name for p in folder.glob("*.ckpt")) == ["epoch=3-step=16.ckpt", "epoch=4-step=20.ckpt"]
     assert set(callback.best_k_models) == {str(folder / "epoch=3-step=16.ckpt"), str(folder / "epoch=4-step=20.ckpt")}
+
+
+def test_a_failed_pointer_swap_names_the_committed_save_which_last_then_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainer.checkpoint import model_checkpoint
+    from trainer.checkpoint.files import CheckpointSaveError, write_pointer
+
+    calls = []
+
+    def failing_once(path):
+        calls.append(path)
+        if len(calls) == 2:  # the step-4 save's swap
+            raise OSError(28, "No space left on device")
+        write_pointer(path)
+
+    monkeypatch.setattr(model_checkpoint, "write_pointer", failing_once)
+    with pytest.raises(CheckpointSaveError, match=r"epoch=0-step=4.ckpt' was committed, but the `last` pointer"):
+        fit(tmp_path / "ck", max_steps=6)
+    monkeypatch.setattr(model_checkpoint, "write_pointer", write_pointer)
+    resumed = fit(tmp_path / "ck", max_steps=6, ckpt_path="last")
+    assert resumed.ckpt_path is not None and resumed.ckpt_path.endswith("epoch=0-step=4.ckpt")

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.callback import Callback
 from trainer.checkpoint.async_save import AsyncCheckpointer
-from trainer.checkpoint.files import write_pointer
+from trainer.checkpoint.files import CheckpointSaveError, write_pointer
 from trainer.checkpoint.reader import committed
 from trainer.checkpoint.store import LIGHTNING_FILE, remove_save
-from trainer.storage import as_path, check_writable, is_url, join, location, sync_mirrors
+from trainer.storage import as_path, check_writable, describe_error, is_url, join, location, sync_mirrors
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.module import TaskModule
@@ -457,8 +457,23 @@ class ModelCheckpoint(Callback):
         return path
 
     def _commit(self, trainer: Trainer, path: str, victims: list[str]) -> None:
-        """Rank 0, only after ``path`` is committed: point `last` at it, then prune what it replaces."""
-        write_pointer(path)
+        """Rank 0, only after ``path`` is committed: point `last` at it, then prune what it replaces.
+
+        Raises:
+            CheckpointSaveError: the pointer could not be swapped; the message says the save itself is committed
+                (``ckpt_path="last"`` resumes it: a committed save newer than the pointer's wins).
+        """
+        try:
+            write_pointer(path)
+        except OSError as exc:
+            error = CheckpointSaveError(
+                f"Checkpoint {path!r} was committed, but the `last` pointer beside it could not be updated "
+                f"({describe_error(exc)}). The save is complete: ckpt_path='last' resumes it (a committed save newer "
+                "than the one the pointer names is preferred), and the next save rewrites the pointer and prunes as "
+                "usual. Nothing older was removed."
+            )
+            error.errno = exc.errno
+            raise error from exc
         if self.save_last and not is_url(path):  # object stores have no links: `last` and ckpt_path="last" remain
             link_last(path, lightning_file=self.lightning_file)
         if self.verbose:

@@ -357,6 +357,13 @@ def committed_runs(directory: str | os.PathLike) -> list[tuple[str, str]]:
     return [(name, run) for _, _, name, run in sorted(found, reverse=True)]
 
 
+def _step_of(directory: str | os.PathLike, name: str) -> int:
+    try:
+        return int(read_manifest(as_path(directory) / name)["identity"].get("step", -1))
+    except (CheckpointError, OSError, ValueError):
+        return -1
+
+
 def resolve_last(directory: str | os.PathLike) -> list[str]:
     """``ckpt_path="last"``: the saves to try, in order (rank 0). Empty only when the folder has no pointer
     and no committed save: a first run. A pointer that cannot be read, or whose newest entry is missing or
@@ -381,7 +388,20 @@ def resolve_last(directory: str | os.PathLike) -> list[str]:
                 saves[0],
             )
         return [os.path.join(directory, n) for n in saves]
-    if names and names[0] in saves:
+    if (
+        names
+        and names[0] in saves
+        and saves[0] not in names
+        and _step_of(directory, saves[0]) > _step_of(directory, names[0])
+    ):  # committed after the pointer's last swap and never in its history: that swap failed; it is the run's last
+        log.warning(
+            "ckpt_path='last': the pointer names %s, but %s is newer and committed (its pointer update failed); "
+            "resuming from it.",
+            names[0],
+            saves[0],
+        )
+        order = saves
+    elif names and names[0] in saves:
         order = [names[0]] + [n for n in saves if n != names[0]]
     else:
         order = saves
