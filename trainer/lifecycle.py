@@ -91,7 +91,8 @@ def setup_stage(trainer: Trainer, stage: str) -> None:
         torch.backends.cudnn.benchmark = False
     continues = stage == "fit" and getattr(trainer, "_continues_run", False)  # fit(ckpt_path="last")
     for logger in trainer.loggers:
-        logger.resolve_version(continue_newest=continues)  # rank 0 picks, all ranks agree (broadcast)
+        # Rank 0 picks, all ranks agree (broadcast); the Trainer's loggers share the folder the first one picks.
+        logger.resolve_version(continue_newest=continues, owner=f"trainer-{id(trainer):x}")
     if profiler is not None:
         profiler.setup(stage, run_dir=local_dir(trainer.log_dir), rank=trainer.global_rank)
         if profiler.enabled:

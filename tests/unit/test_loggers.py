@@ -267,3 +267,22 @@ def test_submitit_local_jobs_have_their_own_identity(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("SLURM_JOB_ID", "5")  # submitit_local started inside an allocation
     monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "4242")
     assert logger_mod.run_identity().startswith("submitit-local:") and logger_mod.run_identity().endswith(":4242")
+
+
+def test_two_loggers_of_one_trainer_share_the_run_directory_a_continued_fit_picks(tmp_path) -> None:
+    """fit(ckpt_path="last") creates (or continues) a version folder with its first logger; the second logger of the
+    same Trainer joins it instead of seeing the folder just made and taking the next one."""
+    from models import Regression, loader, quiet, regression_data
+
+    from trainer import Trainer
+    from trainer.loggers import CSVLogger
+
+    for _ in range(2):  # each Trainer of this process is a run of its own, with both its loggers in one folder
+        loggers = [CSVLogger(tmp_path, name="run"), CSVLogger(tmp_path, name="run")]
+        trainer = Trainer(**quiet(max_steps=2, logger=loggers, enable_checkpointing=True))
+        trainer.fit(Regression(), loader(regression_data(16), batch_size=4), ckpt_path="last")
+        assert loggers[0].log_dir == loggers[1].log_dir
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if not p.name.startswith(".")) == [
+        "version_0",
+        "version_1",
+    ]

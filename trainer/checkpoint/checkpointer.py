@@ -339,7 +339,7 @@ class Checkpointer:
         began = time.perf_counter()
         if ckpt_path not in ("last", "best"):
             ckpt_path = location(ckpt_path, "ckpt_path")
-        candidates = self._candidates(ckpt_path)
+        candidates = self._candidates(ckpt_path, full=full)
         if not candidates:
             log.info("ckpt_path='last': no checkpoint saved yet; starting from scratch.")
             self.initial_weights()
@@ -415,7 +415,7 @@ class Checkpointer:
             )
         return [path for path, _ in mine]
 
-    def _candidates(self, ckpt_path: str) -> list[str]:
+    def _candidates(self, ckpt_path: str, *, full: bool) -> list[str]:
         """The saves to try, in order, decided on rank 0 and broadcast (an error on rank 0 is raised everywhere)."""
         if ckpt_path not in ("last", "best"):
             return [str(ckpt_path)]
@@ -433,7 +433,8 @@ class Checkpointer:
                     found = resolve_best(dirpath, callback.find_state_key, callback.best_k_models, callback.mode)
                     if not found:
                         found = f'ckpt_path="best": no best checkpoint is known (no monitored save in {dirpath}).'
-                found = self._this_runs(dirpath, found, ckpt_path) if isinstance(found, list) else found
+                if full and isinstance(found, list):  # a fit continues this run; evaluating any save's weights is fine
+                    found = self._this_runs(dirpath, found, ckpt_path)
             except CheckpointError as exc:
                 found = str(exc)
             except Exception as exc:  # the store failed: never a fallback to an older save, never a fresh start

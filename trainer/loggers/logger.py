@@ -83,10 +83,11 @@ class Logger:
         folder = f"version_{self.version}" if isinstance(self.version, int) else str(self.version)
         return join(self.root_dir, folder)
 
-    def resolve_version(self, continue_newest: bool = False) -> None:
+    def resolve_version(self, continue_newest: bool = False, owner: str | None = None) -> None:
         """Picks the run's ``version_N`` on rank 0 and shares it with every rank: a restarted job's own folder
         (:meth:`_pick_version`); with ``continue_newest`` (a fit with ``ckpt_path="last"``) the newest version that
-        no live process holds, so re-running the same command continues the run; else the next free one.
+        no live process holds, so re-running the same command continues the run; else the next free one. ``owner``
+        names the Trainer: its loggers share the folder the first of them picked.
 
         A collective (one ``broadcast_object``) when the version is still None: every rank must call it
         at the same point. Idempotent: once resolved (or given to the constructor), the version is kept
@@ -98,7 +99,7 @@ class Logger:
         failure: BaseException | None = None
         if comm.get_rank() == 0:
             try:
-                picked = self._pick_version(continue_newest)
+                picked = self._pick_version(continue_newest, owner)
             except Exception as exc:  # every rank raises it: the others would wait in the broadcast for good
                 failure, picked = exc, f"error:{type(exc).__name__}: {exc}"
         shared = comm.broadcast_object(picked, src=0)
@@ -111,7 +112,7 @@ class Logger:
         self.version = shared
         log.debug("%s resolved version %s under %s", type(self).__name__, self.version, self.root_dir)
 
-    def _pick_version(self, continue_newest: bool = False) -> int:
+    def _pick_version(self, continue_newest: bool = False, owner: str | None = None) -> int:
         """A restarted job (same ``run_identity()``) gets its own folder back; with ``continue_newest`` (a fit
         with ``ckpt_path="last"``) the newest folder, unless a live process holds it (the ``.keel_run_holder``
         record: another run, or a sweep's job running beside this one) or an earlier Trainer of this process does
@@ -131,20 +132,23 @@ class Logger:
                     with open(marker) as handle:
                         if handle.read().strip() == identity:
                             version = int(_VERSION_DIR.fullmatch(entry).group(1))  # type: ignore[union-attr]
-                            self._hold(os.path.join(self.root_dir, entry), identity)
+                            self._hold(os.path.join(self.root_dir, entry), identity, owner)
                             return version
         version = self._next_version()
         if continue_newest and version > 0:
             folder = os.path.join(self.root_dir, f"version_{version - 1}")
-            if self._free(folder):
-                self._hold(folder, identity)
+            holder = self._holder(folder)
+            if holder is not None and is_this_process(holder) and owner is not None and holder.get("owner") == owner:
+                return version - 1  # another logger of this Trainer picked it a moment ago
+            if holder is None or (process_alive(holder) is False and not is_this_process(holder)):
+                self._hold(folder, identity, owner)
                 log.info("Continuing the run in %s (fit with ckpt_path='last').", folder)
                 return version - 1
         if identity is None and not continue_newest:
             return version  # nothing to record: the folder is made when something is written
         os.makedirs(self.root_dir, exist_ok=True)
         staged = tempfile.mkdtemp(prefix=".version-", dir=self.root_dir)
-        self._hold(staged, identity)
+        self._hold(staged, identity, owner)
         while True:  # a rename onto an existing (non-empty) folder fails: the next N is tried
             try:
                 os.rename(staged, os.path.join(self.root_dir, f"version_{version}"))
@@ -155,20 +159,21 @@ class Logger:
                 version += 1
 
     @staticmethod
-    def _free(folder: str) -> bool:
-        """Whether ``folder`` may be continued: no live process, and no earlier Trainer of this one, holds it."""
+    def _holder(folder: str) -> dict[str, Any] | None:
+        """The process recorded as running in ``folder``; None when none is (an older keel, or nothing yet)."""
         try:
             with open(os.path.join(folder, HOLDER_FILE)) as handle:
                 record = json.load(handle)
         except (OSError, ValueError):
-            return True  # written by an older keel, or by nothing yet that holds it
-        return not isinstance(record, dict) or (process_alive(record) is False and not is_this_process(record))
+            return None
+        return record if isinstance(record, dict) else None
 
     @staticmethod
-    def _hold(folder: str, identity: str | None) -> None:
-        """Record that this process runs in ``folder`` (and, under a launcher, the job's identity)."""
+    def _hold(folder: str, identity: str | None, owner: str | None) -> None:
+        """Record that this process (the Trainer ``owner``) runs in ``folder`` (and, under a launcher, the job's
+        identity)."""
         with open(os.path.join(folder, HOLDER_FILE), "w") as handle:
-            json.dump(this_process(), handle)
+            json.dump({**this_process(), "owner": owner}, handle)
         if identity is not None:
             with open(os.path.join(folder, RUN_ID_MARKER), "w") as handle:
                 handle.write(identity)
