@@ -474,3 +474,24 @@ def test_the_options_line_names_only_what_differs_from_the_defaults(caplog: pyte
     assert "max_steps=2" in line and "enable_progress_bar=False" in line and "precision" not in line
     assert len(line) < 200
     assert any(r.levelname == "DEBUG" and "'precision': '32'" in r.getMessage() for r in caplog.records)
+
+
+def test_third_party_info_lines_stay_off_the_console_unless_the_program_asks() -> None:
+    """botocore logs every credentials lookup at INFO; with keel's loggers at INFO on rank 0 those lines leaked."""
+    import logging
+
+    from trainer.observability.rank_zero import QUIET_LIBRARIES, configure_logging
+
+    names = (*QUIET_LIBRARIES, "trainer")
+    saved = {name: logging.getLogger(name).level for name in names}
+    try:
+        for name in QUIET_LIBRARIES:
+            logging.getLogger(name).setLevel(logging.NOTSET)
+        logging.getLogger("s3fs").setLevel(logging.DEBUG)  # the program's own choice
+        configure_logging(0)
+        assert not logging.getLogger("botocore.credentials").isEnabledFor(logging.INFO)
+        assert logging.getLogger("trainer.trainer").isEnabledFor(logging.INFO)
+        assert logging.getLogger("s3fs").level == logging.DEBUG
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)

@@ -87,8 +87,14 @@ class _RankTagFormatter(logging.Formatter):
             record.msg = original
 
 
+# Libraries keel runs whose INFO lines would reach the console through the root logger (keel's is at INFO on rank
+# 0): object storage (botocore, s3fs, fsspec), HTTP, file locks, and the trackers' clients.
+QUIET_LIBRARIES = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "filelock", "mlflow", "wandb", "alembic")
+
+
 def configure_logging(rank: int) -> None:
-    """Rank 0 logs at INFO, other ranks at WARNING, each line prefixed ``[rank N]``.
+    """Rank 0 logs at INFO, other ranks at WARNING, each line prefixed ``[rank N]``; the libraries in
+    :data:`QUIET_LIBRARIES` log at WARNING unless the program set their level.
 
     Installs a stream handler on the root logger when it has none (a plain script), and otherwise
     (Hydra, a user's own config) adds the rank tag to the existing handlers. Idempotent.
@@ -107,5 +113,9 @@ def configure_logging(rank: int) -> None:
     root.setLevel(level)
     for name in ("trainer", "callbacks", "recipes"):
         logging.getLogger(name).setLevel(level)
+    for name in QUIET_LIBRARIES:  # their INFO lines (every S3 request's credentials lookup...) are not the run's
+        library = logging.getLogger(name)
+        if library.level == logging.NOTSET:  # a level the program set is kept
+            library.setLevel(logging.WARNING)
     if rank != 0:
         warnings.filterwarnings("ignore", category=UserWarning, module=r"(trainer|callbacks)\..*")
