@@ -58,7 +58,7 @@ from trainer.distributed import comm
 from trainer.distributed.launcher import run_identity
 from trainer.options import SEED_DEFAULT, TrainerOptions, resolve_seed
 from trainer.state import TrainState
-from trainer.storage import describe_error, location
+from trainer.storage import describe_error, is_url, location
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.checkpoint.async_save import AsyncCheckpointer
@@ -238,12 +238,13 @@ class Checkpointer:
     def begin(self, ckpt_path: str | None) -> None:
         """Fit start, before anything is restored: decide the run's identity and claim its checkpoint folder
         (rank 0 decides; every rank learns the run id, or raises rank 0's refusal). ``ckpt_path="last"`` (or
-        ``"best"``) continues the run that wrote the folder; an explicit save continues the run that wrote it; otherwise
-        this is a new run, which may not write a folder holding another run's saves.
+        ``"best"``) continues the run that holds the folder; an explicit save continues the run that wrote it;
+        otherwise this is a new run, which may write beside a stopped run's saves (with a warning naming it) but
+        never resumes or deletes them.
 
         Raises:
-            CheckpointError: another live process holds the folder, or it holds saves of another run and this
-                fit does not continue that run: naming the other run and the fix. Nothing is written or deleted.
+            CheckpointError: another live process holds the folder (or another run's claim on another host), naming
+                it and the fix; or the folder could not be read. Nothing is written or deleted.
         """
         folders: list[str] = []  # every ModelCheckpoint's; the first is the one `last` and `best` resolve in
         for cb in self.callbacks:
@@ -495,8 +496,10 @@ _UNVERIFIED = "Checkpoint folder "
 
 
 def unverified(folder: str | os.PathLike, exc: BaseException) -> str:
-    """The message for a checkpoint folder whose store failed while its saves were listed or resolved."""
+    """The message for a checkpoint folder that failed while its saves were listed or resolved, or its claim
+    written: on object storage, the store; on a filesystem, the folder itself."""
+    again = "run again once the store answers" if is_url(os.fspath(folder)) else "fix the folder and run again"
     return (
         f"{_UNVERIFIED}{os.fspath(folder)!r} could not be read ({describe_error(exc)}): its saves could not be "
-        "verified; run again once the store answers. Nothing was resumed, started over or deleted."
+        f"verified; {again}. Nothing was resumed, started over or deleted."
     )
