@@ -39,7 +39,8 @@ from recipes.config_dir import config_dir
 from recipes.trainer_schema import check_overrides  # importing it registers trainer/options_schema
 from trainer import Callback, DataModule, TaskModule, Trainer, seed_everything
 from trainer.distributed.launcher import run_identity
-from trainer.loggers import CSVLogger, Logger, TensorBoardLogger
+from trainer.loggers import Logger
+from trainer.observability import summary as run_summary
 from trainer.storage import is_url
 
 log = logging.getLogger("recipes.train")  # also when run as __main__ (python -m recipes.train)
@@ -131,48 +132,22 @@ def run(cfg: DictConfig, *, command: str = COMMAND) -> dict[str, Any]:
         trainer.continue_run_directory = False
     if trainer.is_global_zero:
         _warn_about_restarts()
+    trainer.summary_on_fit_end = False  # printed below, with the test results
     start = time.monotonic()
     trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-    checkpoint = trainer.checkpoint_callback
-    monitor = getattr(checkpoint, "monitor", None)
-    best_path = _abspath(getattr(checkpoint, "best_model_path", "")) if monitor else None
+    summary = run_summary.of_fit(trainer, time.monotonic() - start)
     tested_on = None
-    # Values callbacks logged themselves (learning rates, throughput), then the task's (self.log); each stage
-    # starts them afresh (as Lightning does), so fit's are kept before test runs.
-    metrics = {**trainer.logged_metrics, **{name: float(value) for name, value in trainer.callback_metrics.items()}}
     if cfg.get("test"):
         # "best" needs a monitored save; without one, test the weights fit ended with.
-        trainer.test(task, datamodule=datamodule, ckpt_path="best" if best_path else None)
-        tested_on = "best checkpoint" if best_path else "final weights"
-        metrics.update(trainer.logged_metrics, **{k: float(v) for k, v in trainer.callback_metrics.items()})
-    summary = {
-        "metrics": dict(sorted(metrics.items())),
-        "run_dir": os.path.abspath(trainer.log_dir),
-        "logs": [(_logger_kind(lg), os.path.abspath(lg.log_dir)) for lg in trainer.loggers],
-        "monitor": monitor,
-        "best_model_path": best_path,
-        "best_model_score": getattr(checkpoint, "best_model_score", None) if best_path else None,
-        "last_model_path": _abspath(getattr(checkpoint, "last_model_path", "")),
-        "tested_on": tested_on,
-        "global_step": trainer.global_step,
-        "epochs": trainer.current_epoch,
-        "seconds": time.monotonic() - start,
-    }
+        best = summary["best_model_path"]
+        trainer.test(task, datamodule=datamodule, ckpt_path="best" if best else None)
+        tested_on = "best checkpoint" if best else "final weights"
+        summary["metrics"] = dict(sorted({**summary["metrics"], **run_summary.metrics_of(trainer)}.items()))
+        summary["seconds"] = time.monotonic() - start
+    summary["tested_on"] = tested_on
     if trainer.is_global_zero:
-        print(format_summary(summary), flush=True)
+        print(run_summary.format_summary(summary, tested_on=tested_on), flush=True)
     return summary
-
-
-def _abspath(path: str | None) -> str | None:
-    return os.path.abspath(path) if path else None
-
-
-def _logger_kind(logger: Logger) -> str:
-    if isinstance(logger, TensorBoardLogger):
-        return "tensorboard"
-    if isinstance(logger, CSVLogger):
-        return "csv"
-    return type(logger).__name__
 
 
 def _warn_about_restarts() -> None:
@@ -186,25 +161,6 @@ def _warn_about_restarts() -> None:
             "`torchrun --standalone ...` (one node) or `--rdzv-id <job id>`.",
             restarts,
         )
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """The end-of-run block: where things are, then every metric (``name  value`` lines)."""
-    best = summary["best_model_path"] or "- (no monitored checkpoint)"
-    if summary["best_model_path"] and summary["best_model_score"] is not None:
-        best += f"  ({summary['monitor']}={summary['best_model_score']:.6f})"
-    lines = ["=" * 30 + " keel run summary " + "=" * 30, f"run dir          {summary['run_dir']}"]
-    lines += [f"{kind:<16} {folder}" for kind, folder in summary["logs"]] or ["logs             - (no logger)"]
-    lines += [
-        f"best checkpoint  {best}",
-        f"last checkpoint  {summary['last_model_path'] or '-'}",
-        f"trained          {summary['global_step']} steps, {summary['epochs']} epochs; "
-        f"{summary['seconds']:.1f} s fit{' + test' if summary['tested_on'] else ''}",
-        "metrics          last logged values"
-        + (f"; test/* on the {summary['tested_on']}" if summary["tested_on"] else ""),
-    ]
-    lines += [f"  {name:<30} {value:.6g}" for name, value in summary["metrics"].items()]
-    return "\n".join(lines + ["=" * 78])
 
 
 def _in_a_sweep() -> bool:

@@ -48,7 +48,7 @@ def log_results(stage: str, results: list[dict[str, float]], *, verbose: bool) -
     passes ``verbose`` False off rank 0), Lightning's results table as log lines; returns ``results``."""
     if verbose:
         for idx, metrics in enumerate(results):
-            shown = ", ".join(f"{name}={value:.6g}" for name, value in sorted(metrics.items())) or "(nothing logged)"
+            shown = ", ".join(f"{name}={value:.4g}" for name, value in sorted(metrics.items())) or "(nothing logged)"
             log.info("%s results%s: %s", stage.capitalize(), f" (dataloader {idx})" if len(results) > 1 else "", shown)
     return results
 

@@ -285,7 +285,13 @@ class MetricCollector:
 
     # ------------------------------------------------------------------ recording
     def log_loss(self, loss: torch.Tensor) -> None:
-        """The step's optimised loss as ``loss`` in the progress bar (not sent to the loggers), as Lightning does."""
+        """The step's optimised loss as ``loss`` in the progress bar (not sent to the loggers) when the task shows
+        nothing of its own there; Lightning 2 shows nothing then, and a task that shows its loss under its own
+        name does not get it twice."""
+        if any(value.prog_bar for value in self._step.values()) or any(
+            entry.prog_bar for entry in self._epochs["train"].values()
+        ):
+            return
         self.log(
             "loss", loss, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=None, reduce_fx="mean"
         )

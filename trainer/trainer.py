@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, cast
 
@@ -41,6 +42,7 @@ from trainer.loggers.local import default_loggers
 from trainer.loggers.logger import Logger
 from trainer.metrics import MetricCollector, logged_step, logger_row
 from trainer.module import DataModule, TaskModule, check_stage_inputs
+from trainer.observability import summary as run_summary
 from trainer.observability.phases import PhaseClock
 from trainer.observability.progress import ProgressBar
 from trainer.observability.rank_zero import configure_logging
@@ -229,6 +231,9 @@ class Trainer(TrainerAttributes):
         # False: fit(ckpt_path="last") never continues another process's run directory (a sweep's jobs are runs of
         # their own; a restart of the same job still finds its own by the launcher's marker).
         self.continue_run_directory = True
+        # Rank 0 logs where the run's files are and its final metrics when fit ends (the recipes print their own,
+        # with the test results, and set this to False).
+        self.summary_on_fit_end = True
         self._watchdog: wd.Watchdog | None = None
         self._manual: ManualOptimization | None = None  # built per fit (TaskModule.optimizers() wraps with it)
         self._manual_mode = False  # task.automatic_optimization is False for this fit
@@ -286,6 +291,7 @@ class Trainer(TrainerAttributes):
         may come second, as in Lightning. ``ckpt_path`` resumes from a checkpoint file, or ``"last"`` / ``"best"``."""
         # The loggers continue the newest run directory (a rerun of the same command), unless told not to.
         self._continues_run = ckpt_path == "last" and self.continue_run_directory
+        start = time.monotonic()
         self._run(
             "fit",
             model,
@@ -293,6 +299,8 @@ class Trainer(TrainerAttributes):
             functools.partial(self._fit, ckpt_path=ckpt_path),  # a partial adds no frame to a save's or load's stack
             loaders=(train_dataloaders, val_dataloaders),
         )
+        if self.summary_on_fit_end and self.is_global_zero:
+            log.info("%s", run_summary.format_summary(run_summary.of_fit(self, time.monotonic() - start)))
 
     def validate(
         self,
@@ -498,6 +506,8 @@ class Trainer(TrainerAttributes):
         for cb in self.callbacks:
             cb.on_train_start(self, task)
         max_epochs = 1 if opts.fast_dev_run else opts.max_epochs
+        if resumed is not None and self._done_training(max_epochs) and self.is_global_zero:
+            self._log_nothing_left(max_epochs)
         self._preemption.install()
         try:
             while not self._done_training(max_epochs):
@@ -538,6 +548,19 @@ class Trainer(TrainerAttributes):
         for logger in self.loggers:
             logger.log_hyperparams(hparams)
             logger.log_graph(task)  # Lightning's order: the hyperparameters, then the graph
+
+    def _log_nothing_left(self, max_epochs: int | None) -> None:
+        """A resumed run that is already complete says so, and how to train on (a rerun of a finished command)."""
+        steps = self.options.max_steps
+        name, value = ("max_steps", steps) if steps != -1 and self.global_step >= steps else ("max_epochs", max_epochs)
+        log.info(
+            "Nothing left to train: the run already reached %s=%s at step %d. Raise %s to train on, or pass "
+            "ckpt_path=None (or a new default_root_dir) for a fresh run.",
+            name,
+            value,
+            self.global_step,
+            name,
+        )
 
     def _done_training(self, max_epochs: int | None) -> bool:
         if self.options.max_steps != -1 and self.global_step >= self.options.max_steps:

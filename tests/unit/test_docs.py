@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 MKDOCS_YML = ROOT / "mkdocs.yml"
+SETUP_CFG = ROOT / "setup.cfg"
 HOOK = DOCS / "hooks" / "options_page.py"
 MAX_README_LINES = 250
 QUICKSTART = (
@@ -153,3 +154,24 @@ def test_no_reference_outside_the_repository() -> None:
         text = path.read_text()
         for needle in needles:
             assert needle not in text, f"{name} cites {needle!r}, outside the repository"
+
+
+def test_the_home_page_links_every_page_and_every_extra_and_getting_started_first() -> None:
+    index = (DOCS / "index.md").read_text()
+    nav = _nav_pages(yaml.safe_load(MKDOCS_YML.read_text())["nav"])
+    linked = set(re.findall(r"\]\(([\w/-]+\.md)(?:#[\w-]+)?\)", index))
+    assert not [page for page in nav if page != "index.md" and page not in linked], "pages the home page leaves out"
+    first_link = re.search(r"\]\(([\w/-]+\.md)", index)
+    assert first_link is not None and first_link.group(1) == "getting-started.md"
+    extras = re.findall(
+        r"^(\w+) =$", SETUP_CFG.read_text().split("[options.extras_require]", 1)[1].split("\n[", 1)[0], re.M
+    )
+    assert extras and [extra for extra in extras if f"`.[{extra}]`" not in index] == []
+
+
+def test_getting_started_runs_readme_example() -> None:
+    """The page's task is README's example, word for word: the tests that run one (tests/integration/
+    test_getting_started.py, test_repeatable.py) cover both."""
+    page = (DOCS / "getting-started.md").read_text().split("```python", 1)[1].split("```", 1)[0]
+    readme = README.read_text().split("## Example", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    assert page == readme

@@ -243,3 +243,41 @@ def test_default_stream_is_stderr_looked_up_late(monkeypatch: pytest.MonkeyPatch
     replacement = io.StringIO()
     monkeypatch.setattr("sys.stderr", replacement)
     assert bar.stream is replacement and bar.is_tty is False
+
+
+# ---------------------------------------------------------------------- the run summary
+def test_every_fit_ends_with_a_summary_of_the_logged_values_at_4_digits(caplog, tmp_path) -> None:
+    from models import Regression, loader, quiet, regression_data
+
+    from trainer import Trainer
+
+    task = Regression()
+    trainer = Trainer(**quiet(max_steps=4, log_every_n_steps=2, default_root_dir=str(tmp_path)))
+    with caplog.at_level(logging.INFO, logger="trainer.trainer"):
+        trainer.fit(task, loader(regression_data(), 8))
+    block = caplog.text[caplog.text.index("keel run summary") :]
+    assert "logs             - (no logger)" in block and "last checkpoint  -" in block
+    assert "trained          4 steps, " in block
+    logged = {k: v for k, v in trainer.logged_metrics.items() if k != "epoch"}
+    assert logged  # the values the loggers (here none) would have received at step 4
+    for name, value in logged.items():
+        assert f"  {name:<30} {value:.4g}\n" in block + "\n"
+    assert "  epoch " not in block  # epoch has its own line
+
+
+def test_the_summary_can_be_turned_off_and_says_when_nothing_was_logged(caplog) -> None:
+    from models import Regression, loader, quiet, regression_data
+
+    from trainer import Trainer
+    from trainer.observability import summary
+
+    trainer = Trainer(**quiet(max_steps=1, log_every_n_steps=50))
+    with caplog.at_level(logging.INFO, logger="trainer.trainer"):
+        trainer.fit(Regression(), loader(regression_data(), 8))
+    assert "metrics          - (none logged: no logging step ran; see log_every_n_steps)" in caplog.text
+    caplog.clear()
+    trainer.summary_on_fit_end = False
+    with caplog.at_level(logging.INFO, logger="trainer.trainer"):
+        trainer.fit(Regression(), loader(regression_data(), 8))
+    assert "keel run summary" not in caplog.text
+    assert summary.of_fit(trainer, 1.0)["run_dir"] == trainer.default_root_dir
