@@ -36,7 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipes.config_callback import SaveConfig
 from recipes.config_dir import config_dir
-from recipes.trainer_schema import check_overrides  # importing it registers trainer/options_schema
+from recipes.overrides import check_config_overrides
+from recipes.trainer_schema import check_overrides, override_args  # importing it registers trainer/options_schema
 from trainer import Callback, DataModule, TaskModule, Trainer, seed_everything
 from trainer.distributed.launcher import run_identity
 from trainer.loggers import Logger
@@ -226,7 +227,7 @@ def main() -> None:
     wrong type exits with status 2, naming the key and listing the valid ones), then hands over to
     Hydra, which composes the config (exit status 1 on any other config error) and calls :func:`run`.
     """
-    error = check_overrides(sys.argv[1:])
+    error = check_overrides(sys.argv[1:]) or check_config_overrides(override_args(sys.argv[1:]))
     if error is not None:
         print(f"keel: {error}", file=sys.stderr)  # before Hydra: logging is not configured yet
         raise SystemExit(2)

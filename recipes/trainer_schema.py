@@ -94,7 +94,7 @@ def type_name(key: str) -> str:
     return f"{members[0].__name__} or null" if members else hint.__name__
 
 
-def _override_args(argv: list[str]) -> list[str]:
+def override_args(argv: list[str]) -> list[str]:
     """The ``key=value`` overrides among a Hydra app's command-line arguments."""
     found: list[str] = []
     skip = False
@@ -127,7 +127,7 @@ def check_overrides(argv: list[str]) -> str | None:
     from hydra.core.override_parser.types import ChoiceSweep
     from hydra.errors import HydraException
 
-    overrides = _override_args(argv)
+    overrides = override_args(argv)
     if not any(arg.lstrip("+~").startswith("trainer.") for arg in overrides):
         return None
     try:

@@ -38,8 +38,9 @@ from recipes import charlm
 from recipes import config_dir as config_dir_mod
 from recipes.config_callback import K_CONFIG, SaveConfig, config_diff
 from recipes.config_dir import config_dir
+from recipes.overrides import check_config_overrides
 from recipes.train import build
-from recipes.trainer_schema import check_overrides, config_keys
+from recipes.trainer_schema import check_overrides, config_keys, override_args
 from trainer import Callback, DataModule, TaskModule, Trainer
 from trainer.loggers import Logger
 
@@ -206,6 +207,7 @@ def test_docs_override_examples_compose_and_build(tmp_path: Path) -> None:
     assert len(commands) >= 10
     for args in commands:
         assert check_overrides(args) is None, args
+        assert check_config_overrides(override_args(args)) is None, args
         if "-m" in args:  # a sweep: compose its first job
             args = [re.sub(r"=([^,]*),.*$", r"=\1", arg) for arg in args if arg != "-m"]
         cfg = _compose([*args, f"output_dir={tmp_path}"])
@@ -235,6 +237,51 @@ def test_check_overrides_names_the_key_and_the_valid_keys() -> None:
         ["trainer.limit_val_batches=0.5"],
     ):
         assert check_overrides(fine) is None, fine
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "ckpt_pth=last",
+            "Unknown config key 'ckpt_pth' in override 'ckpt_pth=last'. Did you mean ckpt_path? Valid top-level keys: "
+            "callbacks, ckpt_path, data, logger, name, output_dir, task, test, trainer. To add a new key on purpose, "
+            "write +ckpt_pth=last.",
+        ),
+        (
+            "task.dropot=0.1",
+            "Unknown config key 'task.dropot' in override 'task.dropot=0.1'. Did you mean task.dropout?",
+        ),
+        (
+            "logger=tensorbord",
+            "Unknown choice 'tensorbord' for the config group logger in override 'logger=tensorbord'. Did you mean "
+            "tensorboard? Choices (logger/*.yaml): csv, mlflow, tensorboard, wandb.",
+        ),
+        ("trainer/strategy=fsdb", "Did you mean fsdp? Choices (strategy/*.yaml): ddp, fsdp."),
+        (
+            "data.batch_size=abc",
+            "Invalid value 'abc' for data.batch_size in override 'data.batch_size=abc': it takes a number (it is 64 "
+            "now).",
+        ),
+        ("test=maybe", "Invalid value 'maybe' for test in override 'test=maybe': it takes true or false"),
+        ("data.batch_size=16,abc", "Invalid value 'abc' for data.batch_size"),  # a sweep, value by value
+    ],
+)
+def test_a_wrong_override_is_one_line_naming_the_fix(override: str, message: str) -> None:
+    """Hydra would say "use +ckpt_pth=last" (a key nothing reads), print its search path, or accept the word and
+    fail in a DataLoader with a traceback."""
+    error = check_config_overrides([override])
+    assert error is not None and message in error and "\n" not in error, error
+
+
+def test_overrides_that_are_right_pass_the_check() -> None:
+    for fine in (
+        ["data.batch_size=32", "test=false", "ckpt_path=null", "name=x", "logger=csv"],
+        ["+experiment=charlm", "data.block_size=16"],  # a key the experiment's data node has
+        ["~logger", "+callbacks.extra={_target_: trainer.Callback}", "task.lr=1e-3"],
+        ["logger=null", "hydra.job.chdir=false", "trainer.max_epochs=2"],
+    ):
+        assert check_config_overrides(fine) is None, fine
 
 
 def test_a_strategy_object_and_its_settings_from_the_config_group(tmp_path: Path) -> None:
