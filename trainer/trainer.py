@@ -42,6 +42,7 @@ from trainer.loggers.local import default_loggers
 from trainer.loggers.logger import Logger
 from trainer.metrics import MetricCollector, logged_step, logger_row
 from trainer.module import DataModule, TaskModule, check_stage_inputs
+from trainer.observability import failures
 from trainer.observability import summary as run_summary
 from trainer.observability.phases import PhaseClock
 from trainer.observability.progress import ProgressBar
@@ -414,6 +415,8 @@ class Trainer(TrainerAttributes):
             self._beat(wd.PHASE_SETUP)
             result = body(*loaders)
         except BaseException as exc:
+            if self.world_size > 1:  # one console line per rank at exit; the traceback in the run directory
+                failures.record(exc, rank=self.global_rank, run_dir=self._known_run_dir())
             lifecycle.handle_failure(self, task, exc, lambda: self._teardown_stage(stage, failed=True))
             raise
         finally:
@@ -422,6 +425,13 @@ class Trainer(TrainerAttributes):
                 self._watchdog = None
         self._teardown_stage(stage, failed=False)
         return result
+
+    def _known_run_dir(self) -> str | None:
+        """The run directory when the loggers have picked it (no collective: safe while failing), else None."""
+        try:
+            return self.log_dir
+        except RuntimeError:
+            return None
 
     def _beat(self, phase: str) -> None:
         """This rank enters ``phase``: its phase clock reads the time (always), the watchdog and the profiler hear."""

@@ -73,3 +73,47 @@ def test_rank_zero_logging_and_rank_local_metrics(tmp_path: Path) -> None:
     # num_items = the local batch size on each rank: summed over ranks it equals the global samples.
     assert items == pytest.approx(samples, rel=1e-9)
     assert [float(r["val/only0"]) for r in rows if r["val/only0"]] == [5.0, 4.0, 4.5, 4.4]
+
+
+FAILING = """
+import sys
+import torch
+from models import Regression, loader, regression_data
+from trainer import Trainer
+
+
+class Fails(Regression):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            raise ValueError("bad batch at 2\\nsecond line of the message")
+        return super().training_step(batch, batch_idx)
+
+
+Trainer(max_epochs=1, default_root_dir=sys.argv[1], enable_progress_bar=False).fit(
+    Fails(), loader(regression_data(), 8)
+)
+"""
+
+
+def test_a_failure_on_two_ranks_is_one_line_per_rank_with_the_tracebacks_in_the_run_directory(tmp_path: Path) -> None:
+    from launch import python, torchrun
+
+    script = tmp_path / "fails.py"
+    script.write_text(FAILING)
+    env = {"PYTHONPATH": str(REPO_ROOT / "tests" / "harness")}
+    result = torchrun(script, str(tmp_path / "run"), nproc=2, timeout=150, env=env)
+    assert result.returncode != 0
+    run_dir = tmp_path / "run" / "keel_logs" / "version_0"
+    for rank in (0, 1):
+        line = (
+            f"keel: rank {rank} failed: ValueError: bad batch at 2 (fails.py:11 in training_step); traceback in "
+            f"{run_dir}/failure-rank{rank}.log"
+        )
+        assert result.stdout.count(line) >= 1, result.tail()  # the rank's line (torchrun's summary repeats it)
+        saved = (run_dir / f"failure-rank{rank}.log").read_text()
+        assert 'fails.py", line 11, in training_step' in saved and "second line of the message" in saved
+    assert "Traceback" not in "\n".join(line for line in result.stdout.splitlines() if line.startswith("[rank"))
+    # One process: Python's traceback, as a user debugging a script expects.
+    alone = python(script, str(tmp_path / "alone"), timeout=120, env=env)
+    assert alone.returncode != 0 and "Traceback (most recent call last)" in alone.stdout
+    assert "keel: rank" not in alone.stdout and not list((tmp_path / "alone").rglob("failure-rank*.log"))
