@@ -510,7 +510,7 @@ class StochasticWeightAveraging(Callback):
         statistics recomputed. Training that stopped earlier (max_steps, should_stop) keeps its weights, as in
         Lightning; without max_epochs the average is copied in whenever training ends."""
         finished = self._max_epochs != -1 and trainer.current_epoch - 1 == self.swa_end
-        if not (finished or self._max_epochs == -1) or self._average is None or not self.n_averaged:
+        if not (finished or self._max_epochs == -1) or self._average is None or not self._count():
             return
         self.transfer_weights(self._average, task)
         if finished and self.pl_module_contains_batch_norm(task):
@@ -577,11 +577,16 @@ class StochasticWeightAveraging(Callback):
     def transfer_weights(average: _Average, task: nn.Module) -> None:
         average.copy_to(task, parameters_only=True)
 
+    def _count(self) -> int:
+        """Epochs averaged so far (restored from a checkpoint until SWA starts again at an epoch start)."""
+        return self._init_n_averaged if self.n_averaged is None else int(self.n_averaged.item())
+
     def state_dict(self) -> dict[str, Any]:
+        scheduler = self._swa_scheduler
         return {
-            "n_averaged": 0 if self.n_averaged is None else int(self.n_averaged.item()),
+            "n_averaged": self._count(),
             "latest_update_epoch": self._latest_update_epoch,
-            "scheduler_state": None if self._swa_scheduler is None else self._swa_scheduler.state_dict(),
+            "scheduler_state": self._scheduler_state if scheduler is None else scheduler.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -593,7 +598,7 @@ class StochasticWeightAveraging(Callback):
     def on_save_checkpoint(self, trainer: Trainer, task: TaskModule, checkpoint: dict[str, Any]) -> None:
         """The average, keyed and sharded as the task's weights, as ``averaged_model_state`` (Lightning keeps it
         in the callback's state, which keel writes from rank 0 only)."""
-        if K_OPTIMIZERS in checkpoint and self._average is not None and self.n_averaged:
+        if K_OPTIMIZERS in checkpoint and self._average is not None and self._count():
             checkpoint[K_AVERAGED_MODEL] = self._average.state_like(checkpoint[K_STATE_DICT])
 
     def on_load_checkpoint(self, trainer: Trainer, task: TaskModule, checkpoint: dict[str, Any]) -> None:

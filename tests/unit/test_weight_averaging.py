@@ -97,12 +97,18 @@ class Killed(RuntimeError):
 
 
 class KillAt(Callback):
+    """Kills the fit after step ``step``; step -1: as training ends, before the averaging callback's hook."""
+
     def __init__(self, step: int) -> None:
         self.step = step
 
     def on_train_batch_end(self, trainer: Trainer, task: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.step:
             raise Killed(f"killed at step {self.step}")
+
+    def on_train_end(self, trainer: Trainer, task: Any) -> None:
+        if self.step == -1:
+            raise Killed("killed as training ends")
 
 
 def averaging(case: str) -> Callback:
@@ -115,9 +121,11 @@ def averaging(case: str) -> Callback:
 
 def fit(root: Path, case: str, *, kill_at: int | None = None, ckpt_path: str | None = None) -> Any:
     task = program.task(L.pytorch)
-    callbacks: list[Callback] = [averaging(case), ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_last=True)]
+    # Saves every 3 steps; into the folder "end", at each epoch end instead (the last one before training ends).
+    every = {"every_n_epochs": 1} if root.name == "end" else {"every_n_train_steps": 3}
+    callbacks: list[Callback] = [averaging(case), ModelCheckpoint(dirpath=root, save_last=True, **every)]
     if kill_at is not None:
-        callbacks.append(KillAt(kill_at))
+        callbacks.insert(0, KillAt(kill_at))
     trainer = Trainer(
         max_epochs=4,
         callbacks=callbacks,
@@ -131,18 +139,21 @@ def fit(root: Path, case: str, *, kill_at: int | None = None, ckpt_path: str | N
     return task
 
 
-@pytest.mark.parametrize(("case", "kill_at"), [("swa", 7), ("swa", 13), ("ema", 10), ("wa", 5)])
+@pytest.mark.parametrize(("case", "kill_at"), [("swa", 7), ("swa", 13), ("swa", -1), ("ema", 10), ("wa", 5)])
 def test_a_fit_killed_midway_and_resumed_from_last_ends_with_the_uninterrupted_weights(
     tmp_path: Path, case: str, kill_at: int
 ) -> None:
     """Saves every 3 steps (4 steps an epoch), killed after a save: SWA at step 7 resumes at step 6 (in its first
     averaging epoch: SWALR's state and the average come back), at step 13 at step 12 (the last epoch's start, whose
-    update is not repeated); EMA (every second step from step 2) and the per-step equal average mid-epoch. The final
-    weights, buffers and BatchNorm statistics equal the uninterrupted fit's exactly."""
+    update is not repeated), and (-1) after the last epoch's save, before SWA copied its average in (the resumed fit
+    runs no step: it copies the restored average and recomputes the BatchNorm statistics); EMA (every second step
+    from step 2) and the per-step equal average mid-epoch. The final weights, buffers and BatchNorm statistics
+    equal the uninterrupted fit's exactly."""
     whole = fit(tmp_path / "whole", case)
+    folder = tmp_path / ("end" if kill_at == -1 else "killed")
     with pytest.raises(Killed):
-        fit(tmp_path / "killed", case, kill_at=kill_at)
-    resumed = fit(tmp_path / "killed", case, ckpt_path="last")
+        fit(folder, case, kill_at=kill_at)
+    resumed = fit(folder, case, ckpt_path="last")
     expected, got = whole.state_dict(), resumed.state_dict()
     assert expected.keys() == got.keys()
     for key in expected:
