@@ -2,7 +2,8 @@
 
 Layout of ``epoch=0-step=4.ckpt/`` (a folder; the name keeps ModelCheckpoint's suffix)::
 
-    __<rank>_0.distcp   DCP's data files: the model and optimizer tensors. Every rank writes one; a
+    __<rank>_0.distcp   DCP's data files: the model and optimizer tensors (and the model-shaped weights of
+                        MODEL_SHAPED_KEYS a callback adds). Every rank writes one; a
                         tensor every rank holds (DDP) is written once, by whichever rank DCP's planner
                         picks to balance the bytes; a sharded tensor (FSDP) by each rank, its shard.
                         Each also holds the save's identity (item ``identity_<rank>``)
