@@ -5,7 +5,8 @@ last two by default and never imports this package) and re-exported here.
 
 The others live here, one per module: ``EarlyStopping``, ``GradientAccumulationScheduler``,
 ``LambdaCallback``, ``LearningRateMonitor``, ``ModelSummary``, ``ThroughputMonitor``, ``Timer`` and the
-fine-tuning callbacks ``BaseFinetuning`` / ``BackboneFinetuning``. ``callbacks.lightning`` (Lightning's names
+fine-tuning callbacks ``BaseFinetuning`` / ``BackboneFinetuning``, and the weight averages ``WeightAveraging`` /
+``EMAWeightAveraging`` / ``StochasticWeightAveraging``. ``callbacks.lightning`` (Lightning's names
 and module paths) and ``callbacks.lightning_cli`` (``LightningCLI`` on jsonargparse) serve ported programs. Every
 rank runs every hook; only side effects are gated to rank 0, and a decision that stops training is taken
 from reduced metrics or broadcast from rank 0 (docs/design.md section 7).
@@ -19,6 +20,7 @@ from callbacks.lr_monitor import LearningRateMonitor
 from callbacks.model_summary import ModelSummary
 from callbacks.throughput import ThroughputMonitor
 from callbacks.timer import Timer
+from callbacks.weight_averaging import EMAWeightAveraging, StochasticWeightAveraging, WeightAveraging
 from trainer.callback import Callback
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.observability.progress import ProgressBar
@@ -27,6 +29,7 @@ __all__ = [
     "BackboneFinetuning",
     "BaseFinetuning",
     "Callback",
+    "EMAWeightAveraging",
     "EarlyStopping",
     "GradientAccumulationScheduler",
     "LambdaCallback",
@@ -34,6 +37,8 @@ __all__ = [
     "ModelCheckpoint",
     "ModelSummary",
     "ProgressBar",
+    "StochasticWeightAveraging",
     "ThroughputMonitor",
     "Timer",
+    "WeightAveraging",
 ]

@@ -360,6 +360,12 @@ class TrainerAttributes:
         return self.task
 
     @property
+    def train_dataloader(self) -> Any:
+        """The training loader of the current (or last) fit, as this rank iterates it: keel's rebuild with its
+        sharding sampler, or the program's own loader where keel used it as-is. None before the first fit."""
+        return None if self._train is None else self._train.loader
+
+    @property
     def ckpt_path(self) -> str | None:
         """The checkpoint file the current (or last) stage restored from (``"last"`` / ``"best"`` resolved)."""
         return self.checkpointer.loaded_path

@@ -42,6 +42,7 @@ from callbacks.lr_monitor import LearningRateMonitor
 from callbacks.model_summary import ModelSummary
 from callbacks.throughput import ThroughputMonitor
 from callbacks.timer import Timer
+from callbacks.weight_averaging import EMAWeightAveraging, StochasticWeightAveraging, WeightAveraging
 from trainer import loggers as _loggers
 from trainer import trainer as _trainer
 from trainer.callback import Callback

@@ -37,6 +37,9 @@ TARGETS: dict[str, str] = {
     "BaseFinetuning": "callbacks.finetuning:BaseFinetuning",
     "BackboneFinetuning": "callbacks.finetuning:BackboneFinetuning",
     "multiplicative": "callbacks.finetuning:multiplicative",
+    "StochasticWeightAveraging": "callbacks.weight_averaging:StochasticWeightAveraging",
+    "WeightAveraging": "callbacks.weight_averaging:WeightAveraging",
+    "EMAWeightAveraging": "callbacks.weight_averaging:EMAWeightAveraging",
     # loggers
     "Logger": "trainer.loggers:Logger",
     "CSVLogger": "callbacks.lightning:CSVLogger",
@@ -129,6 +132,9 @@ PROVIDED: dict[str, tuple[str, ...]] = {
         "GradientAccumulationScheduler",
         "BaseFinetuning",
         "BackboneFinetuning",
+        "StochasticWeightAveraging",
+        "WeightAveraging",
+        "EMAWeightAveraging",
     ),
     "callbacks.callback": ("Callback",),
     "callbacks.early_stopping": ("EarlyStopping",),
@@ -143,8 +149,10 @@ PROVIDED: dict[str, tuple[str, ...]] = {
     "callbacks.progress.rich_progress": ("RichProgressBar",),
     "callbacks.progress.tqdm_progress": ("TQDMProgressBar",),
     "callbacks.rich_model_summary": ("RichModelSummary",),
+    "callbacks.stochastic_weight_avg": ("StochasticWeightAveraging",),
     "callbacks.throughput_monitor": ("ThroughputMonitor",),
     "callbacks.timer": ("Timer",),
+    "callbacks.weight_averaging": ("WeightAveraging", "EMAWeightAveraging"),
     "cli": (
         "LightningCLI",
         "LightningArgumentParser",
@@ -203,7 +211,6 @@ PROVIDED: dict[str, tuple[str, ...]] = {
 
 # ------------------------------------------------------------------ what keel lacks, and what to use instead
 _TUNER = "run learning-rate or batch-size sweeps as separate runs (Hydra `--multirun`)."
-_SWA = "average the weights with `torch.optim.swa_utils` (`AveragedModel`, `get_ema_multi_avg_fn`) in your task."
 _PREDICT = "use the list `Trainer.predict` returns (in dataset order), or write in `on_predict_batch_end`."
 _XLA = "keel runs on CPU and CUDA only."
 _PARALLEL = (
@@ -237,9 +244,6 @@ LACKING: dict[str, str] = {
     "Tuner": _TUNER,
     "BatchSizeFinder": "no tuner: set the batch size in your `DataLoader`.",
     "LearningRateFinder": "no tuner: sweep the learning rate as separate runs.",
-    "StochasticWeightAveraging": "use `torch.optim.swa_utils` in your task.",
-    "WeightAveraging": _SWA,
-    "EMAWeightAveraging": _SWA,
     "ModelPruning": "use `torch.nn.utils.prune` in your task's hooks.",
     "BasePredictionWriter": _PREDICT,
     "WriteInterval": _PREDICT,
@@ -347,8 +351,6 @@ LACKING_MODULES: dict[str, str] = {
     "callbacks.prediction_writer": _PREDICT,
     "callbacks.pruning": LACKING["ModelPruning"],
     "callbacks.spike": LACKING["SpikeDetection"],
-    "callbacks.stochastic_weight_avg": LACKING["StochasticWeightAveraging"],
-    "callbacks.weight_averaging": _SWA,
     "core.optimizer": "`self.optimizers()` returns keel's thin wrapper of each torch optimizer (`step()`, "
     "`zero_grad()`; `.optimizer` is the torch one); there is no closure to pass.",
     "core.saving": "hyperparameters are saved in every checkpoint (`hyper_parameters`) and by `CSVLogger` "

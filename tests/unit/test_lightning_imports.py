@@ -143,13 +143,18 @@ def test_module_forms_are_one_module_object() -> None:
     from callbacks.lightning.pytorch.callbacks import progress
 
     assert progress.TQDMProgressBar is L.TQDMProgressBar
+    from callbacks.lightning.pytorch.callbacks.stochastic_weight_avg import StochasticWeightAveraging
+    from callbacks.lightning.pytorch.callbacks.weight_averaging import EMAWeightAveraging, WeightAveraging
+
+    assert StochasticWeightAveraging is callbacks.StochasticWeightAveraging is L.callbacks.StochasticWeightAveraging
+    assert issubclass(EMAWeightAveraging, WeightAveraging) and WeightAveraging is callbacks.WeightAveraging
 
 
 def test_lacking_names_and_modules_raise_keel_s_error() -> None:
-    with pytest.raises(ImportError, match=r"^keel has no lightning\.pytorch\.callbacks\.StochasticWeightAveraging: "):
-        from callbacks.lightning.pytorch.callbacks import StochasticWeightAveraging  # noqa: F401
-    with pytest.raises(AttributeError, match="torch.optim.swa_utils"):
-        L.pytorch.callbacks.StochasticWeightAveraging  # noqa: B018
+    with pytest.raises(ImportError, match=r"^keel has no lightning\.pytorch\.callbacks\.ModelPruning: "):
+        from callbacks.lightning.pytorch.callbacks import ModelPruning  # noqa: F401
+    with pytest.raises(AttributeError, match="torch.nn.utils.prune"):
+        L.pytorch.callbacks.ModelPruning  # noqa: B018
     with pytest.raises(ImportError, match="^keel has no .*Fabric: write the loop with torch"):
         from callbacks.lightning import Fabric  # noqa: F401
     with pytest.raises(ModuleNotFoundError, match=r"^keel has no lightning\.pytorch\.accelerators: .*accelerator="):

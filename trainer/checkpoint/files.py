@@ -50,6 +50,11 @@ K_HPARAMS = "hyper_parameters"
 K_GLOBAL_BATCH = "global_batch"  # trainer/data/global_batch.py: the run's samples per optimizer step
 K_CLASSES = "state_classes"  # {key: [class names]} of the optimizers and schedulers, checked before loading
 K_IDENTITY = "identity"  # {save_id, run, step, epoch, world_size}: the same in keel.pt and keel.json
+# Weights shaped as the task's state dict that a callback's on_save_checkpoint adds (Lightning's WeightAveraging
+# moves the training weights to "current_model_state" and saves the averaged ones as "state_dict"): written by DCP
+# beside the model, sharded as it is, and read back beside it (callbacks/weight_averaging.py).
+K_CURRENT_MODEL = "current_model_state"
+K_AVERAGED_MODEL = "averaged_model_state"
 REQUIRED_KEYS = (K_FORMAT, K_STATE_DICT)
 
 MANIFEST_NAME = "keel.json"  # a save's commit marker (trainer/checkpoint/store.py)

@@ -22,6 +22,8 @@ import zlib
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from trainer.checkpoint.files import (
     FORMAT_VERSION,
     K_CALLBACKS,
@@ -42,6 +44,7 @@ from trainer.checkpoint.store import (
     LIGHTNING_FILE,
     MANIFEST_FILE,
     METADATA_FILE,
+    MODEL_SHAPED_KEYS,
     quiet_dcp,
 )
 from trainer.distributed import comm
@@ -127,9 +130,11 @@ def verify(folder: AnyPath, manifest: dict[str, Any], *, rank: int = 0, world_si
     return problems
 
 
-def _verified(folder: AnyPath, *, collective: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+def _verified(
+    folder: AnyPath, *, collective: bool, keys: set[str] | None = None
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """(manifest, keel.pt) of an intact save, or a CheckpointError naming every bad part. ``collective``: the
-    ranks share the checks and agree."""
+    ranks share the checks and agree. ``keys``: filled with the DCP entries the save holds."""
     problems: list[str] = []
     manifest = None
     try:
@@ -153,7 +158,7 @@ def _verified(folder: AnyPath, *, collective: bool) -> tuple[dict[str, Any] | No
     if problems:
         raise CorruptCheckpointError(f"Checkpoint {str(folder)!r} is damaged: {'; '.join(problems)}.")
     assert manifest is not None  # read, or a problem raised above
-    rest = _read_keel(data_root(folder, manifest))
+    rest = _read_keel(data_root(folder, manifest), keys)
     if rest.get(K_IDENTITY) != manifest["identity"]:
         raise CorruptCheckpointError(
             f"Checkpoint {str(folder / KEEL_FILE)!r} belongs to another save than its folder's manifest "
@@ -162,7 +167,7 @@ def _verified(folder: AnyPath, *, collective: bool) -> tuple[dict[str, Any] | No
     return manifest, rest
 
 
-def _read_keel(folder: AnyPath) -> dict[str, Any]:
+def _read_keel(folder: AnyPath, keys: set[str] | None = None) -> dict[str, Any]:
     metadata = folder / METADATA_FILE
     if not metadata.is_file():
         raise CheckpointError(f"Checkpoint {str(folder)!r} has no {METADATA_FILE}: it was never committed.")
@@ -170,7 +175,9 @@ def _read_keel(folder: AnyPath) -> dict[str, Any]:
         from trainer.checkpoint.dcp_io import MetadataUnpickler
 
         with metadata.open("rb") as handle:
-            MetadataUnpickler(handle, str(metadata)).load()
+            entries = MetadataUnpickler(handle, str(metadata)).load().state_dict_metadata
+        if keys is not None:
+            keys.update(entries)
     except CheckpointError:
         raise
     except Exception as exc:
@@ -215,12 +222,14 @@ def load(
     """
     folder = save_folder(path)
     if _is_save_folder(folder):
-        manifest, checkpoint = _verified(folder, collective=True)
+        saved: set[str] = set()
+        manifest, checkpoint = _verified(folder, collective=True, keys=saved)
         _check(str(folder), checkpoint, state, tuple(k for k in required if k not in DCP_KEYS))
         if K_CALLBACKS in state and K_CALLBACKS in checkpoint:  # first, as in Lightning: a callback may rebuild the
             state[K_CALLBACKS].load_state_dict(checkpoint[K_CALLBACKS])  # param groups the read fills (BaseFinetuning)
             state = {k: v for k, v in state.items() if k != K_CALLBACKS}
         targets = {name: state[key].state_dict() for key, name in DCP_KEYS.items() if key in state}
+        targets.update(_model_shaped(targets.get("model", {}), saved))
         from trainer.checkpoint import dcp_io  # on the first load: importing DCP takes 0.6 s (dcp_io's docstring)
 
         try:
@@ -230,7 +239,8 @@ def load(
                 )
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             raise _load_error(folder, exc, "could not be loaded into this run's model and optimizers") from exc
-        checkpoint.update({key: targets[name] for key, name in DCP_KEYS.items() if name in targets})
+        read = {**DCP_KEYS, **MODEL_SHAPED_KEYS}
+        checkpoint.update({key: targets[name] for key, name in read.items() if name in targets})
     else:
         checkpoint = load_file(folder)
         _check(str(folder), checkpoint, state, required)
@@ -239,6 +249,21 @@ def load(
         if key in checkpoint:
             obj.load_state_dict(checkpoint[key])
     return checkpoint
+
+
+def _model_shaped(model: dict[str, Any], saved: set[str]) -> dict[str, dict[str, Any]]:
+    """Targets for the model-shaped entries the save holds beside the model (an averaged copy of the weights, say):
+    fresh tensors shaped and sharded as the model's, for the entries of the model the save has."""
+    targets: dict[str, dict[str, Any]] = {}
+    for name in MODEL_SHAPED_KEYS.values():
+        entries = {
+            key: torch.empty_like(value)
+            for key, value in model.items()
+            if isinstance(value, torch.Tensor) and f"{name}.{key}" in saved
+        }
+        if entries:
+            targets[name] = entries
+    return targets
 
 
 def _is_save_folder(folder: AnyPath) -> bool:

@@ -2,7 +2,8 @@
 
 Layout of ``epoch=0-step=4.ckpt/`` (a folder; the name keeps ModelCheckpoint's suffix)::
 
-    __<rank>_0.distcp   DCP's data files: the model and optimizer tensors. Every rank writes one; a
+    __<rank>_0.distcp   DCP's data files: the model and optimizer tensors (and the model-shaped weights of
+                        MODEL_SHAPED_KEYS a callback adds). Every rank writes one; a
                         tensor every rank holds (DDP) is written once, by whichever rank DCP's planner
                         picks to balance the bytes; a sharded tensor (FSDP) by each rank, its shard.
                         Each also holds the save's identity (item ``identity_<rank>``)
@@ -54,7 +55,9 @@ import torch
 from trainer.checkpoint.async_save import AsyncCheckpointer, cpu_copy
 from trainer.checkpoint.files import (
     FORMAT_VERSION,
+    K_AVERAGED_MODEL,
     K_CLASSES,
+    K_CURRENT_MODEL,
     K_FORMAT,
     K_HPARAMS,
     K_IDENTITY,
@@ -80,6 +83,9 @@ MANIFEST_FILE = "keel.json"
 METADATA_FILE = ".metadata"
 LIGHTNING_FILE = "lightning.ckpt"
 DCP_KEYS = {K_STATE_DICT: "model", K_OPTIMIZERS: "optimizers"}  # checkpoint key -> DCP top-level key
+# Model-shaped weights that on_save_checkpoint hooks may add: DCP writes them too (each rank its shard), and a load
+# reads whichever the save holds into tensors shaped as the model's (trainer/checkpoint/reader.py).
+MODEL_SHAPED_KEYS = {K_CURRENT_MODEL: "current_model", K_AVERAGED_MODEL: "averaged_model"}
 _LEFTOVER = re.compile(
     r"^\..+\.(tmp-[0-9a-f]{8}|old-[0-9a-f]{8}|[a-z0-9_]{8}\.tmp)$"
 )  # what a killed save leaves behind
@@ -154,7 +160,8 @@ def save(
     checkpoint[K_FORMAT], checkpoint[K_KEEL_VERSION], checkpoint[K_IDENTITY] = FORMAT_VERSION, KEEL_VERSION, identity
     checkpoint[K_CLASSES] = {k: obj.classes() for k, obj in state.items() if hasattr(obj, "classes")}
     on_save(checkpoint)
-    tensors = {name: checkpoint.pop(key) for key, name in DCP_KEYS.items() if key in checkpoint}
+    dcp_keys = {**DCP_KEYS, **MODEL_SHAPED_KEYS}
+    tensors = {name: checkpoint.pop(key) for key, name in dcp_keys.items() if key in checkpoint}
     tensors[f"identity_{comm.get_rank()}"] = json.dumps(identity, sort_keys=True)  # in this rank's data file
     extras = _lightning_extras(checkpoint) if lightning_file and is_writer else None
     job = _Save(target, tmp, tensors, checkpoint if is_writer else None, extras, check)
