@@ -27,6 +27,7 @@ from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from trainer.callback import Callback
 from trainer.checkpoint.files import K_AVERAGED_MODEL, K_CURRENT_MODEL, K_OPTIMIZERS, K_STATE_DICT
 from trainer.data.transfer import move_to_device
+from trainer.distributed import comm
 from trainer.step.optim import SchedulerConfig
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -130,40 +131,26 @@ class _Average:
     def state_like(self, model_state: dict[str, Any]) -> dict[str, Any]:
         """The average keyed as ``model_state`` (the task's checkpoint weights), each entry in its form: a DTensor
         with the same mesh and placements where the model's is one. Entries it does not hold are left out."""
-        from torch.distributed.tensor import DTensor
-
         out: dict[str, Any] = {}
         for key, value in model_state.items():
             i = self.index.get(key)
             if i is None or not isinstance(value, torch.Tensor):
                 continue
             averaged = self.tensors[i]
-            if isinstance(value, DTensor):
-                out[key] = DTensor.from_local(
-                    averaged.to(value.to_local().device),
-                    value.device_mesh,
-                    value.placements,
-                    run_check=False,
-                    shape=value.shape,
-                    stride=value.stride(),
-                )
-            else:
-                out[key] = averaged
+            out[key] = comm.sharded_like(averaged, value) if comm.is_sharded(value) else averaged
         return out
 
     def load(self, task: nn.Module, state: dict[str, Any]) -> None:
         """Read the entries of ``state`` (keyed as the task's checkpoint weights) into the average: a DTensor's
         shard as it is, a whole tensor split into this rank's shard where the task's weight is sharded."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
         own = dict(self._named(task))
         for key, value in state.items():
             i = self.index.get(key)
             if i is None or not isinstance(value, torch.Tensor):
                 continue
             mine = own[key]
-            if isinstance(mine, DTensor) and not isinstance(value, DTensor):
-                value = distribute_tensor(value.to(mine.device), mine.device_mesh, mine.placements)
+            if comm.is_sharded(mine) and not comm.is_sharded(value):
+                value = comm.shard_like(value, mine)
             self.tensors[i].copy_(_local(value))
 
 

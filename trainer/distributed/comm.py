@@ -539,3 +539,35 @@ def record(fn: Callable[..., T]) -> Callable[..., T | None]:
     from torch.distributed.elastic.multiprocessing.errors import record as elastic_record
 
     return elastic_record(fn)
+
+
+# ---------------------------------------------------------------------- sharded tensors (FSDP's DTensors)
+def is_sharded(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (a parameter or state entry of an FSDP / tensor-parallel model)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def sharded_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's shard) as a DTensor with ``like``'s mesh, placements, shape and stride, on ``like``'s
+    device; no communication."""
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(like, DTensor)
+    return DTensor.from_local(
+        local.to(like.to_local().device),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def shard_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A whole tensor split over ``like``'s mesh as ``like`` is (every rank passes the same ``whole``)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    assert isinstance(like, DTensor)
+    return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements)

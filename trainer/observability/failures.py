@@ -21,8 +21,6 @@ import time
 import traceback
 from types import TracebackType
 
-from trainer.storage import is_url
-
 _MARK = "_keel_failure"  # set on the exception: (rank, traceback file)
 _installed = False
 
@@ -30,7 +28,7 @@ _installed = False
 def _folder(run_dir: str | None) -> str:
     """Where the traceback file goes: the run directory, or a local folder when it is on object storage or not
     known yet (the failure came before the loggers picked their version)."""
-    if run_dir and not is_url(run_dir):
+    if run_dir and "://" not in run_dir:  # a URL (object storage) is never a local folder
         return run_dir
     return os.path.join(tempfile.gettempdir(), "keel-failures")
 
