@@ -6,9 +6,10 @@ last two by default and never imports this package) and re-exported here.
 The others live here, one per module: ``EarlyStopping``, ``GradientAccumulationScheduler``,
 ``LambdaCallback``, ``LearningRateMonitor``, ``ModelSummary``, ``ThroughputMonitor``, ``Timer`` and the
 fine-tuning callbacks ``BaseFinetuning`` / ``BackboneFinetuning``, and the weight averages ``WeightAveraging`` /
-``EMAWeightAveraging`` / ``StochasticWeightAveraging``. ``callbacks.lightning`` (Lightning's names
-and module paths) and ``callbacks.lightning_cli`` (``LightningCLI`` on jsonargparse) serve ported programs. Every
-rank runs every hook; only side effects are gated to rank 0, and a decision that stops training is taken
+``EMAWeightAveraging`` / ``StochasticWeightAveraging``. ``callbacks.tuner`` holds Lightning's ``Tuner`` (the
+learning-rate and batch-size searches, run before ``fit`` on these hooks). ``callbacks.lightning`` (Lightning's
+names and module paths) and ``callbacks.lightning_cli`` (``LightningCLI`` on jsonargparse) serve ported programs.
+Every rank runs every hook; only side effects are gated to rank 0, and a decision that stops training is taken
 from reduced metrics or broadcast from rank 0 (docs/design.md section 7).
 """
 

@@ -522,8 +522,8 @@ LIGHTNING_UNSUPPORTED: dict[str, str] = {
     "plugins": "keel has no plugin system: precision is precision=..., the cluster environment is read from "
     "torchrun / SLURM, checkpoint I/O is keel's own.",
     "model_registry": "upload the checkpoints that ModelCheckpoint writes with your registry's client.",
-    "auto_lr_find": "no built-in tuner; run a learning-rate sweep as separate runs.",
-    "auto_scale_batch_size": "no built-in tuner; set the batch size in your DataLoader.",
+    "auto_lr_find": "call Tuner(trainer).lr_find(model, ...) before fit (callbacks.tuner).",
+    "auto_scale_batch_size": "call Tuner(trainer).scale_batch_size(model, ...) before fit (callbacks.tuner).",
     "gpus": "use accelerator='cuda' with `torchrun --nproc-per-node G` (devices=G is checked against it).",
     "tpu_cores": "keel runs on CPU and CUDA only.",
     "ipus": "keel runs on CPU and CUDA only.",

@@ -40,6 +40,8 @@ TARGETS: dict[str, str] = {
     "StochasticWeightAveraging": "callbacks.weight_averaging:StochasticWeightAveraging",
     "WeightAveraging": "callbacks.weight_averaging:WeightAveraging",
     "EMAWeightAveraging": "callbacks.weight_averaging:EMAWeightAveraging",
+    # the tuner
+    "Tuner": "callbacks.tuner:Tuner",
     # loggers
     "Logger": "trainer.loggers:Logger",
     "CSVLogger": "callbacks.lightning:CSVLogger",
@@ -200,6 +202,10 @@ PROVIDED: dict[str, tuple[str, ...]] = {
     "strategies.strategy": ("Strategy",),
     "trainer": ("Trainer", "seed_everything"),
     "trainer.trainer": ("Trainer",),
+    "tuner": ("Tuner",),
+    "tuner.batch_size_scaling": (),  # Lightning's modules of private helpers: importable, nothing public in them
+    "tuner.lr_finder": (),
+    "tuner.tuning": ("Tuner",),
     "utilities": (*_RANK_ZERO, "AttributeDict", "grad_norm"),
     "utilities.exceptions": ("MisconfigurationException",),
     "utilities.grads": ("grad_norm",),
@@ -210,7 +216,10 @@ PROVIDED: dict[str, tuple[str, ...]] = {
 }
 
 # ------------------------------------------------------------------ what keel lacks, and what to use instead
-_TUNER = "run learning-rate or batch-size sweeps as separate runs (Hydra `--multirun`)."
+_TUNER = (
+    "keel runs the searches before `fit`, not as callbacks inside it: `Tuner(trainer).lr_find(model, ...)` / "
+    "`.scale_batch_size(model, ...)` (`callbacks.lightning.pytorch.tuner`), then `trainer.fit(model, ...)`."
+)
 _PREDICT = "use the list `Trainer.predict` returns (in dataset order), or write in `on_predict_batch_end`."
 _XLA = "keel runs on CPU and CUDA only."
 _PARALLEL = (
@@ -241,9 +250,8 @@ LACKING: dict[str, str] = {
     "LightningLite": _FABRIC,
     "is_wrapped": "without Fabric nothing is wrapped by it; `trainer.model` is always the task itself.",
     # callbacks
-    "Tuner": _TUNER,
-    "BatchSizeFinder": "no tuner: set the batch size in your `DataLoader`.",
-    "LearningRateFinder": "no tuner: sweep the learning rate as separate runs.",
+    "BatchSizeFinder": _TUNER,
+    "LearningRateFinder": _TUNER,
     "ModelPruning": "use `torch.nn.utils.prune` in your task's hooks.",
     "BasePredictionWriter": _PREDICT,
     "WriteInterval": _PREDICT,
@@ -339,7 +347,6 @@ LACKING_MODULES: dict[str, str] = {
     "`'16-mixed'`), the cluster environment is read from torchrun / SLURM, checkpoint I/O is keel's own, "
     "SyncBatchNorm is `Trainer(sync_batchnorm=True)`.",
     "loops": "keel's loops are internal: change what they do through the task's hooks and callbacks.",
-    "tuner": _TUNER,
     "serve": "there is no model serving: load the weights with `LightningModule.load_from_checkpoint` and serve the "
     "module with your own code.",
     "demos": "no demo models or datasets ship with keel: use your own module and data.",

@@ -161,8 +161,8 @@ def test_lacking_names_and_modules_raise_keel_s_error() -> None:
         import callbacks.lightning.pytorch.accelerators  # noqa: F401
     with pytest.raises(ModuleNotFoundError, match=r"^keel has no lightning\.pytorch\.plugins: .*precision="):
         importlib.import_module("callbacks.lightning.plugins.precision")
-    with pytest.raises(AttributeError, match=r"^keel has no lightning\.pytorch\.tuner: "):
-        L.tuner  # noqa: B018
+    with pytest.raises(AttributeError, match=r"^keel has no lightning\.pytorch\.loops: "):
+        L.loops  # noqa: B018
     with pytest.raises(AttributeError, match=r"callbacks\.pruning: use `torch\.nn\.utils\.prune`"):
         L.callbacks.pruning  # noqa: B018
     # a name Lightning does not have either: the names keel has, for a typo
