@@ -186,10 +186,6 @@ def compile_step(model: torch.nn.Module, dynamo_ctx: Any | None) -> torch.nn.Mod
 # ---------------------------------------------------------------------- hooks keel never calls
 # Lightning hooks (module or callback) that keel deliberately does not call, with what to do instead.
 UNCALLED_HOOKS: dict[str, str] = {
-    "on_before_batch_transfer": "transform the batch in your collate_fn or at the top of the step.",
-    "on_after_batch_transfer": "transform the batch at the top of the step (it is on the device there).",
-    "transfer_batch_to_device": "keel moves tensors in (nested) lists, tuples, dicts and dataclasses; move "
-    "other types at the top of the step.",
     "configure_callbacks": "pass the callbacks to Trainer(callbacks=[...]).",
     "configure_gradient_clipping": "use Trainer(gradient_clip_val=..., gradient_clip_algorithm=...), or clip "
     "in on_before_optimizer_step.",

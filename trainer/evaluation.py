@@ -28,7 +28,7 @@ from trainer.data.transfer import move_to_device
 from trainer.distributed import comm
 from trainer.distributed import watchdog as wd
 from trainer.distributed.strategy import Strategy
-from trainer.hooks import overrides
+from trainer.hooks import BatchTransfer, overrides
 from trainer.metrics import MetricCollector
 from trainer.module import TaskModule
 from trainer.step.precision import Precision
@@ -135,7 +135,8 @@ class EvaluationLoop:
         modes = [(m, m.training) for m in task.modules()]
         self._start(trainer, task, callbacks, validating=validating)
         self.metrics.stage = stage
-        results = self._run_loaders(task, hooks, loaders, limits, validating=validating, publish=publish)
+        transfer = self._batch_transfer(trainer, task)
+        results = self._run_loaders(task, hooks, transfer, loaders, limits, validating=validating, publish=publish)
         results.append(self._end(trainer, task, callbacks, len(loaders), validating=validating, publish=publish))
         if is_keel_default(task.on_validation_model_train if validating else task.on_test_model_train):
             for module, mode in modes:  # each submodule as it was (a frozen, eval-mode backbone stays so)
@@ -174,6 +175,7 @@ class EvaluationLoop:
         self,
         task: TaskModule,
         hooks: BatchHooks,
+        transfer: BatchTransfer | None,
         loaders: list[AdaptedLoader],
         limits: list[int | None],
         *,
@@ -191,7 +193,10 @@ class EvaluationLoop:
             for loader_idx, (adapted, limit) in enumerate(zip(loaders, limits)):
                 for batch_idx, batch in self.strategy.eval_batches(adapted.loader, limit):
                     self.beat(phase)
-                    batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
+                    if transfer is None:
+                        batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
+                    else:
+                        batch = transfer(batch, loader_idx)
                     self.metrics.batch = batch
                     args = (batch, batch_idx, loader_idx) if many else (batch, batch_idx)  # Lightning's call
                     for hook in starts:
@@ -203,6 +208,13 @@ class EvaluationLoop:
                 if loader_idx < len(loaders) - 1:
                     results.append(self._reduce(loader_idx, len(loaders), publish))
         return results
+
+    def _batch_transfer(self, trainer: Trainer, task: TaskModule) -> BatchTransfer | None:
+        """The run's batch-transfer hooks (trainer/hooks.py), or None when neither the task nor the datamodule
+        overrides one: then each batch moves with :func:`move_to_device`, as always."""
+        dtype = self.precision.param_dtype
+        move = partial(move_to_device, device=self.device, float_dtype=dtype)
+        return BatchTransfer.resolve(task, trainer.datamodule, device=self.device, float_dtype=dtype, move=move)
 
     def _end(
         self,
@@ -267,7 +279,7 @@ class EvaluationLoop:
         batch hooks get ``dataloader_idx`` only with several loaders (:class:`BatchHooks`)."""
         many = len(loaders) > 1
         hooks = BatchHooks(trainer, task, callbacks, "predict", many=many)  # checked before any hook runs
-        starts, ends = hooks.start, hooks.end
+        starts, ends, transfer = hooks.start, hooks.end, self._batch_transfer(trainer, task)
         task.on_predict_model_eval()
         task.on_predict_start()
         for cb in callbacks:
@@ -286,7 +298,10 @@ class EvaluationLoop:
             for loader_idx, (adapted, limit) in enumerate(zip(loaders, limits)):
                 local: list[Any] = []
                 for batch_idx, batch in self.strategy.eval_batches(adapted.loader, limit):
-                    batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
+                    if transfer is None:
+                        batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
+                    else:
+                        batch = transfer(batch, loader_idx)
                     args = (batch, batch_idx, loader_idx) if many else (batch, batch_idx)  # Lightning's call
                     for hook in starts:
                         hook(*args)

@@ -36,7 +36,7 @@ from trainer.distributed.selection import select_strategy
 from trainer.distributed.strategy import StepAdapter, Strategy
 from trainer.estimate import MemoryPlan
 from trainer.evaluation import EvaluationLoop, log_results
-from trainer.hooks import TrainHooks
+from trainer.hooks import BatchTransfer, TrainHooks
 from trainer.loggers.local import default_loggers
 from trainer.loggers.logger import Logger
 from trainer.metrics import MetricCollector, logged_step, logger_row
@@ -162,7 +162,8 @@ class Trainer(TrainerAttributes):
         lifecycle.seed_at_construction(opts.seed, self.env.rank)  # a task built after the Trainer is repeatable
         self.device = comm.select_device(cast("comm.Accelerator", opts.accelerator), self.env)  # checked in options
         self._precision = Precision(opts.precision, self.device)
-        self._moves_batches = self.device.type != "cpu" or self._precision.param_dtype is not None
+        self._device_copies = self.device.type != "cpu" or self._precision.param_dtype is not None
+        self._moves_batches = self._device_copies  # per fit: also when a batch-transfer hook is overridden
         # How the task is replicated or sharded (trainer/distributed/strategy.py); chosen before any process group.
         self.strategy: Strategy = select_strategy(opts, self.env, self.device)
         self.callbacks: list[Callback] = check_callbacks(
@@ -453,7 +454,12 @@ class Trainer(TrainerAttributes):
         self._train = stages.train_loader(self, train_dataloaders)
         elastic.configure(self, self._train.loader)  # global_batch_size -> accumulation at this world size
         pinned = bool(getattr(self._train.loader, "pin_memory", False))
-        self._copy_batch = BatchCopier(self.device, float_dtype=self._precision.param_dtype, overlap=pinned)
+        copier = BatchCopier(self.device, float_dtype=self._precision.param_dtype, overlap=pinned)
+        transfer = BatchTransfer.resolve(  # None unless the task or datamodule overrides a batch-transfer hook
+            task, self.datamodule, device=self.device, float_dtype=self._precision.param_dtype, move=copier
+        )
+        self._copy_batch = copier if transfer is None else functools.partial(transfer, dataloader_idx=0)
+        self._moves_batches = self._device_copies or transfer is not None
         val_loaders, self.num_val_batches = fit_validation(  # none without validation_step or with limit 0
             task,
             stages.eval_loaders(self, "validate", val_dataloaders),
@@ -713,7 +719,9 @@ class Trainer(TrainerAttributes):
         """Forward and backward of one micro-batch; gradients sync only on the step's last one."""
         self._beat(wd.PHASE_TRAINING_STEP)
         batch = micro.batch
-        if self._moves_batches:  # CUDA, or float64 batches: a copy; a CPU batch is used as the loader made it
+        if (
+            self._moves_batches
+        ):  # CUDA, float64 batches or transfer hooks; else a CPU batch is used as the loader made it
             batch = micro.batch = self._copy_batch(batch)
         self._metrics.batch = batch  # self.log reads its size only when it needs one
         hooks = self._hooks
