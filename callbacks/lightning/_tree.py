@@ -93,6 +93,8 @@ TARGETS: dict[str, str] = {
             "OptimizerLRSchedulerConfig",
             "OptimizerLRScheduler",
             "MODULE_OPTIMIZERS",
+            "is_overridden",
+            "get_torchvision_model",
         )
     },
 }
@@ -195,6 +197,7 @@ PROVIDED: dict[str, tuple[str, ...]] = {
     "utilities": (*_RANK_ZERO, "AttributeDict", "grad_norm"),
     "utilities.exceptions": ("MisconfigurationException",),
     "utilities.grads": ("grad_norm",),
+    "utilities.model_helpers": ("is_overridden", "get_torchvision_model"),
     "utilities.parsing": ("AttributeDict",),
     "utilities.rank_zero": _RANK_ZERO,
     "utilities.types": _TYPES,
@@ -371,7 +374,6 @@ LACKING_MODULES: dict[str, str] = {
             "utilities.data",
             "utilities.imports",
             "utilities.memory",
-            "utilities.model_helpers",
             "utilities.parameter_tying",
             "utilities.signature_utils",
         ),
