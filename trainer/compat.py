@@ -199,17 +199,27 @@ UNCALLED_HOOKS: dict[str, str] = {
     "on_validation_model_zero_grad": "keel evaluates under torch.no_grad(); gradients are untouched.",
     "configure_sharded_model": "build the model in __init__ (or in configure_model where keel has it).",
 }
+# The hooks of automatic optimization: under manual optimization (automatic_optimization = False) Lightning 2.6.6
+# calls none of them either (of UNCALLED_HOOKS only `backward`, from manual_backward), so a task that defines one
+# there loses nothing under keel and is not warned.
+AUTOMATIC_OPTIMIZATION_HOOKS = frozenset(
+    ("optimizer_step", "optimizer_zero_grad", "lr_scheduler_step", "configure_gradient_clipping")
+)
 _WARNED: set[tuple[type, str]] = set()
 
 
 def warn_uncalled_hooks(task: TaskModule, callbacks: Iterable[Callback]) -> list[str]:
     """Warn once per class for each Lightning hook in :data:`UNCALLED_HOOKS` that ``task`` or a callback
-    defines: keel will never call it. Returns the warnings issued (for tests)."""
+    defines: keel will never call it (nor the task's :data:`AUTOMATIC_OPTIMIZATION_HOOKS` under manual
+    optimization, where Lightning does not call them either). Returns the warnings issued (for tests)."""
     issued = []
+    manual = not getattr(task, "automatic_optimization", True)
     for obj in [task, *callbacks]:
         cls = type(obj)
         for name, instead in UNCALLED_HOOKS.items():
             if (cls, name) in _WARNED or not callable(getattr(obj, name, None)) or _keel_owned(cls, name):
+                continue
+            if manual and obj is task and name in AUTOMATIC_OPTIMIZATION_HOOKS:
                 continue
             _WARNED.add((cls, name))
             message = f"{cls.__name__}.{name} is a Lightning hook that keel never calls: {instead}"
