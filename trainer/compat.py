@@ -270,6 +270,36 @@ def fit_validation(
     return (loaders, limits) if batches.item() else ([], [])
 
 
+def validates_at_epoch_end(interval: int | float | None) -> bool:
+    """Whether ``val_check_interval`` leaves validation to the epoch ends: None, or Lightning's default 1.0."""
+    return interval is None or (isinstance(interval, float) and interval == 1.0)
+
+
+def val_check_batches(options: TrainerOptions, num_batches: int | None, *, epoch: int) -> int | None:
+    """For a fractional ``val_check_interval`` (a float below 1.0), the number of training batches between
+    validation runs in ``epoch``, as Lightning 2.6.6 counts them: ``max(1, int(num_batches * fraction))`` of the
+    epoch's batches after ``limit_train_batches``, counted from the epoch's start (also under gradient
+    accumulation, where a run can fall inside a window), in the epochs ``check_val_every_n_epoch`` selects; None
+    in other epochs, and for an int, None or 1.0 (keel's step and epoch-end schedules).
+
+    Raises:
+        ValueError: a fraction below 1.0 and a training loader of unknown length (Lightning's rule).
+    """
+    interval = options.val_check_interval
+    if not isinstance(interval, float) or interval == 1.0:
+        return None
+    if num_batches is None:
+        raise ValueError(
+            f"Trainer(val_check_interval={interval!r}) is a fraction of the training epoch, whose length is unknown "
+            "(the training loader has no len(): an IterableDataset). Use an int val_check_interval (every N optimizer "
+            "steps), 1.0 (epoch ends), or limit_train_batches=N (an int) to give the epoch a length."
+        )
+    every = options.check_val_every_n_epoch
+    if every is not None and (epoch + 1) % every != 0:
+        return None
+    return max(1, int(num_batches * interval))
+
+
 # ---------------------------------------------------------------------- the Trainer's Lightning attributes
 class TrainerAttributes:
     """Read-only Lightning-named attributes of the Trainer (a base class of ``Trainer``; they read its
@@ -435,7 +465,7 @@ class TrainerAttributes:
         return self.options.log_every_n_steps
 
     @property
-    def val_check_interval(self) -> int | None:
+    def val_check_interval(self) -> int | float | None:
         return self.options.val_check_interval
 
     @property
