@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainer.data.loaders import AdaptedLoader
     from trainer.distributed.launcher import DistEnv
     from trainer.distributed.strategy import Strategy
+    from trainer.evaluation import EvaluationLoop, PredictionRecord
     from trainer.loggers.logger import Logger
     from trainer.module import TaskModule
     from trainer.observability.profiler import Profiler
@@ -320,6 +321,7 @@ class TrainerAttributes:
     checkpointer: Checkpointer
     accumulation_schedule: AccumulationSchedule
     _train: AdaptedLoader | None
+    _eval_loop: EvaluationLoop
     _stop_requested: bool = False
     _min_logged: bool = False
     default_log_name: str = "keel_logs"  # the folder of the default logger (logger=True) under default_root_dir
@@ -385,6 +387,12 @@ class TrainerAttributes:
         return _building(torch.device("meta") if meta else self.device, dtype)
 
     # ------------------------------------------------------------------ what runs
+    @property
+    def predict_loop(self) -> PredictionRecord:
+        """What the current (or last) ``predict`` keeps for prediction writers, with the attribute names of
+        Lightning's ``trainer.predict_loop`` (``predictions``, ``current_batch_indices``, ``epoch_batch_indices``)."""
+        return self._eval_loop.prediction
+
     @property
     def model(self) -> TaskModule | None:
         """The task being run (Lightning's ``trainer.model``; keel's wrappers stay internal, so this is the

@@ -37,6 +37,8 @@ TARGETS: dict[str, str] = {
     "BaseFinetuning": "callbacks.finetuning:BaseFinetuning",
     "BackboneFinetuning": "callbacks.finetuning:BackboneFinetuning",
     "multiplicative": "callbacks.finetuning:multiplicative",
+    "BasePredictionWriter": "callbacks.prediction_writer:BasePredictionWriter",
+    "WriteInterval": "callbacks.prediction_writer:WriteInterval",
     # loggers
     "Logger": "trainer.loggers:Logger",
     "CSVLogger": "callbacks.lightning:CSVLogger",
@@ -131,6 +133,7 @@ PROVIDED: dict[str, tuple[str, ...]] = {
         "GradientAccumulationScheduler",
         "BaseFinetuning",
         "BackboneFinetuning",
+        "BasePredictionWriter",
     ),
     "callbacks.callback": ("Callback",),
     "callbacks.early_stopping": ("EarlyStopping",),
@@ -140,6 +143,7 @@ PROVIDED: dict[str, tuple[str, ...]] = {
     "callbacks.lr_monitor": ("LearningRateMonitor",),
     "callbacks.model_checkpoint": ("ModelCheckpoint",),
     "callbacks.model_summary": ("ModelSummary",),
+    "callbacks.prediction_writer": ("BasePredictionWriter", "WriteInterval"),
     "callbacks.progress": ("ProgressBar", "RichProgressBar", "TQDMProgressBar"),
     "callbacks.progress.progress_bar": ("ProgressBar",),
     "callbacks.progress.rich_progress": ("RichProgressBar",),
@@ -207,7 +211,6 @@ PROVIDED: dict[str, tuple[str, ...]] = {
 # ------------------------------------------------------------------ what keel lacks, and what to use instead
 _TUNER = "run learning-rate or batch-size sweeps as separate runs (Hydra `--multirun`)."
 _SWA = "average the weights with `torch.optim.swa_utils` (`AveragedModel`, `get_ema_multi_avg_fn`) in your task."
-_PREDICT = "use the list `Trainer.predict` returns (in dataset order), or write in `on_predict_batch_end`."
 _XLA = "keel runs on CPU and CUDA only."
 _PARALLEL = (
     "keel runs DDP, FSDP2 and FSDP2 x tensor parallelism: `Trainer(strategy='ddp')`, `strategy='fsdp'` or "
@@ -244,8 +247,6 @@ LACKING: dict[str, str] = {
     "WeightAveraging": _SWA,
     "EMAWeightAveraging": _SWA,
     "ModelPruning": "use `torch.nn.utils.prune` in your task's hooks.",
-    "BasePredictionWriter": _PREDICT,
-    "WriteInterval": _PREDICT,
     "Checkpoint": "keel's checkpoint callback is `ModelCheckpoint` (`callbacks.lightning.ModelCheckpoint`): "
     "subclass it, or `Callback`.",
     "OnExceptionCheckpoint": "keel's saves are atomic, so the newest committed one is always intact: resume from it "
@@ -347,7 +348,6 @@ LACKING_MODULES: dict[str, str] = {
     "callbacks.device_stats_monitor": LACKING["DeviceStatsMonitor"],
     "callbacks.lr_finder": LACKING["LearningRateFinder"],
     "callbacks.on_exception_checkpoint": LACKING["OnExceptionCheckpoint"],
-    "callbacks.prediction_writer": _PREDICT,
     "callbacks.pruning": LACKING["ModelPruning"],
     "callbacks.spike": LACKING["SpikeDetection"],
     "callbacks.stochastic_weight_avg": LACKING["StochasticWeightAveraging"],
