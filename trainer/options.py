@@ -272,21 +272,18 @@ class TrainerOptions:
         if self.gradient_clip_algorithm not in CLIP_ALGORITHMS:
             raise _fail("gradient_clip_algorithm", self.gradient_clip_algorithm, f"one of {CLIP_ALGORITHMS}")
         interval = self.val_check_interval
+        expected = "an int number of optimizer steps >= 1, a float in (0.0, 1.0] (a fraction of the epoch) or None"
         if isinstance(interval, float):
             if not 0.0 < interval <= 1.0:
-                raise _fail(
-                    "val_check_interval",
-                    interval,
-                    "an int number of optimizer steps >= 1, a float in (0.0, 1.0] (a fraction of the epoch) or None",
-                )
+                raise _fail("val_check_interval", interval, expected)
             if self.check_val_every_n_epoch is None:
                 raise ValueError(
                     f"Trainer option val_check_interval={interval!r} is a fraction of the epoch, but "
                     "check_val_every_n_epoch=None counts no epochs (Lightning refuses it too): give "
                     "check_val_every_n_epoch (1: every epoch), or an int val_check_interval (optimizer steps)."
                 )
-        elif interval is not None:
-            _check_int("val_check_interval", interval, minimum=1)
+        elif interval is not None and not (_is_int(interval) and interval >= 1):
+            raise _fail("val_check_interval", interval, expected)
         _check_int("check_val_every_n_epoch", self.check_val_every_n_epoch, minimum=1, allow_none=True)
         for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
             _check_limit(name, getattr(self, name))
