@@ -116,16 +116,14 @@ _LIGHTNING_ONLY_TYPES: dict[str, Any] = {
     "reload_dataloaders_every_n_epochs": int,
     "model_registry": str | None,
 }
-# CLI types wider than the dataclass's where keel's own check gives the better message (a fraction for
-# val_check_interval, a list of devices) or where jsonargparse must build objects (callbacks, loggers, profilers,
-# strategies).
+# CLI types wider than the dataclass's where keel's own check gives the better message (a list of devices) or where
+# jsonargparse must build objects (callbacks, loggers, profilers, strategies).
 _CLI_TYPES: dict[str, Any] = {
     "precision": str | int | None,
     "callbacks": list[Callback] | Callback | None,
     "logger": Logger | list[Logger] | bool | None,
     "profiler": Profiler | str | None,
     "devices": int | str | list[int],
-    "val_check_interval": int | float | None,
     "deterministic": bool | str | None,
     "strategy": Strategy | str | None,  # --trainer.strategy=fsdp, or class_path / init_args of a strategy
     "seed": int | None,

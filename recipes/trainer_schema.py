@@ -4,9 +4,9 @@ The schema is derived from the dataclass itself, so it cannot drift from the Tra
 key (no ``+`` needed to set one), an unknown key or a value of the wrong type fails at compose time
 naming ``trainer.<key>``, and the Trainer's own checks (ranges, choices) still run in
 ``TrainerOptions.__post_init__``. OmegaConf 2.3 has no unions, so ``int | float`` options (the
-``limit_*_batches``), ``int | dict`` (``accumulate_grad_batches``, ``global_batch_size``) and ``bool | int``
-(``fast_dev_run``) are typed ``Any`` here and left to the Trainer, which refuses a bad value before any process group
-starts. ``callbacks`` and ``logger`` are not config keys: the recipe builds them from their own groups.
+``limit_*_batches``, ``val_check_interval``), ``int | dict`` (``accumulate_grad_batches``, ``global_batch_size``) and
+``bool | int`` (``fast_dev_run``) are typed ``Any`` here and left to the Trainer, which refuses a bad value before any
+process group starts. ``callbacks`` and ``logger`` are not config keys: the recipe builds them from their own groups.
 
 Importing this module registers the schema as ``trainer/options_schema`` in Hydra's ConfigStore;
 ``conf/trainer/*.yaml`` name it first in their defaults list.

@@ -56,7 +56,8 @@ class Callback:
     The batch hooks of validation, test and predict get ``dataloader_idx`` (a last positional argument) only
     when the stage has several dataloaders, as in Lightning: a hook written ``(trainer, task, outputs, batch,
     batch_idx)`` works with one loader, one with ``dataloader_idx=0`` with any number. A hook that cannot take
-    the call it will get is named in a ``RuntimeError`` before the run starts.
+    the call it will get is named in a ``RuntimeError`` before the run starts. Every batch's ``on_*_batch_start``
+    comes after the task's (or datamodule's) batch-transfer hooks, which are not callback hooks.
 
     Precisely, one optimizer step with ``accumulate_grad_batches=k`` calls, per micro-batch,
     ``on_train_batch_start -> on_before_backward -> on_after_backward``, and then for the k-th

@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainer.data.loaders import AdaptedLoader
     from trainer.distributed.launcher import DistEnv
     from trainer.distributed.strategy import Strategy
+    from trainer.evaluation import EvaluationLoop, PredictionRecord
     from trainer.loggers.logger import Logger
     from trainer.module import TaskModule
     from trainer.observability.profiler import Profiler
@@ -186,10 +187,6 @@ def compile_step(model: torch.nn.Module, dynamo_ctx: Any | None) -> torch.nn.Mod
 # ---------------------------------------------------------------------- hooks keel never calls
 # Lightning hooks (module or callback) that keel deliberately does not call, with what to do instead.
 UNCALLED_HOOKS: dict[str, str] = {
-    "on_before_batch_transfer": "transform the batch in your collate_fn or at the top of the step.",
-    "on_after_batch_transfer": "transform the batch at the top of the step (it is on the device there).",
-    "transfer_batch_to_device": "keel moves tensors in (nested) lists, tuples, dicts and dataclasses; move "
-    "other types at the top of the step.",
     "configure_callbacks": "pass the callbacks to Trainer(callbacks=[...]).",
     "configure_gradient_clipping": "use Trainer(gradient_clip_val=..., gradient_clip_algorithm=...), or clip "
     "in on_before_optimizer_step.",
@@ -203,17 +200,27 @@ UNCALLED_HOOKS: dict[str, str] = {
     "on_validation_model_zero_grad": "keel evaluates under torch.no_grad(); gradients are untouched.",
     "configure_sharded_model": "build the model in __init__ (or in configure_model where keel has it).",
 }
+# The hooks of automatic optimization: under manual optimization (automatic_optimization = False) Lightning 2.6.6
+# calls none of them either (of UNCALLED_HOOKS only `backward`, from manual_backward), so a task that defines one
+# there loses nothing under keel and is not warned.
+AUTOMATIC_OPTIMIZATION_HOOKS = frozenset(
+    ("optimizer_step", "optimizer_zero_grad", "lr_scheduler_step", "configure_gradient_clipping")
+)
 _WARNED: set[tuple[type, str]] = set()
 
 
 def warn_uncalled_hooks(task: TaskModule, callbacks: Iterable[Callback]) -> list[str]:
     """Warn once per class for each Lightning hook in :data:`UNCALLED_HOOKS` that ``task`` or a callback
-    defines: keel will never call it. Returns the warnings issued (for tests)."""
+    defines: keel will never call it (nor the task's :data:`AUTOMATIC_OPTIMIZATION_HOOKS` under manual
+    optimization, where Lightning does not call them either). Returns the warnings issued (for tests)."""
     issued = []
+    manual = not getattr(task, "automatic_optimization", True)
     for obj in [task, *callbacks]:
         cls = type(obj)
         for name, instead in UNCALLED_HOOKS.items():
             if (cls, name) in _WARNED or not callable(getattr(obj, name, None)) or _keel_owned(cls, name):
+                continue
+            if manual and obj is task and name in AUTOMATIC_OPTIMIZATION_HOOKS:
                 continue
             _WARNED.add((cls, name))
             message = f"{cls.__name__}.{name} is a Lightning hook that keel never calls: {instead}"
@@ -264,6 +271,36 @@ def fit_validation(
     return (loaders, limits) if batches.item() else ([], [])
 
 
+def validates_at_epoch_end(interval: int | float | None) -> bool:
+    """Whether ``val_check_interval`` leaves validation to the epoch ends: None, or Lightning's default 1.0."""
+    return interval is None or (isinstance(interval, float) and interval == 1.0)
+
+
+def val_check_batches(options: TrainerOptions, num_batches: int | None, *, epoch: int) -> int | None:
+    """For a fractional ``val_check_interval`` (a float below 1.0), the number of training batches between
+    validation runs in ``epoch``, as Lightning 2.6.6 counts them: ``max(1, int(num_batches * fraction))`` of the
+    epoch's batches after ``limit_train_batches``, counted from the epoch's start (also under gradient
+    accumulation, where a run can fall inside a window), in the epochs ``check_val_every_n_epoch`` selects; None
+    in other epochs, and for an int, None or 1.0 (keel's step and epoch-end schedules).
+
+    Raises:
+        ValueError: a fraction below 1.0 and a training loader of unknown length (Lightning's rule).
+    """
+    interval = options.val_check_interval
+    if not isinstance(interval, float) or interval == 1.0:
+        return None
+    if num_batches is None:
+        raise ValueError(
+            f"Trainer(val_check_interval={interval!r}) is a fraction of the training epoch, whose length is unknown "
+            "(the training loader has no len(): an IterableDataset). Use an int val_check_interval (every N optimizer "
+            "steps), 1.0 (epoch ends), or limit_train_batches=N (an int) to give the epoch a length."
+        )
+    every = options.check_val_every_n_epoch
+    if every is not None and (epoch + 1) % every != 0:
+        return None
+    return max(1, int(num_batches * interval))
+
+
 # ---------------------------------------------------------------------- the Trainer's Lightning attributes
 class TrainerAttributes:
     """Read-only Lightning-named attributes of the Trainer (a base class of ``Trainer``; they read its
@@ -284,6 +321,7 @@ class TrainerAttributes:
     checkpointer: Checkpointer
     accumulation_schedule: AccumulationSchedule
     _train: AdaptedLoader | None
+    _eval_loop: EvaluationLoop
     _stop_requested: bool = False
     _min_logged: bool = False
     default_log_name: str = "keel_logs"  # the folder of the default logger (logger=True) under default_root_dir
@@ -349,6 +387,12 @@ class TrainerAttributes:
         return _building(torch.device("meta") if meta else self.device, dtype)
 
     # ------------------------------------------------------------------ what runs
+    @property
+    def predict_loop(self) -> PredictionRecord:
+        """What the current (or last) ``predict`` keeps for prediction writers, with the attribute names of
+        Lightning's ``trainer.predict_loop`` (``predictions``, ``current_batch_indices``, ``epoch_batch_indices``)."""
+        return self._eval_loop.prediction
+
     @property
     def model(self) -> TaskModule | None:
         """The task being run (Lightning's ``trainer.model``; keel's wrappers stay internal, so this is the
@@ -435,7 +479,7 @@ class TrainerAttributes:
         return self.options.log_every_n_steps
 
     @property
-    def val_check_interval(self) -> int | None:
+    def val_check_interval(self) -> int | float | None:
         return self.options.val_check_interval
 
     @property

@@ -15,6 +15,7 @@ epoch-end reduction (one per loader) and predict's gather are collectives every 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
@@ -28,7 +29,7 @@ from trainer.data.transfer import move_to_device
 from trainer.distributed import comm
 from trainer.distributed import watchdog as wd
 from trainer.distributed.strategy import Strategy
-from trainer.hooks import overrides
+from trainer.hooks import BatchTransfer, overrides
 from trainer.metrics import MetricCollector
 from trainer.module import TaskModule
 from trainer.step.precision import Precision
@@ -82,6 +83,79 @@ class BatchHooks:
         self.start, self.end = resolved
 
 
+class PredictionRecord:
+    """What a predict run keeps for prediction writers, under the names of Lightning's ``trainer.predict_loop``
+    (``callbacks.prediction_writer.BasePredictionWriter`` reads them; so may a Lightning program):
+
+    * ``predictions``: this rank's outputs (on the CPU), kept when ``predict`` returns them or a writer writes at
+      epoch end; the list of one loader's outputs, or one list per loader;
+    * ``current_batch_indices``: the dataset indices of the batch being predicted (a writer writing per batch);
+    * ``epoch_batch_indices``: per loader, per batch, the dataset indices (a writer writing at epoch end).
+
+    keel knows a batch's dataset indices for the plain DataLoaders it shards (each rank's contiguous shard, in
+    order); for a loader used as it is they stay empty, with a warning, as Lightning leaves them for a loader it
+    cannot wrap.
+    """
+
+    def __init__(self) -> None:
+        self.outputs: list[list[Any]] = []  # per loader
+        self.current_batch_indices: list[int] = []
+        self.epoch_batch_indices: list[list[list[int]]] = []
+        self.indices: list[list[list[int]] | None] | None = None  # per loader, per batch; None: no writer
+        self.on_batch = self.on_epoch = False
+
+    @property
+    def predictions(self) -> list[Any]:
+        if len(self.outputs) == 1:
+            return self.outputs[0]
+        return self.outputs
+
+    def start(self, loaders: Sequence[AdaptedLoader], callbacks: Sequence[Callback]) -> None:
+        """A predict run over ``loaders`` begins: which of ``callbacks`` are writers, and every batch's indices."""
+        # Writers live in callbacks/, which trainer/ never imports: known by their flag, their interval read as is.
+        writers: list[Any] = [cb for cb in callbacks if getattr(cb, "is_prediction_writer", False)]
+        intervals = [writer.interval for writer in writers]
+        self.on_batch = any(interval.on_batch for interval in intervals)
+        self.on_epoch = any(interval.on_epoch for interval in intervals)
+        self.outputs = [[] for _ in loaders]
+        self.epoch_batch_indices = [[] for _ in loaders]
+        self.current_batch_indices = []
+        self.indices = [_batch_indices(a) for a in loaders] if intervals else None
+
+    def see(self, loader_idx: int, batch_idx: int) -> None:
+        """Batch ``batch_idx`` of loader ``loader_idx`` is next (called only while a writer is present)."""
+        assert self.indices is not None
+        known = self.indices[loader_idx]
+        if known is None:
+            return
+        indices = known[batch_idx]
+        if self.on_epoch:
+            self.epoch_batch_indices[loader_idx].append(indices)
+        if self.on_batch:
+            self.current_batch_indices = indices
+
+    def finish(self, *, kept: bool) -> None:
+        """After ``on_predict_epoch_end``: the outputs stay only when ``predict`` returns them (Lightning's)."""
+        if not kept:
+            self.outputs = []
+        self.epoch_batch_indices, self.indices = [], None
+
+
+def _batch_indices(adapted: AdaptedLoader) -> list[list[int]] | None:
+    """Each batch's dataset indices in a loader keel shards (its batch sampler over this rank's contiguous shard);
+    None, with a warning, for a loader used as it is."""
+    batch_sampler = getattr(adapted.loader, "batch_sampler", None)
+    if adapted.sampler is not None and batch_sampler is not None:
+        return [list(indices) for indices in batch_sampler]
+    warnings.warn(
+        f"Couldn't infer the batch indices fetched from your dataloader: `{type(adapted.loader).__name__}` (keel "
+        f"uses it as it is because {adapted.reason}): a prediction writer gets empty batch_indices for it.",
+        UserWarning,
+        stacklevel=5,
+    )
+    return None
+
+
 class EvaluationLoop:
     """Runs ``validation_step`` / ``test_step`` / ``predict_step`` over sharded loaders under
     ``torch.no_grad()``, with the task in eval mode (restored to train mode afterwards if it was)."""
@@ -100,6 +174,7 @@ class EvaluationLoop:
         self.precision = precision
         self.metrics = metrics
         self.beat = beat
+        self.prediction = PredictionRecord()  # the trainer's predict_loop: what prediction writers read
 
     def run(
         self,
@@ -135,7 +210,8 @@ class EvaluationLoop:
         modes = [(m, m.training) for m in task.modules()]
         self._start(trainer, task, callbacks, validating=validating)
         self.metrics.stage = stage
-        results = self._run_loaders(task, hooks, loaders, limits, validating=validating, publish=publish)
+        transfer = self._batch_transfer(trainer, task)
+        results = self._run_loaders(task, hooks, transfer, loaders, limits, validating=validating, publish=publish)
         results.append(self._end(trainer, task, callbacks, len(loaders), validating=validating, publish=publish))
         if is_keel_default(task.on_validation_model_train if validating else task.on_test_model_train):
             for module, mode in modes:  # each submodule as it was (a frozen, eval-mode backbone stays so)
@@ -174,6 +250,7 @@ class EvaluationLoop:
         self,
         task: TaskModule,
         hooks: BatchHooks,
+        transfer: BatchTransfer | None,
         loaders: list[AdaptedLoader],
         limits: list[int | None],
         *,
@@ -191,7 +268,10 @@ class EvaluationLoop:
             for loader_idx, (adapted, limit) in enumerate(zip(loaders, limits)):
                 for batch_idx, batch in self.strategy.eval_batches(adapted.loader, limit):
                     self.beat(phase)
-                    batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
+                    if transfer is None:
+                        batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
+                    else:
+                        batch = transfer(batch, loader_idx)
                     self.metrics.batch = batch
                     args = (batch, batch_idx, loader_idx) if many else (batch, batch_idx)  # Lightning's call
                     for hook in starts:
@@ -203,6 +283,13 @@ class EvaluationLoop:
                 if loader_idx < len(loaders) - 1:
                     results.append(self._reduce(loader_idx, len(loaders), publish))
         return results
+
+    def _batch_transfer(self, trainer: Trainer, task: TaskModule) -> BatchTransfer | None:
+        """The run's batch-transfer hooks (trainer/hooks.py), or None when neither the task nor the datamodule
+        overrides one: then each batch moves with :func:`move_to_device`, as always."""
+        dtype = self.precision.param_dtype
+        move = partial(move_to_device, device=self.device, float_dtype=dtype)
+        return BatchTransfer.resolve(task, trainer.datamodule, device=self.device, float_dtype=dtype, move=move)
 
     def _end(
         self,
@@ -260,6 +347,11 @@ class EvaluationLoop:
         callbacks still see each output in ``on_predict_batch_end``; every rank returns None). With several loaders
         the result is a list of such lists.
 
+        For prediction writers (``callbacks.prediction_writer.BasePredictionWriter``), :attr:`prediction` (the
+        trainer's ``predict_loop``) holds, as Lightning's does, this rank's own outputs and the dataset indices of
+        each of its batches: never gathered, and kept for a writer that writes at epoch end also when ``gather`` is
+        None.
+
         Hooks, in order (the task's, then the callbacks'): ``on_predict_model_eval`` (task only; default
         ``task.eval()``), ``on_predict_start``, ``on_predict_epoch_start``, per batch
         ``on_predict_batch_start``, ``predict_step``, ``on_predict_batch_end``; then ``on_predict_epoch_end``
@@ -267,7 +359,10 @@ class EvaluationLoop:
         batch hooks get ``dataloader_idx`` only with several loaders (:class:`BatchHooks`)."""
         many = len(loaders) > 1
         hooks = BatchHooks(trainer, task, callbacks, "predict", many=many)  # checked before any hook runs
-        starts, ends = hooks.start, hooks.end
+        starts, ends, transfer = hooks.start, hooks.end, self._batch_transfer(trainer, task)
+        record = self.prediction
+        record.start(loaders, callbacks)
+        keep = gather is not None or record.on_epoch  # this rank's outputs, for the return value or a writer
         task.on_predict_model_eval()
         task.on_predict_start()
         for cb in callbacks:
@@ -284,9 +379,14 @@ class EvaluationLoop:
         with_idx = takes_batch_idx(step)
         with torch.no_grad(), self.strategy.eval_context(task):
             for loader_idx, (adapted, limit) in enumerate(zip(loaders, limits)):
-                local: list[Any] = []
+                local = record.outputs[loader_idx]
                 for batch_idx, batch in self.strategy.eval_batches(adapted.loader, limit):
-                    batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
+                    if record.indices is not None:
+                        record.see(loader_idx, batch_idx)
+                    if transfer is None:
+                        batch = move_to_device(batch, self.device, float_dtype=self.precision.param_dtype)
+                    else:
+                        batch = transfer(batch, loader_idx)
                     args = (batch, batch_idx, loader_idx) if many else (batch, batch_idx)  # Lightning's call
                     for hook in starts:
                         hook(*args)
@@ -294,12 +394,13 @@ class EvaluationLoop:
                         out = step(*args) if step_idx else step(batch, batch_idx) if with_idx else step(batch)
                     for hook in ends:
                         hook(out, *args)
-                    if gather is not None:
+                    if keep:
                         local.append(move_to_device(out, torch.device("cpu"), from_any_device=True))
                 results.append(self._gathered(local, gather))
         task.on_predict_epoch_end()
         for cb in callbacks:
-            cb.on_predict_epoch_end(trainer, task)
+            cb.on_predict_epoch_end(trainer, task)  # a prediction writer writing at epoch end reads `record`
+        record.finish(kept=gather is not None)
         task.on_predict_end()
         for cb in callbacks:
             cb.on_predict_end(trainer, task)

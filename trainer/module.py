@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from trainer.compat import keel_default, unwrap_compiled
+from trainer.data.transfer import move_to_device
 from trainer.step.optim import ManualOptimizer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,8 +51,8 @@ class AttributeDict(dict):
 
 
 class DataHooks:
-    """The optional data hooks shared by TaskModule and DataModule: ``prepare_data`` and the
-    ``*_dataloader()`` methods (None: no such data)."""
+    """The optional data hooks shared by TaskModule and DataModule: ``prepare_data``, the ``*_dataloader()``
+    methods (None: no such data) and the batch-transfer hooks."""
 
     def prepare_data(self) -> None:
         """Download or build files once per node. Called on local rank 0 of every node at the start of each
@@ -68,6 +69,23 @@ class DataHooks:
 
     def predict_dataloader(self) -> Iterable | list[Iterable] | None:
         return None
+
+    # The batch-transfer hooks (Lightning's): called for every training, validation, test and predict batch, in
+    # this order, when the task or the datamodule overrides any of them (trainer.hooks.BatchTransfer); a
+    # datamodule's override wins over the task's. Training batches have dataloader_idx 0.
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change a batch before it moves to the device (it is where the loader made it, usually the CPU);
+        return the batch to use."""
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move a batch to ``device`` and return it: every tensor in (nested) lists, tuples, named tuples, dicts and
+        dataclasses. Override it for a batch of another type, and call this for the rest."""
+        return move_to_device(batch, device, from_any_device=True)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change a batch once it is on the device (augmentation on the GPU); return the batch to use."""
+        return batch
 
 
 class HyperparametersMixin:

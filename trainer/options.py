@@ -69,7 +69,7 @@ def _check_limit(name: str, value: Any) -> None:
 class TrainerOptions:
     """Every option of :class:`trainer.Trainer`, with Lightning's names and defaults where they exist.
 
-    Units (docs/design.md section 4): ``max_steps``, ``val_check_interval``, ``log_every_n_steps`` count
+    Units (docs/design.md section 4): ``max_steps``, ``val_check_interval`` (an int), ``log_every_n_steps`` count
     optimizer steps; ``accumulate_grad_batches`` counts micro-batches per optimizer step;
     ``global_batch_size`` counts samples per optimizer step, all ranks together (trainer/data/global_batch.py).
 
@@ -97,8 +97,13 @@ class TrainerOptions:
             (``"bf16"``, ``"16"``, ``"32-true"``, ``"64-true"``) are accepted.
         gradient_clip_val: Gradient clipping threshold (> 0); None: no clipping.
         gradient_clip_algorithm: ``"norm"`` (the global norm over all parameters) or ``"value"``.
-        val_check_interval: Validate every N optimizer steps (an int) instead of at epoch ends.
-        check_val_every_n_epoch: Validate at the end of every N-th epoch (when ``val_check_interval`` is None).
+        val_check_interval: Validate every N optimizer steps (an int) instead of at epoch ends; or, a float in
+            (0.0, 1.0], every that fraction of the training epoch, counted in batches as Lightning does: after every
+            ``max(1, int(batches_per_epoch * fraction))`` batches of the epoch, also inside an accumulation window
+            (1.0: at epoch ends). A fraction below 1.0 needs a training loader with a length and
+            ``check_val_every_n_epoch``.
+        check_val_every_n_epoch: Validate at the end of every N-th epoch (when ``val_check_interval`` is None or
+            1.0), or in every N-th epoch (a fraction).
         limit_train_batches: An int: training batches per epoch; a float: the fraction of the loader.
         limit_val_batches: An int: batches per validation run; a float: the fraction of the loader.
         limit_test_batches: An int: batches of ``test``; a float: the fraction of the loader.
@@ -181,7 +186,7 @@ class TrainerOptions:
     precision: str = "32"
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
-    val_check_interval: int | None = None
+    val_check_interval: int | float | None = None
     check_val_every_n_epoch: int | None = 1
     limit_train_batches: int | float = 1.0
     limit_val_batches: int | float = 1.0
@@ -266,15 +271,19 @@ class TrainerOptions:
                 raise _fail("gradient_clip_val", self.gradient_clip_val, "a finite number > 0, or None")
         if self.gradient_clip_algorithm not in CLIP_ALGORITHMS:
             raise _fail("gradient_clip_algorithm", self.gradient_clip_algorithm, f"one of {CLIP_ALGORITHMS}")
-        if self.val_check_interval is not None:
-            if isinstance(self.val_check_interval, float):
-                raise _fail(
-                    "val_check_interval",
-                    self.val_check_interval,
-                    "an int number of optimizer steps >= 1 or None (keel counts optimizer steps, not a "
-                    "fraction of the epoch)",
+        interval = self.val_check_interval
+        expected = "an int number of optimizer steps >= 1, a float in (0.0, 1.0] (a fraction of the epoch) or None"
+        if isinstance(interval, float):
+            if not 0.0 < interval <= 1.0:
+                raise _fail("val_check_interval", interval, expected)
+            if self.check_val_every_n_epoch is None:
+                raise ValueError(
+                    f"Trainer option val_check_interval={interval!r} is a fraction of the epoch, but "
+                    "check_val_every_n_epoch=None counts no epochs (Lightning refuses it too): give "
+                    "check_val_every_n_epoch (1: every epoch), or an int val_check_interval (optimizer steps)."
                 )
-            _check_int("val_check_interval", self.val_check_interval, minimum=1)
+        elif interval is not None and not (_is_int(interval) and interval >= 1):
+            raise _fail("val_check_interval", interval, expected)
         _check_int("check_val_every_n_epoch", self.check_val_every_n_epoch, minimum=1, allow_none=True)
         for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
             _check_limit(name, getattr(self, name))

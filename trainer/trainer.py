@@ -25,7 +25,13 @@ from trainer import efficiency, lifecycle
 from trainer.callback import Callback, check_callbacks
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
-from trainer.compat import TrainerAttributes, compile_step, fit_validation
+from trainer.compat import (
+    TrainerAttributes,
+    compile_step,
+    fit_validation,
+    val_check_batches,
+    validates_at_epoch_end,
+)
 from trainer.data import global_batch as elastic
 from trainer.data import stages
 from trainer.data.loaders import AdaptedLoader, EpochPlan, plan_epoch, warn_if_unsharded
@@ -37,7 +43,7 @@ from trainer.distributed.selection import select_strategy
 from trainer.distributed.strategy import StepAdapter, Strategy
 from trainer.estimate import MemoryPlan
 from trainer.evaluation import EvaluationLoop, log_results
-from trainer.hooks import TrainHooks
+from trainer.hooks import BatchTransfer, TrainHooks
 from trainer.loggers.local import default_loggers
 from trainer.loggers.logger import Logger
 from trainer.metrics import MetricCollector, logged_step, logger_row
@@ -110,7 +116,7 @@ class Trainer(TrainerAttributes):
         precision: str = "32",
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
-        val_check_interval: int | None = None,
+        val_check_interval: int | float | None = None,
         check_val_every_n_epoch: int | None = 1,
         limit_train_batches: int | float = 1.0,
         limit_val_batches: int | float = 1.0,
@@ -165,7 +171,8 @@ class Trainer(TrainerAttributes):
         lifecycle.seed_at_construction(opts.seed, self.env.rank)  # a task built after the Trainer is repeatable
         self.device = comm.select_device(cast("comm.Accelerator", opts.accelerator), self.env)  # checked in options
         self._precision = Precision(opts.precision, self.device)
-        self._moves_batches = self.device.type != "cpu" or self._precision.param_dtype is not None
+        self._device_copies = self.device.type != "cpu" or self._precision.param_dtype is not None
+        self._moves_batches = self._device_copies  # per fit: also when a batch-transfer hook is overridden
         # How the task is replicated or sharded (trainer/distributed/strategy.py); chosen before any process group.
         self.strategy: Strategy = select_strategy(opts, self.env, self.device)
         self.callbacks: list[Callback] = check_callbacks(
@@ -210,6 +217,7 @@ class Trainer(TrainerAttributes):
         self._run_step: Callable[[Any, int], Any] | None  # declared only: set with _model, the callable the loop runs
         self._train: AdaptedLoader | None = None
         self._hooks: TrainHooks | None = None  # the epoch's overridden per-batch hooks (trainer/hooks.py)
+        self._val_every_batches: int | None = None  # the epoch's fractional val_check_interval in batches, if any
         self._phases = PhaseClock()  # where each rank's time goes (observability); with its accounting in fit:
         self._efficiency: efficiency.Efficiency
         self.num_training_batches: int | None = None
@@ -471,7 +479,12 @@ class Trainer(TrainerAttributes):
         self._train = stages.train_loader(self, train_dataloaders)
         elastic.configure(self, self._train.loader)  # global_batch_size -> accumulation at this world size
         pinned = bool(getattr(self._train.loader, "pin_memory", False))
-        self._copy_batch = BatchCopier(self.device, float_dtype=self._precision.param_dtype, overlap=pinned)
+        copier = BatchCopier(self.device, float_dtype=self._precision.param_dtype, overlap=pinned)
+        transfer = BatchTransfer.resolve(  # None unless the task or datamodule overrides a batch-transfer hook
+            task, self.datamodule, device=self.device, float_dtype=self._precision.param_dtype, move=copier
+        )
+        self._copy_batch = copier if transfer is None else functools.partial(transfer, dataloader_idx=0)
+        self._moves_batches = self._device_copies or transfer is not None
         val_loaders, self.num_val_batches = fit_validation(  # none without validation_step or with limit 0
             task,
             stages.eval_loaders(self, "validate", val_dataloaders),
@@ -618,6 +631,7 @@ class Trainer(TrainerAttributes):
         )
         self.state.batches_done, self.state.samples_done = plan.start, plan.samples_done
         self.num_training_batches = plan.num_batches
+        self._val_every_batches = val_check_batches(opts, plan.num_batches, epoch=self.current_epoch)
         task.train()
         self._metrics.stage = "train"
         task.on_train_epoch_start()
@@ -641,6 +655,7 @@ class Trainer(TrainerAttributes):
         drop_incomplete = opts.drop_incomplete_accumulation
         unusual = drop_incomplete or self._manual_mode  # a window may end without an automatic optimizer step
         samples_per_batch, batch_end_hooks, state = plan.samples_per_batch, hooks.on_train_batch_end, self.state
+        val_every = self._val_every_batches if val_loaders else None  # a fractional val_check_interval, in batches
         self._beat(wd.PHASE_DATA)  # the first batch: its loader's workers start
         for micro in micro_batches(
             plan.batches,
@@ -667,11 +682,14 @@ class Trainer(TrainerAttributes):
             for hook in batch_end_hooks:
                 hook(outputs, micro.batch, micro.batch_idx)
             self.optimizer_stepped = False
+            if val_every is not None:  # a fraction of the epoch: by batch, inside an accumulation window too
+                if (micro.batch_idx + 1) % val_every == 0:
+                    self._evaluate("validate", val_loaders)
+            elif stepped and val_loaders and self.val_check_due:
+                self._evaluate("validate", val_loaders)
             if not micro.is_step_end:
                 self._beat(wd.PHASE_DATA)  # next: fetching the next batch
                 continue
-            if stepped and val_loaders and self.val_check_due:
-                self._evaluate("validate", val_loaders)
             self._beat(wd.PHASE_PREEMPTION_CHECK)  # a signal seen here, or every preempt_every steps ranks agree
             if preemption.requested and not preemption.announced:
                 preemption.announce(self.global_step, next_check=self._next_preemption_check(preempt_every))
@@ -738,15 +756,23 @@ class Trainer(TrainerAttributes):
 
     @property
     def val_check_due(self) -> bool:
-        """True right after an optimizer step at which ``val_check_interval`` schedules validation."""
+        """True in ``on_train_batch_end`` of a batch after which ``val_check_interval`` schedules validation: right
+        after an optimizer step (an int), or after every ``max(1, int(batches * fraction))`` batches (a fraction)."""
         interval = self.options.val_check_interval
-        return self.state_stage == "fit" and interval is not None and self.global_step % interval == 0
+        if self.state_stage != "fit" or interval is None:
+            return False
+        if isinstance(interval, float):
+            every = self._val_every_batches
+            return every is not None and self.state.batches_done % every == 0
+        return self.global_step % interval == 0
 
     def _training_micro_batch(self, micro: MicroBatch, normaliser: StepNormaliser) -> dict[str, Any]:
         """Forward and backward of one micro-batch; gradients sync only on the step's last one."""
         self._beat(wd.PHASE_TRAINING_STEP)
         batch = micro.batch
-        if self._moves_batches:  # CUDA, or float64 batches: a copy; a CPU batch is used as the loader made it
+        if (
+            self._moves_batches
+        ):  # CUDA, float64 batches or transfer hooks; else a CPU batch is used as the loader made it
             batch = micro.batch = self._copy_batch(batch)
         self._metrics.batch = batch  # self.log reads its size only when it needs one
         hooks = self._hooks
@@ -874,7 +900,7 @@ class Trainer(TrainerAttributes):
         self._nonfinite.check(f"at the end of epoch {self.current_epoch}")
         every = opts.check_val_every_n_epoch
         due = every is not None and (not completed or (self.current_epoch + 1) % every == 0)
-        if val_loaders and opts.val_check_interval is None and due:
+        if val_loaders and validates_at_epoch_end(opts.val_check_interval) and due:
             self._evaluate("validate", val_loaders)
         task = self.task
         assert task is not None

@@ -1,5 +1,6 @@
 """Small pieces of Lightning's API that keel provides only under Lightning's names: type aliases, exception and
-warning classes, ``grad_norm``, ``cli_lightning_logo`` (the strategy classes are in ``_strategies``).
+warning classes, ``grad_norm``, ``is_overridden`` and ``get_torchvision_model``, ``cli_lightning_logo`` (the strategy
+classes are in ``_strategies``).
 
 Nothing in keel uses them; they exist so that a Lightning program that imports them runs unchanged.
 """
@@ -16,7 +17,9 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import NotRequired, Required, TypedDict
 
+from trainer.callback import Callback
 from trainer.loggers.logger import DummyExperiment
+from trainer.module import DataModule, TaskModule
 from trainer.observability.rank_zero import rank_zero_only
 from trainer.step.optim import ManualOptimizer
 
@@ -97,6 +100,59 @@ def grad_norm(module: torch.nn.Module, norm_type: float | int | str, group_separ
     if norms:
         norms[f"grad_{norm}_norm_total"] = torch.tensor(list(norms.values())).norm(norm)
     return norms
+
+
+# ------------------------------------------------------------------ lightning.pytorch.utilities.model_helpers
+def is_overridden(method_name: str, instance: object | None = None, parent: type | None = None) -> bool:
+    """Lightning's ``is_overridden``: whether ``instance``'s ``method_name`` is another function than ``parent``'s
+    (by default ``LightningModule``, ``LightningDataModule`` or ``Callback``, whichever ``instance`` is). It looks
+    through ``functools.wraps`` / ``@contextmanager`` wrappers, ``functools.partial`` and ``Mock(wraps=...)``, as
+    Lightning does; ``instance=None`` (``self.lightning_module`` before a run) is False.
+
+    Raises:
+        ValueError: no ``parent`` and ``instance`` is none of the three, or ``parent`` has no ``method_name``.
+    """
+    if instance is None:
+        return False
+    if parent is None:
+        parent = next((base for base in (TaskModule, DataModule, Callback) if isinstance(instance, base)), None)
+        if parent is None:
+            raise ValueError(
+                f"is_overridden({method_name!r}): {type(instance).__name__} is not a LightningModule, "
+                "LightningDataModule or Callback; pass the class that declares the method as `parent=`."
+            )
+    method = getattr(instance, method_name, None)
+    if method is None:
+        return False
+    method = getattr(method, "__wrapped__", method)
+    mock = sys.modules.get("unittest.mock")  # a Mock exists only where unittest.mock was imported
+    if mock is not None and isinstance(method, mock.Mock):
+        method = method._mock_wraps
+    elif isinstance(method, functools.partial):
+        method = method.func
+    if method is None:
+        return False
+    declared = getattr(parent, method_name, None)
+    if declared is None:
+        raise ValueError(f"is_overridden({method_name!r}): {parent.__name__} has no method {method_name!r}.")
+    declared = getattr(declared, "__wrapped__", declared)
+    return bool(method.__code__ != declared.__code__)
+
+
+def get_torchvision_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
+    """Lightning's ``get_torchvision_model``: ``torchvision.models.get_model(model_name, **kwargs)`` (``weights=``,
+    ``num_classes=``, ...).
+
+    Raises:
+        ModuleNotFoundError: torchvision is not installed.
+    """
+    try:
+        from torchvision import models
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            f"get_torchvision_model({model_name!r}) needs torchvision, which is not installed: pip install torchvision."
+        ) from exc
+    return models.get_model(model_name, **kwargs)
 
 
 # ------------------------------------------------------------------ lightning.pytorch.loggers.logger

@@ -42,6 +42,8 @@ TARGETS: dict[str, str] = {
     "EMAWeightAveraging": "callbacks.weight_averaging:EMAWeightAveraging",
     # the tuner
     "Tuner": "callbacks.tuner:Tuner",
+    "BasePredictionWriter": "callbacks.prediction_writer:BasePredictionWriter",
+    "WriteInterval": "callbacks.prediction_writer:WriteInterval",
     # loggers
     "Logger": "trainer.loggers:Logger",
     "CSVLogger": "callbacks.lightning:CSVLogger",
@@ -98,6 +100,8 @@ TARGETS: dict[str, str] = {
             "OptimizerLRSchedulerConfig",
             "OptimizerLRScheduler",
             "MODULE_OPTIMIZERS",
+            "is_overridden",
+            "get_torchvision_model",
         )
     },
 }
@@ -137,6 +141,7 @@ PROVIDED: dict[str, tuple[str, ...]] = {
         "StochasticWeightAveraging",
         "WeightAveraging",
         "EMAWeightAveraging",
+        "BasePredictionWriter",
     ),
     "callbacks.callback": ("Callback",),
     "callbacks.early_stopping": ("EarlyStopping",),
@@ -146,6 +151,7 @@ PROVIDED: dict[str, tuple[str, ...]] = {
     "callbacks.lr_monitor": ("LearningRateMonitor",),
     "callbacks.model_checkpoint": ("ModelCheckpoint",),
     "callbacks.model_summary": ("ModelSummary",),
+    "callbacks.prediction_writer": ("BasePredictionWriter", "WriteInterval"),
     "callbacks.progress": ("ProgressBar", "RichProgressBar", "TQDMProgressBar"),
     "callbacks.progress.progress_bar": ("ProgressBar",),
     "callbacks.progress.rich_progress": ("RichProgressBar",),
@@ -209,6 +215,7 @@ PROVIDED: dict[str, tuple[str, ...]] = {
     "utilities": (*_RANK_ZERO, "AttributeDict", "grad_norm"),
     "utilities.exceptions": ("MisconfigurationException",),
     "utilities.grads": ("grad_norm",),
+    "utilities.model_helpers": ("is_overridden", "get_torchvision_model"),
     "utilities.parsing": ("AttributeDict",),
     "utilities.rank_zero": _RANK_ZERO,
     "utilities.types": _TYPES,
@@ -220,7 +227,6 @@ _TUNER = (
     "keel runs the searches before `fit`, not as callbacks inside it: `Tuner(trainer).lr_find(model, ...)` / "
     "`.scale_batch_size(model, ...)` (`callbacks.lightning.pytorch.tuner`), then `trainer.fit(model, ...)`."
 )
-_PREDICT = "use the list `Trainer.predict` returns (in dataset order), or write in `on_predict_batch_end`."
 _XLA = "keel runs on CPU and CUDA only."
 _PARALLEL = (
     "keel runs DDP, FSDP2 and FSDP2 x tensor parallelism: `Trainer(strategy='ddp')`, `strategy='fsdp'` or "
@@ -253,8 +259,6 @@ LACKING: dict[str, str] = {
     "BatchSizeFinder": _TUNER,
     "LearningRateFinder": _TUNER,
     "ModelPruning": "use `torch.nn.utils.prune` in your task's hooks.",
-    "BasePredictionWriter": _PREDICT,
-    "WriteInterval": _PREDICT,
     "Checkpoint": "keel's checkpoint callback is `ModelCheckpoint` (`callbacks.lightning.ModelCheckpoint`): "
     "subclass it, or `Callback`.",
     "OnExceptionCheckpoint": "keel's saves are atomic, so the newest committed one is always intact: resume from it "
@@ -355,7 +359,6 @@ LACKING_MODULES: dict[str, str] = {
     "callbacks.device_stats_monitor": LACKING["DeviceStatsMonitor"],
     "callbacks.lr_finder": LACKING["LearningRateFinder"],
     "callbacks.on_exception_checkpoint": LACKING["OnExceptionCheckpoint"],
-    "callbacks.prediction_writer": _PREDICT,
     "callbacks.pruning": LACKING["ModelPruning"],
     "callbacks.spike": LACKING["SpikeDetection"],
     "core.optimizer": "`self.optimizers()` returns keel's thin wrapper of each torch optimizer (`step()`, "
@@ -380,7 +383,6 @@ LACKING_MODULES: dict[str, str] = {
             "utilities.data",
             "utilities.imports",
             "utilities.memory",
-            "utilities.model_helpers",
             "utilities.parameter_tying",
             "utilities.signature_utils",
         ),

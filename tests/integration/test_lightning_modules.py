@@ -242,8 +242,11 @@ def test_training_step_without_batch_idx_is_decided_once() -> None:
 
 def test_a_hook_keel_never_calls_is_named_in_a_warning() -> None:
     class Custom(Regression):
-        def on_after_batch_transfer(self, batch, dataloader_idx):
+        def on_after_batch_transfer(self, batch, dataloader_idx):  # called (tests/unit/test_batch_transfer.py)
             return batch
+
+        def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+            pass
 
         def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
             pass
@@ -251,7 +254,8 @@ def test_a_hook_keel_never_calls_is_named_in_a_warning() -> None:
     with pytest.warns(UserWarning) as record:
         Trainer(**quiet(max_epochs=1)).fit(Custom(), data())
     text = "\n".join(str(w.message) for w in record)
-    assert "Custom.on_after_batch_transfer is a Lightning hook that keel never calls" in text
+    assert "Custom.optimizer_zero_grad is a Lightning hook that keel never calls" in text
+    assert "on_after_batch_transfer" not in text
     assert "Custom.configure_gradient_clipping" in text and "gradient_clip_val" in text
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -365,3 +365,66 @@ def test_step_and_epoch_metric_has_its_plain_name_in_callback_metrics() -> None:
     torch.manual_seed(0)
     Trainer(**quiet(max_epochs=2, log_every_n_steps=1, callbacks=[Spy()])).fit(Logs(), seeded_data())
     assert seen == [2.1188, 1.3169, 1.7178] * 2
+
+
+def _optimizer_hooks(manual: bool) -> type[Task]:
+    """A task that defines the hooks of automatic optimization (and ``backward``), under automatic or manual
+    optimization; a class of its own per call, as keel warns once per class."""
+
+    class Hooks(Task):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = not manual
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = super().training_step(batch, batch_idx)
+            if not manual:
+                return loss
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            return None
+
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+            pass
+
+        def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+            pass
+
+        def lr_scheduler_step(self, scheduler, metric):
+            pass
+
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            pass
+
+        def backward(self, loss, *args, **kwargs):
+            loss.backward()
+
+    return Hooks
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_automatic_optimization_hooks_are_warned_only_under_automatic_optimization(manual: bool) -> None:
+    """Lightning 2.6.6, the same task fitted for one epoch: under automatic optimization it calls
+    ``optimizer_step``, ``optimizer_zero_grad``, ``lr_scheduler_step``, ``configure_gradient_clipping`` and
+    ``backward``; under manual optimization only ``backward`` (from ``manual_backward``). keel calls none of them,
+    so it warns about those Lightning would have called, and only those."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        Trainer(**quiet(max_epochs=1)).fit(_optimizer_hooks(manual)(), data())
+    named = sorted(
+        str(w.message).split(".")[1].split(" ")[0]
+        for w in record
+        if "a Lightning hook that keel never calls" in str(w.message)
+    )
+    automatic = [
+        "backward",
+        "configure_gradient_clipping",
+        "lr_scheduler_step",
+        "optimizer_step",
+        "optimizer_zero_grad",
+    ]
+    assert named == (["backward"] if manual else automatic)

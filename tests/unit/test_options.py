@@ -30,7 +30,7 @@ INVALID = [
     ("gradient_clip_val", "1.0"),
     ("gradient_clip_algorithm", "l2"),
     ("val_check_interval", 0),
-    ("val_check_interval", 0.5),
+    ("val_check_interval", 1.5),
     ("check_val_every_n_epoch", 0),
     ("limit_train_batches", -1),
     ("limit_train_batches", 1.5),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,29 +25,41 @@ def move_to_device(
         return batch  # loader output already lives on the CPU: skip the traversal (hot path)
     non_blocking = device.type == "cuda"
 
-    def move(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if float_dtype is not None and obj.is_floating_point():
-                return obj.to(device=device, dtype=float_dtype, non_blocking=non_blocking)
-            return obj.to(device, non_blocking=non_blocking)
-        if isinstance(obj, Mapping):
-            # The batch's own Mapping class, built from a dict (mypy's Mapping takes no arguments).
-            return (
-                type(obj)({k: move(v) for k, v in obj.items()})  # type: ignore[call-arg]
-                if type(obj) is not dict
-                else {k: move(v) for k, v in obj.items()}
-            )
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # named tuple
-            return type(obj)(*(move(v) for v in obj))
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(move(v) for v in obj)
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            return dataclasses.replace(
-                obj, **{f.name: move(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
-            )
-        return obj
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if float_dtype is not None and tensor.is_floating_point():
+            return tensor.to(device=device, dtype=float_dtype, non_blocking=non_blocking)
+        return tensor.to(device, non_blocking=non_blocking)
 
-    return move(batch)
+    return map_tensors(batch, move)
+
+
+def convert_floats(batch: Any, dtype: torch.dtype) -> Any:
+    """Every floating-point tensor of a nested batch in ``dtype``, each on the device it is on: precision "64" as
+    the batch-transfer hooks see the batch (Lightning's precision plugin converts it before them)."""
+    return map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` rebuilt with ``fn(tensor)`` for every tensor in it (tensors, lists, tuples, named tuples, dicts and
+    other mappings, dataclasses); anything else is kept as it is."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        # The batch's own Mapping class, built from a dict (mypy's Mapping takes no arguments).
+        return (
+            type(obj)({k: map_tensors(v, fn) for k, v in obj.items()})  # type: ignore[call-arg]
+            if type(obj) is not dict
+            else {k: map_tensors(v, fn) for k, v in obj.items()}
+        )
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # named tuple
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(
+            obj, **{f.name: map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init}
+        )
+    return obj
 
 
 _KIND = operator.attrgetter("dtype", "device", "ndim")
