@@ -381,8 +381,9 @@ def test_lightning_names_and_what_keel_lacks() -> None:
     assert L.pytorch.callbacks.ModelCheckpoint is L.ModelCheckpoint and L.pytorch.LightningModule is TaskModule
     assert L.pytorch.utilities.rank_zero.rank_zero_only is L.rank_zero_only
     assert L.pytorch.cli.LightningCLI is L.LightningCLI and "LightningCLI" not in L.LACKING
-    with pytest.raises(AttributeError, match="torch.optim.swa_utils"):
-        L.pytorch.callbacks.StochasticWeightAveraging  # noqa: B018
+    assert L.pytorch.callbacks.StochasticWeightAveraging is L.StochasticWeightAveraging
+    with pytest.raises(AttributeError, match="torch.nn.utils.prune"):
+        L.pytorch.callbacks.ModelPruning  # noqa: B018
     with pytest.raises(AttributeError, match="available"):
         L.NoSuchThing  # noqa: B018
 
