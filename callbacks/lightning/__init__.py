@@ -12,7 +12,7 @@ every import line; every import form then resolves for the names keel has::
 
 ``L.LightningModule`` is ``trainer.TaskModule``, ``L.Callback`` is ``trainer.Callback``, and so on; ``L.Trainer``,
 ``L.ModelCheckpoint``, ``TensorBoardLogger`` and ``CSVLogger`` are keel's with Lightning's defaults (the
-``lightning_logs`` folder, ``lightning.ckpt`` in each save); ``L.pytorch`` is
+``lightning_logs`` folder, ``lightning.pt`` in each save); ``L.pytorch`` is
 ``L`` itself and ``L.pytorch.callbacks`` the same module as ``L.callbacks``. Lightning's module tree is laid over
 this package by an import hook (``_finder``), from the table in ``_tree``. This top level also holds every name
 flat (``from callbacks.lightning import ModelCheckpoint``), as before.

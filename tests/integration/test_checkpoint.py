@@ -310,7 +310,8 @@ def test_forced_save_without_the_monitored_value_when_top_k_is_full(tmp_path: Pa
 def test_save_last_leaves_the_final_state_whatever_the_periodic_triggers(tmp_path: Path, save_last) -> None:
     """every_n_epochs larger than the run: no periodic save fires, yet the fit ends with last.ckpt of its final
     state (Lightning's on_train_end does the same). With every_n_epochs=2 of 3 epochs the epoch-2 save stays in the
-    top-k and the final state is saved as `last` beside it. A resume of the finished run saves nothing again."""
+    top-k and the final state is saved as last.ckpt beside it. A resume of the finished run saves nothing again.
+    A later save replaces last.ckpt by the alias to itself (below)."""
     ckpt_dir = tmp_path / "never"
     trainer = Trainer(
         **quiet(
@@ -321,9 +322,11 @@ def test_save_last_leaves_the_final_state_whatever_the_periodic_triggers(tmp_pat
     )
     trainer.fit(Regression(), loader(regression_data(), 16))
     final = {k: v.clone() for k, v in trainer.task.state_dict().items()}
-    # Named at the end of fit, when current_epoch is 3 (epochs done), as Lightning's trainer reports it then.
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=3-step=12.ckpt", "keel.claim", "last", "last.ckpt"]
-    assert os.path.islink(ckpt_dir / "last.ckpt") and read_pointer(ckpt_dir) == ["epoch=3-step=12.ckpt"]
+    # A save made only because of save_last is named last.ckpt, as Lightning names it: no epoch-named save that a
+    # program globbing for its epoch checkpoints would find.
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["keel.claim", "last", "last.ckpt"]
+    assert (ckpt_dir / "last.ckpt").is_dir() and not os.path.islink(ckpt_dir / "last.ckpt")
+    assert read_pointer(ckpt_dir) == ["last.ckpt"]
     restored = load_weights(str(ckpt_dir / "last.ckpt"))["state_dict"]
     assert all(torch.equal(restored[k], final[k]) for k in final)
 
@@ -333,14 +336,32 @@ def test_save_last_leaves_the_final_state_whatever_the_periodic_triggers(tmp_pat
         Regression(), loader(regression_data(), 16)
     )
     names = sorted(p.name for p in ckpt_dir.iterdir())
-    assert names == ["epoch=1-step=8.ckpt", "epoch=3-step=12.ckpt", "keel.claim", "last", "last.ckpt"]
-    assert cb.best_model_path.endswith("epoch=1-step=8.ckpt") and cb.last_model_path.endswith("epoch=3-step=12.ckpt")
+    assert names == ["epoch=1-step=8.ckpt", "keel.claim", "last", "last.ckpt"]
+    assert cb.best_model_path.endswith("epoch=1-step=8.ckpt") and cb.last_model_path.endswith("last.ckpt")
+    assert (ckpt_dir / "last.ckpt").is_dir() and not os.path.islink(ckpt_dir / "last.ckpt")
 
     again = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=2, save_last=save_last)
     Trainer(**quiet(max_epochs=3, enable_checkpointing=True, callbacks=[again])).fit(
         Regression(), loader(regression_data(), 16), ckpt_path="last"
     )
     assert sorted(p.name for p in ckpt_dir.iterdir()) == names  # nothing saved twice, nothing pruned
+
+    # A 4th epoch: its save is periodic (every_n_epochs=2), so the save made for save_last and the epoch-1 save
+    # (top-1 without a monitor keeps the newest) are pruned, and last.ckpt becomes the alias to the newest save.
+    more = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=2, save_last=save_last)
+    Trainer(**quiet(max_epochs=4, enable_checkpointing=True, callbacks=[more])).fit(
+        Regression(), loader(regression_data(), 16), ckpt_path="last"
+    )
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [
+        "epoch=3-step=16.ckpt",
+        "keel.claim",
+        "last",
+        "last.ckpt",
+    ]
+    assert (
+        os.readlink(ckpt_dir / "last.ckpt") == "epoch=3-step=16.ckpt"
+        and read_pointer(ckpt_dir)[0] == "epoch=3-step=16.ckpt"
+    )
 
 
 def test_save_last_rejects_unknown_modes() -> None:

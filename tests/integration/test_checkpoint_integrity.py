@@ -1,7 +1,7 @@
 """Checkpoint integrity and security.
 
 * Nothing in a save runs code: a pickle payload put into each file of a real save (keel.pt, .metadata, a
-  DCP byte item, lightning.ckpt, a weights file) is refused by every way of loading it, and never runs.
+  DCP byte item, lightning.pt, a weights file) is refused by every way of loading it, and never runs.
 * Silent corruption (a flipped bit, a data file of another save) is refused naming the file;
   ``ckpt_path="last"`` falls back to the previous committed save and then resumes exactly.
 * The ``last`` pointer: unreadable, stale, uncommitted or escaping entries, missing saves, first runs.
@@ -303,8 +303,8 @@ def test_dcp_byte_item_refusal_is_a_checkpoint_error(tmp_path: Path) -> None:
 
 
 def test_payload_in_the_lightning_file_runs_nothing(tmp_path: Path) -> None:
-    """lightning.ckpt is for programs that ``torch.load`` it; keel never unpickles it: tampered, the save
-    is refused by its checksum; resealed, it loads from DCP without reading lightning.ckpt; copied out as a
+    """lightning.pt is for programs that ``torch.load`` it; keel never unpickles it: tampered, the save
+    is refused by its checksum; resealed, it loads from DCP without reading lightning.pt; copied out as a
     plain file, it is refused by ``weights_only``."""
     marker = tmp_path / "pwned"
     _, task, save = one_save(tmp_path / "ck", lightning_file=True)
@@ -312,7 +312,7 @@ def test_payload_in_the_lightning_file_runs_nothing(tmp_path: Path) -> None:
     state = torch.load(inner, weights_only=True)
     state["payload"] = Payload(marker)
     torch.save(state, inner)
-    # Tampered, not resealed: every entry point refuses the save, naming lightning.ckpt.
+    # Tampered, not resealed: every entry point refuses the save, naming lightning.pt.
     for target in (save, inner):
         with pytest.raises(CheckpointError, match=f"{LIGHTNING_FILE} is corrupt or from another save"):
             Trainer(**quiet(max_steps=8)).fit(Regression(), data(), ckpt_path=str(target))

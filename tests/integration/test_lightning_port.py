@@ -393,7 +393,7 @@ def check_lightning_checkpoint(result: dict, world_size: int) -> None:
     best, last = Path(result["best_model_path"]), Path(result["last_model_path"])
     assert best != last  # val/loss is best after epoch 0: the best save is not the newest
     for path in (best, last):  # one plain file with Lightning's keys, inside a committed save folder
-        assert path.is_file() and path.name == "lightning.ckpt" and (path.parent / "keel.json").is_file(), path
+        assert path.is_file() and path.name == "lightning.pt" and (path.parent / "keel.json").is_file(), path
     loaded = torch.load(best, weights_only=True)
     assert LIGHTNING_KEYS <= loaded.keys(), sorted(loaded)
     epoch, weights = result["saved"][loaded["global_step"]]  # the task's weights when that save was made
@@ -449,7 +449,7 @@ def test_keel_model_checkpoint_reports_the_save_folder(tmp_path: Path) -> None:
         trainer.fit(task, data)
         for path in (Path(callback.best_model_path), Path(callback.last_model_path)):
             assert path.is_dir() and path.parent == tmp_path / name and (path / "keel.json").is_file(), path
-            assert "lightning.ckpt" not in os.listdir(path)
+            assert "lightning.pt" not in os.listdir(path)
         link = tmp_path / name / "last.ckpt"
         assert link.is_symlink() and link.resolve() == Path(callback.last_model_path).resolve()
         assert_same(load_weights(callback.last_model_path)["state_dict"], task.state_dict())

@@ -55,9 +55,9 @@ def test_every_kind_of_source_starts_the_task(pretrained: tuple[Path, dict], tmp
     assert not torch.equal(Regression(seed=0).state_dict()["net.0.weight"], state["net.0.weight"])
     safetensors.save_file(state, tmp_path / "library.safetensors")  # written by the safetensors library
     torch.save(state, tmp_path / "plain.pt")
-    torch.save({"state_dict": state, "epoch": 3}, tmp_path / "lightning.ckpt")  # Lightning's layout
+    torch.save({"state_dict": state, "epoch": 3}, tmp_path / "lightning.pt")  # Lightning's layout
     export_weights(save, tmp_path / "hf", max_shard_size=100)  # a folder of shards with an index
-    for source in ("library.safetensors", "plain.pt", "lightning.ckpt", "hf"):
+    for source in ("library.safetensors", "plain.pt", "lightning.pt", "hf"):
         assert_weights(validated(tmp_path / source), state)
     assert_weights(validated(save), state)  # a keel checkpoint, read with DCP
 

@@ -163,7 +163,7 @@ def test_a_fit_killed_midway_and_resumed_from_last_ends_with_the_uninterrupted_w
 def test_a_checkpoint_holds_the_averaged_weights_as_its_state_dict_and_the_training_ones_beside(tmp_path: Path) -> None:
     """Lightning's layout: ``state_dict`` is the average (what load_from_checkpoint and validate(ckpt_path=...)
     read), ``current_model_state`` the weights being trained, ``averaging_state`` the count; each save's
-    ``lightning.ckpt`` (callbacks.lightning's ModelCheckpoint) holds the average as its ``state_dict``."""
+    ``lightning.pt`` (callbacks.lightning's ModelCheckpoint) holds the average as its ``state_dict``."""
     seen: dict[str, Any] = {}
 
     class Look(Callback):
@@ -185,7 +185,7 @@ def test_a_checkpoint_holds_the_averaged_weights_as_its_state_dict_and_the_train
     for key, value in averaged.items():
         assert torch.equal(checkpoint["state_dict"][key], value), key
     assert int(checkpoint["averaging_state"]["n_averaged"]) == 4
-    assert save.endswith("lightning.ckpt")
+    assert save.endswith("lightning.pt")
     plain = torch.load(save, weights_only=True)
     assert torch.equal(plain["state_dict"]["net.0.weight"], averaged["net.0.weight"])
     # The weights being trained differ from the average; a fit resumed from the save continues from them, and ends

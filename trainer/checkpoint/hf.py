@@ -376,7 +376,7 @@ def open_weights(path: str | os.PathLike[str], *, collective: bool = False) -> W
         path: A ``.safetensors`` file; a Hugging Face folder (``model.safetensors.index.json`` and its shards, or
             one ``model.safetensors``); a ``torch.save``'d state dict (or a dict whose ``"state_dict"`` is one:
             Lightning's, a keel weights file), memory-mapped so that a slice reads only its pages; or a keel
-            checkpoint (a save folder, its ``lightning.ckpt``, ``last.ckpt``), verified first and then read with
+            checkpoint (a save folder, its ``lightning.pt``, ``last.ckpt``), verified first and then read with
             DCP a batch of keys per load (:meth:`WeightSource.read_many`). A keel checkpoint or a ``torch.save`` file
             may be on object storage (``s3://...``; the file is read into memory); safetensors are read locally.
         collective: Every rank of the process group opens the same source: a keel checkpoint's files are verified

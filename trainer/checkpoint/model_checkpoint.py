@@ -11,6 +11,7 @@ pruned only after the new one and the pointer are committed; what a killed save 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -24,7 +25,7 @@ from trainer.callback import Callback
 from trainer.checkpoint.async_save import AsyncCheckpointer
 from trainer.checkpoint.files import CheckpointSaveError, write_pointer
 from trainer.checkpoint.reader import committed
-from trainer.checkpoint.store import LIGHTNING_FILE, remove_save
+from trainer.checkpoint.store import LIGHTNING_FILE, LIGHTNING_FILE_NAMES, remove_save
 from trainer.storage import as_path, check_writable, describe_error, is_url, join, location, sync_mirrors
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,7 +72,7 @@ def check_filename(template: str) -> None:
 
 def link_last(path: str, *, lightning_file: bool = False) -> None:
     """Point ``dirpath/last.ckpt`` at ``path`` (rank 0, after ``path`` is committed), atomically: a relative
-    symlink to a save folder, or with ``lightning_file`` to its ``lightning.ckpt`` (which Lightning programs
+    symlink to a save folder, or with ``lightning_file`` to its ``lightning.pt`` (which Lightning programs
     ``torch.load``; passed back as ``ckpt_path`` it resumes from its folder); a hard link to a plain file
     (it outlives pruning of ``path``)."""
     target = os.path.join(os.path.dirname(path), LAST_NAME)
@@ -93,8 +94,10 @@ def link_last(path: str, *, lightning_file: bool = False) -> None:
 
                 shutil.copy2(path, tmp)
         os.replace(tmp, target)
-    except OSError as exc:  # pragma: no cover - the checkpoint itself is committed; only the alias failed
+    except OSError as exc:  # the checkpoint itself is committed; only the alias failed
         log.warning("Could not update %s -> %s: %s", target, path, exc)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 class ModelCheckpoint(Callback):
@@ -116,7 +119,7 @@ class ModelCheckpoint(Callback):
         save_top_k: how many to keep (-1: all, 0: none except ``last``).
         save_last: always keep the most recent checkpoint (``last_model_path``) besides the top-k; True
             (or Lightning's ``"link"``, the same here) also leaves ``last.ckpt`` in ``dirpath`` (a symlink to the
-            save folder, or to its ``lightning.ckpt``), the file Lightning users and their scripts look for,
+            save folder, or to its ``lightning.pt``), the file Lightning users and their scripts look for,
             beside keel's ``last`` pointer. Either way the end of ``fit`` saves the final state when no periodic
             save already holds it (kept as ``last``, outside the top-k).
         every_n_train_steps: save every n optimizer steps.
@@ -139,7 +142,7 @@ class ModelCheckpoint(Callback):
             ``fit`` (False).
         enable_version_counter: when a checkpoint of the same name already exists from another save (a
             rerun into the same folder), append ``-v1``, ``-v2``, ... instead of replacing it.
-        lightning_file: each save folder also holds ``lightning.ckpt``, one plain file with Lightning's keys
+        lightning_file: each save folder also holds ``lightning.pt``, one plain file with Lightning's keys
             (``state_dict``, ``epoch``, ``global_step``, ``hyper_parameters``; DDP or one device), written before
             the folder is committed; ``best_model_path``, ``last_model_path`` and ``last.ckpt`` name it, so
             programs that ``torch.load`` them keep working. Passing that path back as ``ckpt_path`` resumes
@@ -230,7 +233,7 @@ class ModelCheckpoint(Callback):
 
     @property
     def best_model_path(self) -> str:
-        """The best save (with ``lightning_file``: its ``lightning.ckpt``, when the save has one)."""
+        """The best save (with ``lightning_file``: its ``lightning.pt``, when the save has one)."""
         return self._report(self._best_path)
 
     @best_model_path.setter
@@ -239,7 +242,7 @@ class ModelCheckpoint(Callback):
 
     @property
     def last_model_path(self) -> str:
-        """The newest save (with ``lightning_file``: its ``lightning.ckpt``, when the save has one)."""
+        """The newest save (with ``lightning_file``: its ``lightning.pt``, when the save has one)."""
         return self._report(self._last_path)
 
     @last_model_path.setter
@@ -411,6 +414,11 @@ class ModelCheckpoint(Callback):
         if trainer.fast_dev_run and not force:
             return None
         assert self.dirpath is not None
+        # A save made only because of save_last is named last.ckpt, as Lightning names it; the alias last.ckpt to an
+        # older save goes first (rank 0, before the broadcast below, so every rank then sees the name free).
+        named_last = last_only and bool(self.save_last)
+        if named_last and trainer.is_global_zero:
+            self._unlink_last_alias()
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         if trainer.world_size > 1:  # rank 0's values name the file and decide top-k on every rank (per-step
             from trainer.distributed import comm  # training values in callback_metrics are this rank's, not reduced)
@@ -425,10 +433,13 @@ class ModelCheckpoint(Callback):
                     f"ModelCheckpoint(monitor={self.monitor!r}): no such metric was logged; available: "
                     f"{sorted(metrics)}."
                 )
-        name = self.format_name(
-            metrics, trainer.current_epoch, trainer.global_step, suffix, missing_ok=force or last_only
-        )
-        path = self._versioned(join(self.dirpath, name))
+        if named_last:
+            path = self._free(join(self.dirpath, LAST_NAME))
+        else:
+            name = self.format_name(
+                metrics, trainer.current_epoch, trainer.global_step, suffix, missing_ok=force or last_only
+            )
+            path = self._versioned(join(self.dirpath, name))
         # A forced save without the monitored value is kept as `last` only, outside the top-k.
         keep = not last_only and self._admits(score) and (self.monitor is None or score is not None)
         if not keep and not self.save_last and not force:
@@ -474,8 +485,6 @@ class ModelCheckpoint(Callback):
             )
             error.errno = exc.errno
             raise error from exc
-        if self.save_last and not is_url(path):  # object stores have no links: `last` and ckpt_path="last" remain
-            link_last(path, lightning_file=self.lightning_file)
         if self.verbose:
             score = self.best_k_models.get(path)
             why = (
@@ -492,6 +501,9 @@ class ModelCheckpoint(Callback):
             if join(self.dirpath or "", name) != path:
                 log.info("Removing %s: an uncommitted save a stopped run left.", join(self.dirpath or "", name))
                 remove_save(join(self.dirpath or "", name))
+        # After pruning: a pruned save made for save_last frees the name last.ckpt for the alias.
+        if self.save_last and not is_url(path):  # object stores have no links: `last` and ckpt_path="last" remain
+            link_last(path, lightning_file=self.lightning_file)
         sync_mirrors()  # a run directory on object storage: the logs up to this checkpoint go with it
 
     def _versioned(self, path: str) -> str:
@@ -504,6 +516,22 @@ class ModelCheckpoint(Callback):
             version += 1
             candidate = f"{stem}-v{version}{ext}"
         return candidate
+
+    def _free(self, path: str) -> str:
+        """``path``, or ``name-vN.ckpt`` while a save of that name exists (the previous save made for save_last:
+        it is pruned once this one is committed, never written over)."""
+        stem, ext = os.path.splitext(path)
+        version, candidate = 0, path
+        while self._exists(candidate):
+            version += 1
+            candidate = f"{stem}-v{version}{ext}"
+        return candidate
+
+    def _unlink_last_alias(self) -> None:
+        """Remove ``dirpath/last.ckpt`` when it is the alias (a link) to an older save, not a save itself."""
+        target = join(self.dirpath or "", LAST_NAME)
+        if not is_url(target) and os.path.islink(target):
+            os.remove(target)
 
     def _exists(self, path: str) -> bool:
         if is_url(path) and self._names_in_store is not None:
@@ -598,5 +626,5 @@ def _check_flags(**flags: Any) -> None:
 
 
 def _save_of(path: str) -> str:
-    """The save a reported path names (``<save>/lightning.ckpt`` -> ``<save>``)."""
-    return os.path.dirname(path) if os.path.basename(path) == LIGHTNING_FILE else path
+    """The save a reported path names (``<save>/lightning.pt`` -> ``<save>``)."""
+    return os.path.dirname(path) if os.path.basename(path) in LIGHTNING_FILE_NAMES else path

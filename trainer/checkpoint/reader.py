@@ -41,7 +41,7 @@ from trainer.checkpoint.stateful import check_classes
 from trainer.checkpoint.store import (
     DCP_KEYS,
     KEEL_FILE,
-    LIGHTNING_FILE,
+    LIGHTNING_FILE_NAMES,
     MANIFEST_FILE,
     METADATA_FILE,
     MODEL_SHAPED_KEYS,
@@ -51,8 +51,6 @@ from trainer.distributed import comm
 from trainer.storage import AnyPath, RemotePath, as_path, describe_error
 
 log = logging.getLogger(__name__)
-
-LAST_LINK = "last.ckpt"  # ModelCheckpoint(save_last=True)'s alias of the newest save: never a candidate itself
 
 
 def data_root(folder: AnyPath, manifest: dict[str, Any] | None) -> AnyPath:
@@ -186,7 +184,7 @@ def _read_keel(folder: AnyPath, keys: set[str] | None = None) -> dict[str, Any]:
 
 
 def save_folder(path: str | os.PathLike) -> AnyPath:
-    """The save a path names: a folder; ``<folder>/lightning.ckpt`` (what ``callbacks.lightning`` reports)
+    """The save a path names: a folder; ``<folder>/lightning.pt`` (what ``callbacks.lightning`` reports)
     names its folder; the ``last`` pointer names the newest save it records; a plain file (a weights file) itself.
 
     Raises:
@@ -199,10 +197,10 @@ def save_folder(path: str | os.PathLike) -> AnyPath:
             raise CheckpointError(f"{str(path)!r} is a `last` pointer that names no save yet; pass a save folder.")
         path = path.parent / names[0]
     if isinstance(path, RemotePath):
-        return path.parent if path.name == LIGHTNING_FILE else path
-    if path.is_symlink():  # last.ckpt -> a save folder, or its lightning.ckpt
+        return path.parent if path.name in LIGHTNING_FILE_NAMES else path
+    if path.is_symlink():  # last.ckpt -> a save folder, or its lightning.pt
         path = path.resolve()
-    if path.name == LIGHTNING_FILE and (path.parent / MANIFEST_FILE).exists():
+    if path.name in LIGHTNING_FILE_NAMES and (path.parent / MANIFEST_FILE).exists():
         return path.parent
     return path
 
@@ -362,7 +360,8 @@ def committed_runs(directory: str | os.PathLike) -> list[tuple[str, str]]:
     if not root.is_dir():
         return []
     for entry in root.iterdir():
-        if entry.name.startswith(".") or entry.name in (POINTER_NAME, LAST_LINK) or entry.is_symlink():
+        # last.ckpt is a candidate when it is a save (one made for save_last), never as the alias (a link) to one
+        if entry.name.startswith(".") or entry.name == POINTER_NAME or entry.is_symlink():
             continue
         try:
             if (entry / MANIFEST_FILE).is_file():

@@ -11,7 +11,7 @@ Layout of ``epoch=0-step=4.ckpt/`` (a folder; the name keeps ModelCheckpoint's s
     keel.pt             rank 0: everything else (loop state, per-rank RNG, schedulers, scaler, callbacks,
                         datamodule, hparams, options, class names, the save's identity); a plain
                         ``torch.save`` file read back with ``weights_only=True``
-    lightning.ckpt      only with ``ModelCheckpoint(lightning_file=True)`` (``callbacks.lightning``'s
+    lightning.pt      only with ``ModelCheckpoint(lightning_file=True)`` (``callbacks.lightning``'s
                         default) under DDP or one device: Lightning's keys in one plain file
     keel.json           the manifest, written last: format, identity (save id, run, step, epoch, world
                         size) and the size and CRC32 of every other file, computed while it was written
@@ -29,7 +29,7 @@ written and confirmed (each upload completed, then one listing checks every size
 pruning or ``best``; a re-save of the same name writes a new prefix and only its manifest switches to it, so the
 previous one stays loadable until then; the prefixes the manifest does not name are removed after it is written.
 Pruning removes the manifest first, then the rest. Filesystems keep the rename protocol: it is proven there, and it
-keeps the layout Lightning programs open (``<save>/lightning.ckpt``).
+keeps the layout Lightning programs open (``<save>/lightning.pt``).
 
 Synchronous and asynchronous saves run the same two functions, :func:`_stage` on the main thread and
 :func:`_write` on the main thread or the checkpointer's worker thread; only the thread differs.
@@ -81,7 +81,10 @@ log = logging.getLogger(__name__)
 KEEL_FILE = "keel.pt"
 MANIFEST_FILE = "keel.json"
 METADATA_FILE = ".metadata"
-LIGHTNING_FILE = "lightning.ckpt"
+LIGHTNING_FILE = "lightning.pt"
+# Its earlier name, which a program globbing **/*.ckpt for its checkpoints found as one more: saves that hold it are
+# still read.
+LIGHTNING_FILE_NAMES = (LIGHTNING_FILE, "lightning.ckpt")
 DCP_KEYS = {K_STATE_DICT: "model", K_OPTIMIZERS: "optimizers"}  # checkpoint key -> DCP top-level key
 # Model-shaped weights that on_save_checkpoint hooks may add: DCP writes them too (each rank its shard), and a load
 # reads whichever the save holds into tensors shaped as the model's (trainer/checkpoint/reader.py).

@@ -119,7 +119,7 @@ def imagenet(out: Path) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "batch_size": model.batch_size,
         "validated": result["validated"],
-        "best": os.path.basename(trainer.checkpoint_callback.best_model_path),
+        "best": trainer.checkpoint_callback.best_model_path,
     }
 
 
