@@ -96,6 +96,13 @@ class SaveConfig(Callback):
         if stage != "fit" or self.path is not None:
             return
         self.path = join(trainer.log_dir, CONFIG_FILE)
+        version = getattr(trainer.loggers[0], "version", None) if trainer.loggers else None
+        if not trainer.continue_run_directory and version is not None and "logger.version=" not in self.command:
+            # A job of a sweep: rerun as written, its command must reopen this job's run directory, not the newest;
+            # the recorded config says the same, so the rerun's config is this one.
+            self.command += f" logger.version={version}"
+            if isinstance(self.config.get("logger"), dict):
+                self.config["logger"]["version"] = version
         if trainer.is_global_zero:  # a run directory on object storage: written to its local mirror, then uploaded
             self._write(os.path.join(local_dir(trainer.log_dir, download=True), CONFIG_FILE))
             if is_url(trainer.log_dir):

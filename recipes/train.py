@@ -148,7 +148,39 @@ def run(cfg: DictConfig, *, command: str = COMMAND) -> dict[str, Any]:
     summary["tested_on"] = tested_on
     if trainer.is_global_zero:
         print(run_summary.format_summary(summary, tested_on=tested_on), flush=True)
+        if _in_a_sweep():
+            _SWEEP.append((_job_overrides(), summary))
     return summary
+
+
+# The runs of this process's sweep (Hydra's basic launcher runs the jobs one after another here): (overrides, summary)
+_SWEEP: list[tuple[list[str], dict[str, Any]]] = []
+
+
+def _job_overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task)
+
+
+def sweep_table(runs: list[tuple[list[str], dict[str, Any]]]) -> str:
+    """The end of a sweep: one row per run, the overrides that differ between runs, its run directory and its final
+    metrics (4 significant digits; keel's perf/ measurements left out)."""
+    width = max(len(o) for o, _ in runs)
+    varying = [i for i in range(width) if len({o[i] if i < len(o) else None for o, _ in runs}) > 1]
+    names = sorted({n for _, s in runs for n in s["metrics"] if not n.startswith("perf/")})
+    header = ["run", "overrides", "run dir", *names]
+    rows = [
+        [
+            str(i),
+            " ".join(o[j] for j in varying if j < len(o)) or "-",
+            s["run_dir"],
+            *(f"{s['metrics'][n]:.4g}" if n in s["metrics"] else "-" for n in names),
+        ]
+        for i, (o, s) in enumerate(runs)
+    ]
+    lines = [f"keel sweep: {len(runs)} runs", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def _warn_about_restarts() -> None:
@@ -232,6 +264,8 @@ def main() -> None:
         print(f"keel: {error}", file=sys.stderr)  # before Hydra: logging is not configured yet
         raise SystemExit(2)
     _hydra_main()
+    if len(_SWEEP) > 1:
+        print(sweep_table(_SWEEP), flush=True)
 
 
 if __name__ == "__main__":

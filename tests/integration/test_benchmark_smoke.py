@@ -1,4 +1,5 @@
-"""benchmarks/overhead.py runs end to end (single process, --quick). No timing assertions: it is a report."""
+"""benchmarks/overhead.py (single process, --quick) and benchmarks/startup.py (one repeat) run end to end. No timing
+assertions: they are reports."""
 
 from __future__ import annotations
 
@@ -45,3 +46,18 @@ def test_gpu_benchmark_refuses_without_cuda_and_runs_its_cpu_smoke(tmp_path) -> 
         assert row[run]["tokens_per_s"] > 0
     for run in ("keel_ddp", "keel_fsdp"):
         assert set(row[run]["save_blocked_s"]) == {"sync", "async"}
+
+
+def test_startup_benchmark_one_repeat_in_one_process() -> None:
+    result = python(
+        REPO_ROOT / "benchmarks" / "startup.py", "--repeats", "1", "--layouts", "1", timeout=240, cwd=REPO_ROOT
+    ).check()
+    rows = re.findall(
+        r"^\| 1 \| (loop|keel|keel quiet) \| ([\d.]+) \| ([\d.]+) \| ([\d.-]+) \| ([\d.]+) \|", result.stdout, re.M
+    )
+    assert [row[0] for row in rows] == ["loop", "keel", "keel quiet"], result.tail()
+    record = json.loads(result.stdout.strip().splitlines()[-1])["startup"]["1"]
+    for case in ("loop", "keel", "keel quiet"):
+        marks = record[case]
+        assert 0 < marks["imported"] <= marks["built"] <= marks["first step"], (case, marks)
+    assert record["keel"]["built"] <= record["keel"]["fit set up"] <= record["keel"]["first step"]

@@ -468,6 +468,20 @@ def test_multirun_sweep_makes_one_run_per_value(tmp_path: Path) -> None:
     precisions = [OmegaConf.load(root / f"version_{i}" / "config.yaml").trainer.precision for i in (0, 1)]
     assert precisions == ["32", "bf16-mixed"]
     assert all((root / f"version_{i}" / "metrics.csv").is_file() for i in (0, 1))
+    # The sweep ends with a table of its runs: what differs between them and their final metrics.
+    table = proc.stdout[proc.stdout.index("keel sweep: 2 runs") :].splitlines()
+    assert table[1] == "| run | overrides | run dir | val/acc | val/loss |", table  # 2 steps: no train/loss logged
+    for i, precision in enumerate(("32", "bf16-mixed")):
+        assert table[3 + i].startswith(f"| {i} | trainer.precision={precision} | {root / f'version_{i}'} | "), table
+    # Each run's config.yaml records a command that, run as written, continues that run (not the newest one).
+    first = (root / "version_0" / "config.yaml").read_text().splitlines()[0]
+    assert first.startswith("# python -m recipes.train ") and first.endswith(" logger.version=0"), first
+    again = _run(shlex.split(first[2:])[3:], cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"Resumed at global step 2, epoch 0, from {root / 'version_0' / 'checkpoints'}" in again.stderr, again.stderr
+    assert "config differs" not in again.stderr and not (root / "version_0" / "config.1.yaml").exists()
+    assert "Nothing left to train: the run already reached max_steps=2 at step 2." in again.stderr
+    assert sorted(p.name for p in root.glob("version_*")) == ["version_0", "version_1"]
 
 
 def _charlm_corpus(folder: Path) -> Path:
