@@ -222,6 +222,8 @@ class Trainer(TrainerAttributes):
         self._efficiency: efficiency.Efficiency
         self.num_training_batches: int | None = None
         self.num_val_batches: list[int | None] = []  # per validation loader of the current fit
+        self.num_sanity_val_batches: list[int | None] = []  # per loader of the last sanity check
+        self.num_test_batches: list[int | None] = []  # per loader of the last test run
         self._metrics = MetricCollector(replica_ranks=self.strategy.tensor_parallel_size)
         # k as a function of (epoch, global_step). Replace it (e.g. callbacks.GradientAccumulationScheduler
         # does in setup) to change accumulation; a change lands at the next optimizer-step boundary.
@@ -950,6 +952,14 @@ class Trainer(TrainerAttributes):
         limits = [
             stages.batch_limit(self, a.loader, name) if limit_override is None else limit_override for a in loaders
         ]
+        # What each loader will run, where known (Lightning's names; the progress bar's totals).
+        counts = [_bounded(limit, a.loader) for limit, a in zip(limits, loaders)]
+        if self.sanity_checking:
+            self.num_sanity_val_batches = counts
+        elif stage == "validate":
+            self.num_val_batches = counts
+        else:
+            self.num_test_batches = counts
         publish, sanity = (None if self.sanity_checking else self._publish), self.sanity_checking
         return self._eval_loop.run(
             self, cast(TaskModule, self.task), self.callbacks, stage, loaders, limits, publish=publish, sanity=sanity
@@ -961,3 +971,14 @@ class Trainer(TrainerAttributes):
         gather = None if keep is False else self.options.predict_return
         assert self.task is not None
         return self._eval_loop.predict(self, self.task, self.callbacks, loaders, limits, gather=gather)
+
+
+def _bounded(limit: int | None, loader: Any) -> int | None:
+    """The batches a loader runs under ``limit``: the smaller of the two where both are known."""
+    try:
+        length: int | None = len(loader)
+    except TypeError:
+        length = None
+    if limit is None or length is None:
+        return limit if length is None else length
+    return min(limit, length)

@@ -42,6 +42,9 @@ def make_trainer(**overrides: Any) -> SimpleNamespace:
         progress_bar_metrics={},
         callback_metrics={},
         sanity_checking=False,
+        num_sanity_val_batches=[2],
+        num_val_batches=[3, 1],
+        num_test_batches=[None],
     )
     values.update(overrides)
     values.setdefault("strategy", SimpleNamespace(data_parallel_size=values["world_size"]))  # no tensor parallelism
@@ -115,10 +118,10 @@ def test_not_tty_logs_every_n_steps(
     assert len(lines) == 4  # steps 2, 4, 6, 8
     assert stream.getvalue() == ""  # no bar on a non-terminal
     # Each step: 2 micro-batches of 0.5 s with 4 samples x 2 ranks each -> 16 samples/s; 1 s per step.
-    assert lines[0] == "epoch 0 step 2/8 | loss=0.5 val/acc=0.1235 | 16.0 samples/s | eta 0:00:06"
+    assert lines[0] == "epoch 0 step 2/8 | loss=0.5 val/acc=0.1235 | 16 samples/s | eta 0:00:06"
     assert lines[1].startswith("epoch 0 step 4/8 | loss=0.25 ")
     assert lines[2].startswith("epoch 1 step 6/8 ")
-    assert lines[3].endswith("| 16.0 samples/s | eta 0:00:00")
+    assert lines[3].endswith("| 16 samples/s | eta 0:00:00")
 
 
 def test_not_tty_total_from_max_steps_and_unknown_total(
@@ -281,3 +284,23 @@ def test_the_summary_can_be_turned_off_and_says_when_nothing_was_logged(caplog) 
         trainer.fit(Regression(), loader(regression_data(), 8))
     assert "keel run summary" not in caplog.text
     assert summary.of_fit(trainer, 1.0)["run_dir"] == trainer.default_root_dir
+
+
+def test_the_evaluation_bar_counts_to_the_batches_it_will_run_and_keels_numbers_are_short() -> None:
+    from trainer.observability.progress import _format_metrics
+
+    stream = io.StringIO()
+    stream.isatty = lambda: True  # type: ignore[method-assign]
+    bar = ProgressBar(stream=stream)
+    trainer = make_trainer()
+    totals = {}
+    for start, desc in ((bar.on_validation_epoch_start, "Validation"), (bar.on_test_epoch_start, "Testing")):
+        start(trainer, None)  # type: ignore[arg-type]
+        totals[desc] = bar._eval_bar.total
+    trainer.sanity_checking = True
+    bar.on_validation_epoch_start(trainer, None)  # type: ignore[arg-type]
+    totals["Sanity checking"] = bar._eval_bar.total
+    bar._close_all()
+    assert totals == {"Validation": 4, "Testing": None, "Sanity checking": 2}  # a loader without len(): no total
+    shown = {"train/loss": 0.000123456, "data_wait": 0.0006681, "mfu": 0.41234, "tokens/s": 123456.0}
+    assert _format_metrics(shown) == "train/loss=0.0001235 data_wait=0% mfu=41.2% tokens/s=123.5k"

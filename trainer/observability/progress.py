@@ -34,9 +34,30 @@ log = logging.getLogger(__name__)
 _now = time.monotonic  # module-level so tests can substitute a clock
 
 
+def _compact(value: float) -> str:
+    """A rate at 4 significant digits, thousands and millions shortened: ``3013``, ``12.35k``, ``1.235M``."""
+    for scale, unit in ((1e6, "M"), (1e3, "k")):
+        if abs(value) >= 10 * scale:
+            return f"{value / scale:.4g}{unit}"
+    return f"{value:.4g}"
+
+
+# keel's shares are shown as percentages, its rates shortened: the postfix stays short enough for the bar
+_PERCENT = {"data_wait": "{:.0%}", "mfu": "{:.1%}"}
+
+
 def _format_metrics(metrics: dict[str, float]) -> str:
-    """``"loss=0.6931 val/acc=0.5"``: each value with 4 significant digits."""
-    return " ".join(f"{name}={value:.4g}" for name, value in metrics.items())
+    """``"loss=0.6931 val/acc=0.5 data_wait=3% tokens/s=12.35k"``: the task's values with 4 significant digits."""
+    shown = []
+    for name, value in metrics.items():
+        if name in _PERCENT:
+            text = _PERCENT[name].format(value)
+        elif name.endswith("/s"):
+            text = _compact(value)
+        else:
+            text = f"{value:.4g}"
+        shown.append(f"{name}={text}")
+    return " ".join(shown)
 
 
 # keel's own numbers shown after the task's: the name in the bar for each perf/ metric (docs/slow-runs.md)
@@ -175,7 +196,7 @@ class ProgressBar(Callback):
             parts.append(_format_metrics(shown))
         elapsed = _now() - self._epoch_start
         if elapsed > 0 and self._epoch_samples:
-            parts.append(f"samples/s={self._epoch_samples / elapsed:.4g}")
+            parts.append(f"samples/s={_compact(self._epoch_samples / elapsed)}")
         return " ".join(parts)
 
     def _maybe_log_line(self, trainer: Trainer) -> None:
@@ -191,7 +212,7 @@ class ProgressBar(Callback):
             parts.append(_format_metrics(shown))
         window = now - self._window_start
         if window > 0 and self._window_samples:
-            parts.append(f"{self._window_samples / window:.1f} samples/s")
+            parts.append(f"{_compact(self._window_samples / window)} samples/s")
         steps_done = step - self._run_start_step
         if total is not None and steps_done > 0 and now > self._run_start:
             parts.append(f"eta {_format_eta((total - step) * (now - self._run_start) / steps_done)}")
@@ -244,7 +265,14 @@ class ProgressBar(Callback):
     def _start_eval_bar(self, trainer: Trainer, desc: str) -> None:
         if trainer.is_global_zero and self.is_tty:
             self._close_eval_bar()
-            self._eval_bar = self._new_bar(desc=desc, total=None, leave=False)
+            counts = {
+                "Sanity checking": trainer.num_sanity_val_batches,
+                "Validation": trainer.num_val_batches,
+                "Testing": trainer.num_test_batches,
+            }.get(desc, [])
+            known = [c for c in counts if c is not None]
+            total = sum(known) if counts and len(known) == len(counts) else None
+            self._eval_bar = self._new_bar(desc=desc, total=total, leave=False)
 
     # ------------------------------------------------------------------ closing
     def on_exception(self, trainer: Trainer, task: TaskModule, exception: BaseException) -> None:
