@@ -304,3 +304,23 @@ def test_the_evaluation_bar_counts_to_the_batches_it_will_run_and_keels_numbers_
     assert totals == {"Validation": 4, "Testing": None, "Sanity checking": 2}  # a loader without len(): no total
     shown = {"train/loss": 0.000123456, "data_wait": 0.0006681, "mfu": 0.41234, "tokens/s": 123456.0}
     assert _format_metrics(shown) == "train/loss=0.0001235 data_wait=0% mfu=41.2% tokens/s=123.5k"
+
+
+def test_each_distinct_warning_is_shown_once_per_run_even_when_a_library_resets_the_registry() -> None:
+    import warnings
+
+    from trainer.observability import rank_zero
+
+    shown: list[str] = []
+    rank_zero._SHOWN_WARNINGS.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # what a library's catch_warnings() block leaves behind: no dedup by Python
+        warnings.showwarning = rank_zero._show_once(lambda message, *rest: shown.append(str(message)))
+        for _ in range(12):
+            warnings.warn("a view of a sharded parameter", UserWarning, stacklevel=1)
+        warnings.warn("another warning", UserWarning, stacklevel=1)
+        warnings.warn("a view of a sharded parameter", FutureWarning, stacklevel=1)  # another category: shown
+        assert shown == ["a view of a sharded parameter", "another warning", "a view of a sharded parameter"]
+        rank_zero._SHOWN_WARNINGS.clear()  # what a new Trainer (a new run) does
+        warnings.warn("another warning", UserWarning, stacklevel=1)
+    assert shown[-1] == "another warning" and len(shown) == 4

@@ -92,6 +92,30 @@ class _RankTagFormatter(logging.Formatter):
 QUIET_LIBRARIES = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "filelock", "mlflow", "wandb", "alembic")
 
 
+_SHOWN_WARNINGS: set[tuple[type, str]] = set()
+
+
+def _show_once(show: Any) -> Any:
+    """``warnings.showwarning`` that prints each distinct warning (category and text) once per run.
+
+    Python's own filter repeats a warning whenever its registry is reset, which every ``warnings.catch_warnings``
+    block in a library does, and once per call site: a warning torch raises per parameter or per step printed
+    dozens of times. ``catch_warnings(record=True)`` (``pytest.warns``) bypasses this and records every warning.
+    """
+
+    def showwarning(
+        message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None
+    ) -> None:
+        key = (category, str(message))
+        if key in _SHOWN_WARNINGS:
+            return
+        _SHOWN_WARNINGS.add(key)
+        show(message, category, filename, lineno, file, line)
+
+    showwarning.keel_once = True  # type: ignore[attr-defined]
+    return showwarning
+
+
 def configure_logging(rank: int) -> None:
     """Rank 0 logs at INFO, other ranks at WARNING, each line prefixed ``[rank N]``; the libraries in
     :data:`QUIET_LIBRARIES` log at WARNING unless the program set their level.
@@ -119,3 +143,6 @@ def configure_logging(rank: int) -> None:
             library.setLevel(logging.WARNING)
     if rank != 0:
         warnings.filterwarnings("ignore", category=UserWarning, module=r"(trainer|callbacks)\..*")
+    _SHOWN_WARNINGS.clear()  # a new Trainer is a new run: its warnings are shown again, each once
+    if not getattr(warnings.showwarning, "keel_once", False):
+        warnings.showwarning = _show_once(warnings.showwarning)
