@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import csv
 import json
+import os
 import re
 from pathlib import Path
 
@@ -117,3 +118,37 @@ def test_a_failure_on_two_ranks_is_one_line_per_rank_with_the_tracebacks_in_the_
     alone = python(script, str(tmp_path / "alone"), timeout=120, env=env)
     assert alone.returncode != 0 and "Traceback (most recent call last)" in alone.stdout
     assert "keel: rank" not in alone.stdout and not list((tmp_path / "alone").rglob("failure-rank*.log"))
+
+
+OWN_FOLDERS = """
+import json, os, sys, tempfile
+from models import Regression, loader, regression_data
+from trainer import Trainer
+
+rank = int(os.environ["RANK"])
+root = tempfile.mkdtemp(prefix=f"rank{rank}-", dir=sys.argv[1])  # each rank its own, as Lightning's tests do
+trainer = Trainer(max_epochs=1, default_root_dir=root, enable_progress_bar=False)
+trainer.fit(Regression(), loader(regression_data(), 8))
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as out:
+    json.dump({"root": root, "dirpath": trainer.checkpoint_callback.dirpath, "log_dir": trainer.log_dir}, out)
+"""
+
+
+def test_each_rank_naming_its_own_folder_gets_rank_zeros_as_in_lightning(tmp_path: Path) -> None:
+    """A program that gives each rank its own tempfile.mkdtemp() as default_root_dir: the checkpoint and log folders
+    are rank 0's on every rank (Lightning resolves them on rank 0 and broadcasts them), so the first save works."""
+    import json
+
+    from launch import torchrun
+
+    script = tmp_path / "own_folders.py"
+    script.write_text(OWN_FOLDERS)
+    env = {"PYTHONPATH": str(REPO_ROOT / "tests" / "harness")}
+    torchrun(script, str(tmp_path), nproc=2, timeout=150, env=env).check()
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    run_dir = os.path.join(seen[0]["root"], "keel_logs", "version_0")
+    assert seen[0]["root"] != seen[1]["root"]
+    for rank in seen:
+        assert rank["dirpath"] == os.path.join(run_dir, "checkpoints") and rank["log_dir"] == run_dir
+    assert (Path(run_dir) / "checkpoints" / "epoch=0-step=4.ckpt" / "__1_0.distcp").is_file()  # 64 / 8 / 2 ranks
+    assert list(Path(seen[1]["root"]).iterdir()) == []  # rank 1's own folder stays empty

@@ -73,21 +73,23 @@ def test_log_dir_before_resolution_raises(tmp_path: Path) -> None:
 
 
 def test_resolve_uses_rank_zero_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a non-zero rank the folder is not scanned; the broadcast value (rank 0's) is taken."""
+    """On a non-zero rank the folder is not scanned; the broadcast values (rank 0's version and save_dir) are
+    taken."""
     (tmp_path / "keel_logs" / "version_0").mkdir(parents=True)
     sent = []
     monkeypatch.setattr(loggers_mod.comm, "get_rank", lambda: 1)
 
     def fake_broadcast(obj: object, src: int = 0) -> object:
         sent.append(obj)
-        return 4  # rank 0's pick
+        return 4, str(tmp_path / "rank0")  # rank 0's pick and folder
 
     monkeypatch.setattr(loggers_mod.comm, "broadcast_object", fake_broadcast)
     logger = Logger(tmp_path)
     logger.resolve_version()
-    assert sent == [None] and logger.version == 4
+    assert sent == [(None, str(tmp_path))] and logger.version == 4
+    assert logger.log_dir == str(tmp_path / "rank0" / "keel_logs" / "version_4")
     logger.resolve_version()
-    assert sent == [None]  # resolved: no second collective
+    assert len(sent) == 1  # resolved: no second collective
 
 
 # ---------------------------------------------------------------------------------------------- CSV

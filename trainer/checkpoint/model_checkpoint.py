@@ -278,6 +278,10 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: Trainer, task: TaskModule, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = join(trainer.log_dir, "checkpoints")
+        if trainer.world_size > 1:  # rank 0's folder is every rank's, as in Lightning (each rank may name its own)
+            from trainer.distributed import comm
+
+            self.dirpath = comm.broadcast_object(self.dirpath)
         if stage == "fit" and not is_url(self.dirpath):
             _check_folder(self.dirpath)
         if stage == "fit" and is_url(self.dirpath):

@@ -102,7 +102,9 @@ class Logger:
                 picked = self._pick_version(continue_newest, owner)
             except Exception as exc:  # every rank raises it: the others would wait in the broadcast for good
                 failure, picked = exc, f"error:{type(exc).__name__}: {exc}"
-        shared = comm.broadcast_object(picked, src=0)
+        # Rank 0's folder is every rank's, as in Lightning: a program that gives each rank its own temporary
+        # default_root_dir still has one run directory.
+        shared, self.save_dir = comm.broadcast_object((picked, self.save_dir), src=0)
         if isinstance(shared, str) and shared.startswith("error:"):
             if failure is not None:
                 raise failure
