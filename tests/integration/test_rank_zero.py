@@ -152,3 +152,43 @@ def test_each_rank_naming_its_own_folder_gets_rank_zeros_as_in_lightning(tmp_pat
         assert rank["dirpath"] == os.path.join(run_dir, "checkpoints") and rank["log_dir"] == run_dir
     assert (Path(run_dir) / "checkpoints" / "epoch=0-step=4.ckpt" / "__1_0.distcp").is_file()  # 64 / 8 / 2 ranks
     assert list(Path(seen[1]["root"]).iterdir()) == []  # rank 1's own folder stays empty
+
+
+DIFFERENT_MODELS = """
+import os, sys
+import torch
+from models import Regression, loader, regression_data
+from trainer import Trainer
+
+
+class Task(Regression):
+    def __init__(self):
+        super().__init__()
+        rank = int(os.environ["RANK"])
+        self.extra = torch.nn.Linear(8, 4 + rank)  # a model that depends on the rank: a bug to name
+
+
+Trainer(max_steps=2, strategy=sys.argv[2], default_root_dir=sys.argv[1], enable_progress_bar=False).fit(
+    Task(), loader(regression_data(), 8)
+)
+"""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_that_built_different_models_are_named_before_any_collective_aborts(
+    tmp_path: Path, strategy: str
+) -> None:
+    from launch import torchrun
+
+    script = tmp_path / "different.py"
+    script.write_text(DIFFERENT_MODELS)
+    env = {"PYTHONPATH": str(REPO_ROOT / "tests" / "harness")}
+    result = torchrun(script, str(tmp_path / "run"), strategy, nproc=2, timeout=150, env=env)
+    assert result.returncode != 0
+    message = (
+        "ValueError: Rank 1 built a different Task from rank 0's (extra.weight: shape [4, 8] float32 on rank 0, "
+        "shape [5, 8] float32 on rank 1)."
+    )
+    for rank in (0, 1):
+        assert f"keel: rank {rank} failed: {message}" in result.stdout, result.tail()
+    assert "terminate called" not in result.stdout and "Gloo" not in result.stdout

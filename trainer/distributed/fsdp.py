@@ -12,7 +12,7 @@ from torch import nn
 
 from trainer.distributed import comm
 from trainer.distributed.launcher import DistEnv
-from trainer.distributed.materialize import broadcast_tensors, has_meta, materialize, shared_rng
+from trainer.distributed.materialize import broadcast_tensors, check_same_model, has_meta, materialize, shared_rng
 from trainer.distributed.strategy import (
     _NO_CONTEXT,
     StepAdapter,
@@ -204,11 +204,13 @@ class FSDPStrategy(Strategy):
             with shared_rng(self.root_device):
                 task.configure_model()
             return
+        check_same_model(task)  # before the first broadcast of its tensors
         broadcast_tensors(task, self.root_device)
         if self.tensor_parallel_size > 1 and not has_meta(task):
             task.to(self.root_device)  # the plan's distribute_tensor splits full tensors already on the device
         with shared_rng(self.root_device):
             task.configure_model()
+        check_same_model(task)  # what configure_model built, before sharding splits it
         if dtype is not None:
             task.to(dtype=dtype)
         self.shard(task)

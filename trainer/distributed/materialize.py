@@ -138,3 +138,48 @@ def broadcast_tensors(module: nn.Module, device: torch.device) -> None:
             staged = local.to(device)
             comm.broadcast(staged, 0)
             local.copy_(staged)
+
+
+def check_same_model(task: nn.Module) -> None:
+    """Every rank built the same model: the names, shapes and dtypes of its parameters and buffers, compared in one
+    ``all_gather_object`` before the first collective that carries them (a broadcast or all-reduce of tensors that
+    differ in shape aborts the process group with no word about the model). Collective with several ranks.
+
+    Raises:
+        ValueError: on every rank, naming the first rank whose model differs from rank 0's and the first entry that
+            differs (missing, extra, or another shape or dtype).
+    """
+    if comm.get_world_size() <= 1:
+        return
+    mine = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in _named_entries(task)]
+    every = comm.all_gather_object(mine)
+    for rank, entries in enumerate(every[1:], start=1):
+        if entries == every[0]:
+            continue
+        theirs = {name: (shape, dtype) for name, shape, dtype in entries}
+        ours = {name: (shape, dtype) for name, shape, dtype in every[0]}
+        difference = next(
+            (
+                f"{name}: {_describe(ours.get(name))} on rank 0, {_describe(theirs.get(name))} on rank {rank}"
+                for name in [*ours, *(n for n in theirs if n not in ours)]
+                if ours.get(name) != theirs.get(name)
+            ),
+            "the same entries in another order",
+        )
+        raise ValueError(
+            f"Rank {rank} built a different {type(task).__name__} from rank 0's ({difference}). Every rank must build "
+            "the same model: the same constructor arguments and the same configure_model on every rank (read "
+            "settings that differ by rank, such as the rank itself, only outside the model's shape)."
+        )
+
+
+def _named_entries(task: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from task.named_parameters()
+    yield from task.named_buffers()
+
+
+def _describe(entry: tuple[tuple[int, ...], str] | None) -> str:
+    if entry is None:
+        return "absent"
+    shape, dtype = entry
+    return f"shape {list(shape)} {dtype}"

@@ -44,7 +44,7 @@ from torch import nn
 from trainer.compat import takes_batch_idx
 from trainer.distributed import comm
 from trainer.distributed.launcher import DistEnv
-from trainer.distributed.materialize import has_meta, materialize, shared_rng
+from trainer.distributed.materialize import check_same_model, has_meta, materialize, shared_rng
 from trainer.options import TrainerOptions
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -239,6 +239,7 @@ class Strategy:
         several ranks. :class:`~trainer.distributed.fsdp.FSDPStrategy` shards before it materialises."""
         with shared_rng(self.root_device):
             task.configure_model()
+            check_same_model(task)  # before DDP's construction broadcasts (or materialize fills) the tensors
             if dtype is not None:
                 task.to(dtype=dtype)
             if has_meta(task):
