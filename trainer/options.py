@@ -171,8 +171,10 @@ class TrainerOptions:
             or ``{source_prefix: task_prefix}``.
         initial_weights_strict: Every task entry must be in the file and every file entry in the task (after
             renaming); False: what does not match is logged and keeps its initialisation. Shapes always match.
-        preemption_check_interval: In a distributed run, check for SIGTERM/SIGUSR1 every N optimizer steps (one
-            tiny all-reduce each); None: on logging steps.
+        preemption_check_interval: In a distributed run, the ranks agree on SIGTERM/SIGUSR1/SIGINT every N optimizer
+            steps (one tiny all-reduce each). None: at every step under DDP with automatic optimization (the flags
+            ride on the gradient all-reduce: no collective of their own, no host sync), on logging steps elsewhere
+            (FSDP, manual optimization).
     """
 
     max_epochs: int | None = None

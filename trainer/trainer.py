@@ -38,7 +38,7 @@ from trainer.data.loaders import AdaptedLoader, EpochPlan, plan_epoch, warn_if_u
 from trainer.data.transfer import BatchCopier
 from trainer.distributed import comm, launcher
 from trainer.distributed import watchdog as wd
-from trainer.distributed.preemption import PreemptionWatcher
+from trainer.distributed.preemption import CarriedFlags, PreemptionWatcher
 from trainer.distributed.selection import select_strategy
 from trainer.distributed.strategy import StepAdapter, Strategy
 from trainer.estimate import MemoryPlan
@@ -238,6 +238,7 @@ class Trainer(TrainerAttributes):
         self._skip_nonfinite = opts.on_nonfinite == "skip"
         self._dynamo_ctx: Any = None  # torch.compile settings when fit() got torch.compile(task)
         self._preemption = PreemptionWatcher()
+        self._carried: CarriedFlags | None = None  # set per fit: the flags carried on DDP's all-reduce
         self._continues_run = False  # fit(ckpt_path="last"): continue the newest run directory, not a new version
         # False: fit(ckpt_path="last") never continues another process's run directory (a sweep's jobs are runs of
         # their own; a restart of the same job still finds its own by the launcher's marker).
@@ -495,6 +496,7 @@ class Trainer(TrainerAttributes):
         )
         self._check_sharding = self.strategy.data_parallel_size > 1 and self._train.sampler is None
         self._configure_model_and_optimizers()
+        self._carried = self._carry_preemption_flags()
         self.state.reset()
         self.should_stop = self._step_open = False
         self._nonfinite.reset()
@@ -653,6 +655,7 @@ class Trainer(TrainerAttributes):
         # Read once: the per-step checks below are plain comparisons (a 0.2 ms step notices every call).
         preemption, multi_rank = self._preemption, self.world_size > 1
         preempt_every = opts.preemption_check_interval or opts.log_every_n_steps
+        carried = self._carried
         log_every, max_steps = (1 if opts.fast_dev_run else opts.log_every_n_steps), opts.max_steps
         drop_incomplete = opts.drop_incomplete_accumulation
         unusual = drop_incomplete or self._manual_mode  # a window may end without an automatic optimizer step
@@ -695,7 +698,10 @@ class Trainer(TrainerAttributes):
             self._beat(wd.PHASE_PREEMPTION_CHECK)  # a signal seen here, or every preempt_every steps ranks agree
             if preemption.requested and not preemption.announced:
                 preemption.announce(self.global_step, next_check=self._next_preemption_check(preempt_every))
-            if (
+            if carried is not None:  # the flags rode on this step's gradient all-reduce: agreed at every step
+                if stepped and carried.decide():
+                    self._save_and_exit()
+            elif (
                 stepped
                 and (preemption.requested or (multi_rank and self.global_step % preempt_every == 0))
                 and preemption.due(
@@ -711,9 +717,23 @@ class Trainer(TrainerAttributes):
         normaliser.report_zero_steps(self.current_epoch)  # device-decided zero-item steps: one read per epoch
         self._epoch_end(val_loaders, completed=completed)
 
+    def _carry_preemption_flags(self) -> CarriedFlags | None:
+        """Under DDP with automatic optimization the preemption flags ride on each step's gradient all-reduce (no
+        collective of their own): the ranks agree at every step. Elsewhere (FSDP, manual optimization, or
+        ``preemption_check_interval`` given) they agree every ``preemption_check_interval`` steps (default: on
+        logging steps), with one small all-reduce."""
+        mark = self.strategy.sync_mark
+        if mark is None:
+            return None
+        carry = self.world_size > 1 and not self._manual_mode and self.options.preemption_check_interval is None
+        mark.flags = CarriedFlags(self._preemption, self.device) if carry else None
+        return cast(CarriedFlags | None, mark.flags)
+
     def _next_preemption_check(self, every: int) -> str:
         if self.world_size == 1:
             return "now"
+        if self._carried is not None:
+            return "at the next step boundary, where the ranks agree"
         return f"at step {(self.global_step // every + 1) * every}, where the ranks agree"
 
     def _save_and_exit(self) -> None:

@@ -131,19 +131,26 @@ def test_ctrl_c_on_two_ranks_saves_stops_quietly_and_resumes_exactly(tmp_path: P
         assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])
 
 
-def test_sigterm_during_a_logging_steps_hooks_is_acted_on_at_that_step(
+def test_a_signal_on_one_rank_is_acted_on_at_the_next_step_by_default(
     tmp_path: Path, ddp_reference: list[dict]
 ) -> None:
-    """preemption_check_interval=None: ranks agree on logging steps (every 3), after on_train_batch_end, so
-    a signal that arrives in on_train_batch_end of step 3 (after the step's metric reduction) stops both
-    ranks at step 3, not one interval later."""
-    args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck"), "--check-on-logging-steps"]
-    first = spawn_ranks(SCRIPT, *args, "--sigterm-at", "3", "--kill-rank", "1", nproc=2, timeout=180)
+    """preemption_check_interval=None (the default) under DDP: the flags ride on every step's gradient all-reduce, so
+    a SIGTERM to rank 1 in on_train_batch_end of step 4 (after that step's all-reduce) stops both ranks at step 5,
+    the next step, where the interval of 2 (or the logging steps, every 3) would wait until step 6. Resumes exactly.
+    A signal in step 3's hooks likewise stops at step 4 (with Ctrl-C on every rank, below)."""
+    args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck"), "--default-check"]
+    first = spawn_ranks(SCRIPT, *args, "--sigterm-at", "4", "--kill-rank", "1", nproc=2, timeout=180)
     assert first.returncode != 0
-    assert "step=3-preempted" in read_pointer(tmp_path / "ck")[0], first.tail()
+    assert "step=5-preempted" in read_pointer(tmp_path / "ck")[0], first.tail()
+    assert "SIGTERM received at step 4: the run saves and stops at the next step boundary" in first.stdout
     spawn_ranks(SCRIPT, *args, "--resumed", nproc=2, timeout=180).check()
     for rank in (0, 1):
         assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])
+    interrupted = tmp_path / "ctrl-c"
+    args = [str(interrupted / "out"), "--ckpt-dir", str(interrupted / "ck"), "--default-check"]
+    second = spawn_ranks(SCRIPT, *args, "--sigint-at", "3", nproc=2, timeout=180)
+    assert second.returncode == INTERRUPTED_EXIT_CODE, second.tail()
+    assert "step=4-interrupted" in read_pointer(interrupted / "ck")[0]
 
 
 # ---------------------------------------------------------------------- single-process file handling

@@ -337,6 +337,14 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
     return tensor
 
 
+def all_reduce_future(tensor: torch.Tensor) -> torch.futures.Future[Any]:
+    """Sum ``tensor`` across ranks in place, asynchronously: the future of the default group's all-reduce (for
+    communication hooks, which return futures)."""
+    work = dist.all_reduce(tensor, async_op=True)
+    assert work is not None
+    return work.get_future()
+
+
 def all_gather_object(obj: T, group: dist.ProcessGroup | None = None) -> list[T]:
     """Gathers a picklable object from every rank (a collective of ``group``, default: the default group).
 

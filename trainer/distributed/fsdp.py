@@ -204,13 +204,13 @@ class FSDPStrategy(Strategy):
             with shared_rng(self.root_device):
                 task.configure_model()
             return
-        check_same_model(task)  # before the first broadcast of its tensors
+        check_same_model(task, "built")  # before the first broadcast of its tensors
         broadcast_tensors(task, self.root_device)
         if self.tensor_parallel_size > 1 and not has_meta(task):
             task.to(self.root_device)  # the plan's distribute_tensor splits full tensors already on the device
         with shared_rng(self.root_device):
             task.configure_model()
-        check_same_model(task)  # what configure_model built, before sharding splits it
+        check_same_model(task, "configured")  # what configure_model built, before sharding splits it
         if dtype is not None:
             task.to(dtype=dtype)
         self.shard(task)

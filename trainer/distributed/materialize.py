@@ -16,6 +16,7 @@ tensor at a time through the device, so no rank holds a second copy of the model
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -140,16 +141,22 @@ def broadcast_tensors(module: nn.Module, device: torch.device) -> None:
             local.copy_(staged)
 
 
-def check_same_model(task: nn.Module) -> None:
+# Tasks already compared across ranks, with the points of the setup they were compared at (every rank runs the same
+# stages on the same tasks, so every rank skips the same checks): a later stage of the same task adds no collective.
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def check_same_model(task: nn.Module, when: str = "built") -> None:
     """Every rank built the same model: the names, shapes and dtypes of its parameters and buffers, compared in one
     ``all_gather_object`` before the first collective that carries them (a broadcast or all-reduce of tensors that
-    differ in shape aborts the process group with no word about the model). Collective with several ranks.
+    differ in shape aborts the process group with no word about the model). Collective with several ranks, once per
+    task and ``when`` (the point of the setup: what the constructor built, what ``configure_model`` added).
 
     Raises:
         ValueError: on every rank, naming the first rank whose model differs from rank 0's and the first entry that
             differs (missing, extra, or another shape or dtype).
     """
-    if comm.get_world_size() <= 1:
+    if comm.get_world_size() <= 1 or when in _CHECKED.get(task, ()):
         return
     mine = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in _named_entries(task)]
     every = comm.all_gather_object(mine)
@@ -171,6 +178,7 @@ def check_same_model(task: nn.Module) -> None:
             "the same model: the same constructor arguments and the same configure_model on every rank (read "
             "settings that differ by rank, such as the rank itself, only outside the model's shape)."
         )
+    _CHECKED.setdefault(task, set()).add(when)
 
 
 def _named_entries(task: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -106,3 +106,59 @@ class PreemptionWatcher:
     @property
     def exit_code(self) -> int:
         return INTERRUPTED_EXIT_CODE if self.interrupted else PREEMPTED_EXIT_CODE
+
+
+class CarriedFlags:
+    """The preemption flags carried on DDP's gradient all-reduce, so that the ranks agree at every optimizer step with
+    no collective of their own and no host sync.
+
+    DDP's communication hook appends ``[any preemption signal, any Ctrl-C]`` (this rank's, 0 or 1) to the step's
+    last gradient bucket (:func:`trainer.distributed.strategy._marked_allreduce`); the all-reduce sums them with the
+    gradients and :meth:`unpack` keeps the sums. On the CPU they are known when the backward returns, so the ranks
+    decide at the same step boundary; on CUDA the sums are copied to pinned host memory without waiting, and each
+    boundary reads the previous step's copy (its event waited for: long done by then), so every rank still decides at
+    the same step, one step after the signal. Measured alternative: a separate per-step all-reduce on a gloo group
+    cost 1.5 ms a step on a 2-core machine (the flags here ride on a collective that runs anyway).
+    """
+
+    def __init__(self, watcher: PreemptionWatcher, device: torch.device) -> None:
+        self.watcher = watcher
+        self.cuda = device.type == "cuda"
+        self.outgoing = torch.zeros(2, pin_memory=self.cuda)  # this rank's flags, host side
+        self.received = [torch.zeros(2, pin_memory=self.cuda) for _ in range(2)]  # the sums, one slot per step parity
+        self.events: list[Any] = [None, None]
+        self.arrived = [False, False]
+        self.slot = 0  # where the next step's sums go
+
+    def pack(self, like: torch.Tensor) -> torch.Tensor:
+        """This rank's flags on ``like``'s device and dtype (called in the hook, on the step's last bucket)."""
+        self.outgoing[0] = 1.0 if self.watcher.requested else 0.0
+        self.outgoing[1] = 1.0 if self.watcher.interrupted else 0.0
+        return self.outgoing.to(device=like.device, dtype=like.dtype, non_blocking=True)
+
+    def unpack(self, sums: torch.Tensor) -> None:
+        """Keep the reduced flags of this step (called when the all-reduce completes)."""
+        slot = self.slot
+        self.received[slot].copy_(sums, non_blocking=True)
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self.events[slot] = event
+        self.arrived[slot] = True
+
+    def decide(self) -> bool:
+        """At an optimizer-step boundary, on every rank: True when any rank had a signal (then the watcher's
+        ``interrupted`` says whether any had Ctrl-C). The same answer on every rank at the same step."""
+        slot = self.slot if not self.cuda else 1 - self.slot
+        if self.cuda:
+            self.slot = slot  # the next step's sums go where this step's decision was read from
+        if not self.arrived[slot]:
+            return False
+        self.arrived[slot] = False
+        event = self.events[slot]
+        if event is not None:
+            event.synchronize()  # the previous step's copy: finished long ago, so this does not stall
+        preempt, interrupt = (float(v) for v in self.received[slot])
+        if interrupt > 0:
+            self.watcher.interrupted = True
+        return preempt > 0 or interrupt > 0

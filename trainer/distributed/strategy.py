@@ -239,7 +239,9 @@ class Strategy:
         several ranks. :class:`~trainer.distributed.fsdp.FSDPStrategy` shards before it materialises."""
         with shared_rng(self.root_device):
             task.configure_model()
-            check_same_model(task)  # before DDP's construction broadcasts (or materialize fills) the tensors
+            check_same_model(
+                task, "configured"
+            )  # before DDP's construction broadcasts (or materialize fills) the tensors
             if dtype is not None:
                 task.to(dtype=dtype)
             if has_meta(task):
@@ -489,11 +491,12 @@ class _SyncMark:
     is a timing event recorded on the compute stream at each launch, which splits the device's backward the same
     way (the phase clock swaps in a fresh one after each backward)."""
 
-    __slots__ = ("at", "event")
+    __slots__ = ("at", "event", "flags")
 
     def __init__(self, device: torch.device) -> None:
         self.at = 0.0
         self.event = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+        self.flags: Any = None  # the loop's CarriedFlags: the preemption flags ride on the last bucket
 
 
 def _marked_allreduce(mark, bucket):  # type: ignore[no-untyped-def]  # DDP refuses a bucket annotated otherwise
@@ -505,7 +508,22 @@ def _marked_allreduce(mark, bucket):  # type: ignore[no-untyped-def]  # DDP refu
     mark.at = time.perf_counter()
     if mark.event is not None:
         mark.event.record()  # on the stream the gradients were computed on: the device's "gradients ready"
-    return allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group
+    flags = mark.flags
+    if flags is None or not bucket.is_last():
+        return allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group
+    # The step's last bucket also carries the preemption flags (trainer.distributed.preemption.CarriedFlags): the
+    # gradients divided by the world size as allreduce_hook divides them, the flags summed with them.
+    buffer = bucket.buffer()
+    size = buffer.numel()
+    packed = torch.cat([buffer.div(comm.get_world_size()), flags.pack(buffer)])
+    future = comm.all_reduce_future(packed)
+
+    def split(done):  # type: ignore[no-untyped-def]
+        reduced = done.value()[0]
+        flags.unpack(reduced[size:])
+        return reduced[:size]
+
+    return future.then(split)
 
 
 class DDPStrategy(Strategy):

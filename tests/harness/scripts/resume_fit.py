@@ -6,7 +6,8 @@ Faults on demand (first attempt only, TORCHELASTIC_RESTART_COUNT == 0 or unset):
   --sigterm-at S      SIGTERM to rank --kill-rank at step S (keel saves and exits 75)
   --sigint-at S       Ctrl-C at step S: SIGINT to every rank, twice within a few ms as under torchrun (the
                       terminal's, then the agent's forward); keel saves and exits 130
-  --check-on-logging-steps   preemption checked on the logging steps (every 3), not every 2 steps
+  --default-check     preemption_check_interval left at its default: under DDP the ranks agree at every step
+                      through the gradient all-reduce (not every 2 steps)
   --kill-in-save-at S SIGKILL rank 0 halfway through committing the checkpoint of step S (a torn keel.pt)
   --kill-mid-upload-at S  SIGKILL rank --kill-rank inside its first write of step S's save, its data file half
                       written (on object storage: an upload that never completes)
@@ -125,9 +126,9 @@ def main() -> None:
     parser.add_argument("--sigterm-at", type=int, default=-1)
     parser.add_argument("--sigint-at", type=int, default=-1)
     parser.add_argument(
-        "--check-on-logging-steps",
+        "--default-check",
         action="store_true",
-        help="preemption_check_interval=None: ranks agree on the logging steps' collective",
+        help="preemption_check_interval=None: under DDP the ranks agree at every step (on the gradient all-reduce)",
     )
     parser.add_argument("--kill-in-save-at", type=int, default=-1)
     parser.add_argument("--kill-mid-upload-at", type=int, default=-1)
@@ -144,7 +145,7 @@ def main() -> None:
         enable_progress_bar=False,
         num_sanity_val_steps=0,
         log_every_n_steps=3,
-        preemption_check_interval=None if args.check_on_logging_steps else 2,
+        preemption_check_interval=None if args.default_check else 2,
         callbacks=callbacks,
         seed=7,
     )
