@@ -113,7 +113,7 @@ class CarriedFlags:
     no collective of their own and no host sync.
 
     DDP's communication hook appends ``[any preemption signal, any Ctrl-C]`` (this rank's, 0 or 1) to the step's
-    last gradient bucket (:func:`trainer.distributed.strategy._marked_allreduce`); the all-reduce sums them with the
+    first gradient bucket (:func:`trainer.distributed.strategy._marked_allreduce`); the all-reduce sums them with the
     gradients and :meth:`unpack` keeps the sums. On the CPU they are known when the backward returns, so the ranks
     decide at the same step boundary; on CUDA the sums are copied to pinned host memory without waiting, and each
     boundary reads the previous step's copy (its event waited for: long done by then), so every rank still decides at
@@ -131,7 +131,7 @@ class CarriedFlags:
         self.slot = 0  # where the next step's sums go
 
     def pack(self, like: torch.Tensor) -> torch.Tensor:
-        """This rank's flags on ``like``'s device and dtype (called in the hook, on the step's last bucket)."""
+        """This rank's flags on ``like``'s device and dtype (called in the hook, on the step's first bucket)."""
         self.outgoing[0] = 1.0 if self.watcher.requested else 0.0
         self.outgoing[1] = 1.0 if self.watcher.interrupted else 0.0
         return self.outgoing.to(device=like.device, dtype=like.dtype, non_blocking=True)

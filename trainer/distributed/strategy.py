@@ -496,7 +496,7 @@ class _SyncMark:
     def __init__(self, device: torch.device) -> None:
         self.at = 0.0
         self.event = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
-        self.flags: Any = None  # the loop's CarriedFlags: the preemption flags ride on the last bucket
+        self.flags: Any = None  # the loop's CarriedFlags: the preemption flags ride on the first bucket
 
 
 def _marked_allreduce(mark, bucket):  # type: ignore[no-untyped-def]  # DDP refuses a bucket annotated otherwise
@@ -509,10 +509,11 @@ def _marked_allreduce(mark, bucket):  # type: ignore[no-untyped-def]  # DDP refu
     if mark.event is not None:
         mark.event.record()  # on the stream the gradients were computed on: the device's "gradients ready"
     flags = mark.flags
-    if flags is None or not bucket.is_last():
+    if flags is None or bucket.index() != 0:
         return allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group
-    # The step's last bucket also carries the preemption flags (trainer.distributed.preemption.CarriedFlags): the
-    # gradients divided by the world size as allreduce_hook divides them, the flags summed with them.
+    # The step's first bucket (DDP caps it at 1 MiB, so the copy below is small) also carries the preemption flags
+    # (trainer.distributed.preemption.CarriedFlags): the gradients divided by the world size as allreduce_hook
+    # divides them, the flags summed with them.
     buffer = bucket.buffer()
     size = buffer.numel()
     packed = torch.cat([buffer.div(comm.get_world_size()), flags.pack(buffer)])
