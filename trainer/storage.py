@@ -212,6 +212,31 @@ class RemotePath:
     def write_bytes(self, data: bytes) -> None:
         self.fs.pipe_file(self.url, data)
 
+    def tag(self) -> str | None:
+        """The object's ETag (what a conditional write compares), None when the store gives none."""
+        info = self.fs.info(self.url)
+        tag = info.get("ETag") or info.get("etag")
+        return str(tag) if tag else None
+
+    def write_bytes_if(self, data: bytes, *, absent: bool = False, tag: str | None = None) -> None:
+        """Write only if the object is still absent (``absent``), or still has the ETag ``tag``. S3-compatible
+        stores check it on the server (``If-None-Match`` / ``If-Match``); other filesystems write as
+        :meth:`write_bytes` does (``absent`` is still honoured by fsspec, though not atomically).
+
+        Raises:
+            FileExistsError: the store refused the condition: another writer came first.
+        """
+        s3 = "s3" in (self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,))
+        conditions: dict[str, Any] = {"mode": "create"} if absent else ({"IfMatch": tag} if s3 and tag else {})
+        try:
+            self.fs.pipe_file(self.url, data, **conditions)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            if "pre-condition" in str(exc) or "PreconditionFailed" in str(exc):
+                raise FileExistsError(f"{self.url}: another writer came first ({describe_error(exc)})") from exc
+            raise
+
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
         """Nothing: a prefix exists once an object is written under it."""
 

@@ -366,3 +366,23 @@ def test_what_a_killed_save_left_in_a_bucket_is_swept_and_never_renames_a_save(s
     objects = store.find(ck.removeprefix("s3://"))
     assert [o for o in objects if any(o.startswith(f"{x.removeprefix('s3://')}/") for x in leftovers)] == []
     assert not [o for o in objects if "/epoch=0-step=3.ckpt/" in o]
+
+
+def test_a_claim_on_a_bucket_prefix_is_exclusive_on_the_server(s3) -> None:
+    """Of two runs that read a prefix unclaimed, or holding the same stale claim, in the same instant, the store
+    lets one write its claim (If-None-Match, If-Match on the ETag) and the other is refused: no run claims a prefix
+    another holds."""
+    from trainer.checkpoint import claim
+
+    folder = s3.url(s3.bucket("claims"), "ck")
+    held, seen = claim.read_for_replacing(folder)
+    assert held is None and not seen.present
+    claim.write(folder, "other-run")  # another run, between this one's read and its write
+    with pytest.raises(claim.Taken):
+        claim.write(folder, "this-run", seen)
+    held, stale = claim.read_for_replacing(folder)
+    assert held["run"] == "other-run" and stale.present and stale.tag
+    claim.write(folder, "third-run", stale)  # replaces exactly the claim it read
+    with pytest.raises(claim.Taken):  # the other reader of that same claim loses
+        claim.write(folder, "fourth-run", stale)
+    assert claim.read(folder)["run"] == "third-run"

@@ -273,7 +273,7 @@ class Checkpointer:
     def _claim(self, folder: str, ckpt_path: str | None, run: str) -> str:
         """Rank 0: the run this fit continues or starts (``run`` unless ``ckpt_path`` continues another), once
         ``folder`` is claimed for it."""
-        held = claim.read(folder)
+        held, seen = claim.read_for_replacing(folder)
         saves = committed_runs(folder)
         if ckpt_path in ("last", "best"):  # a save of the folder's run, resumed: that run continues
             run = (held or {}).get("run") or next((r for _, r in saves if r), run)
@@ -305,7 +305,15 @@ class Checkpointer:
                 name,
                 run,
             )
-        claim.write(folder, run)
+        try:
+            claim.write(folder, run, seen)
+        except claim.Taken:
+            now = claim.read(folder)
+            raise CheckpointError(
+                f"Checkpoint folder {folder!r} was claimed by {claim.describe(now) if now else 'another run'} while "
+                "this run was starting: two runs may not write one folder. Stop the other run, or give this one its "
+                "own folder (ModelCheckpoint(dirpath=...), or another logger version)."
+            ) from None
         return run
 
     def _claim_check(self, path: str | os.PathLike) -> Callable[[], None] | None:
