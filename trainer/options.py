@@ -172,9 +172,9 @@ class TrainerOptions:
         initial_weights_strict: Every task entry must be in the file and every file entry in the task (after
             renaming); False: what does not match is logged and keeps its initialisation. Shapes always match.
         preemption_check_interval: In a distributed run, the ranks agree on SIGTERM/SIGUSR1/SIGINT every N optimizer
-            steps (one tiny all-reduce each). None: at every step under DDP with automatic optimization (the flags
-            ride on the gradient all-reduce: no collective of their own, no host sync), on logging steps elsewhere
-            (FSDP, manual optimization).
+            steps (one tiny all-reduce each, waited for). None: at every step, with no host sync: under DDP with
+            automatic optimization the flags ride on the gradient all-reduce; elsewhere (FSDP, manual optimization)
+            on one small asynchronous all-reduce a step, read at the next step.
     """
 
     max_epochs: int | None = None

@@ -543,6 +543,8 @@ class Trainer(TrainerAttributes):
                     break
         finally:
             self._preemption.uninstall()
+        if self._carried is not None:
+            self._carried.drain()  # the last step's flags: every rank sent them
         self._nonfinite.check("at the end of fit")
         self._efficiency.finish(self, self._phases)  # the time budget, efficiency.json, the goodput ledger
         task.on_train_end()
@@ -718,16 +720,18 @@ class Trainer(TrainerAttributes):
         self._epoch_end(val_loaders, completed=completed)
 
     def _carry_preemption_flags(self) -> CarriedFlags | None:
-        """Under DDP with automatic optimization the preemption flags ride on each step's gradient all-reduce (no
-        collective of their own): the ranks agree at every step. Elsewhere (FSDP, manual optimization, or
-        ``preemption_check_interval`` given) they agree every ``preemption_check_interval`` steps (default: on
-        logging steps), with one small all-reduce."""
+        """With several ranks the ranks agree on a signal at every step (:class:`CarriedFlags`): under DDP with
+        automatic optimization the flags ride on the gradient all-reduce, elsewhere (sharded strategies, manual
+        optimization) on one small asynchronous all-reduce a step. With ``preemption_check_interval`` given: every that many steps,
+        with one small all-reduce waited for."""
         mark = self.strategy.sync_mark
-        if mark is None:
-            return None
-        carry = self.world_size > 1 and not self._manual_mode and self.options.preemption_check_interval is None
-        mark.flags = CarriedFlags(self._preemption, self.device) if carry else None
-        return cast(CarriedFlags | None, mark.flags)
+        carried = None
+        if self.world_size > 1 and self.options.preemption_check_interval is None:
+            on_gradients = mark is not None and not self._manual_mode
+            carried = CarriedFlags(self._preemption, self.device, on_gradients=on_gradients)
+        if mark is not None:
+            mark.flags = carried if carried is not None and carried.on_gradients else None
+        return carried
 
     def _next_preemption_check(self, every: int) -> str:
         if self.world_size == 1:

@@ -137,7 +137,7 @@ def test_a_signal_on_one_rank_is_acted_on_at_the_next_step_by_default(
     """preemption_check_interval=None (the default) under DDP: the flags ride on every step's gradient all-reduce, so
     a SIGTERM to rank 1 in on_train_batch_end of step 4 (after that step's all-reduce) stops both ranks at step 5,
     the next step, where the interval of 2 (or the logging steps, every 3) would wait until step 6. Resumes exactly.
-    A signal in step 3's hooks likewise stops at step 4 (with Ctrl-C on every rank, below)."""
+    A signal in step 3's hooks likewise stops at step 4 (with Ctrl-C on every rank, below), and under FSDP too."""
     args = [str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ck"), "--default-check"]
     first = spawn_ranks(SCRIPT, *args, "--sigterm-at", "4", "--kill-rank", "1", nproc=2, timeout=180)
     assert first.returncode != 0
@@ -146,6 +146,11 @@ def test_a_signal_on_one_rank_is_acted_on_at_the_next_step_by_default(
     spawn_ranks(SCRIPT, *args, "--resumed", nproc=2, timeout=180).check()
     for rank in (0, 1):
         assert_same(weights(tmp_path / "out", rank), ddp_reference[rank])
+    fsdp = tmp_path / "fsdp"  # FSDP: the flags go in one small asynchronous all-reduce a step, read a step later
+    args = [str(fsdp / "out"), "--ckpt-dir", str(fsdp / "ck"), "--default-check", "--strategy", "fsdp"]
+    third = spawn_ranks(SCRIPT, *args, "--sigterm-at", "4", "--kill-rank", "1", nproc=2, timeout=180)
+    assert third.returncode != 0
+    assert "step=5-preempted" in read_pointer(fsdp / "ck")[0], third.tail()
     interrupted = tmp_path / "ctrl-c"
     args = [str(interrupted / "out"), "--ckpt-dir", str(interrupted / "ck"), "--default-check"]
     second = spawn_ranks(SCRIPT, *args, "--sigint-at", "3", nproc=2, timeout=180)

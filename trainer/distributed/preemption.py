@@ -109,36 +109,39 @@ class PreemptionWatcher:
 
 
 class CarriedFlags:
-    """The preemption flags carried on DDP's gradient all-reduce, so that the ranks agree at every optimizer step with
-    no collective of their own and no host sync.
+    """The ranks agree on a preemption signal or Ctrl-C at every optimizer step, without a host sync.
 
-    DDP's communication hook appends ``[any preemption signal, any Ctrl-C]`` (this rank's, 0 or 1) to the step's
-    first gradient bucket (:func:`trainer.distributed.strategy._marked_allreduce`); the all-reduce sums them with the
-    gradients and :meth:`unpack` keeps the sums. On the CPU they are known when the backward returns, so the ranks
-    decide at the same step boundary; on CUDA the sums are copied to pinned host memory without waiting, and each
-    boundary reads the previous step's copy (its event waited for: long done by then), so every rank still decides at
-    the same step, one step after the signal. Measured alternative: a separate per-step all-reduce on a gloo group
-    cost 1.5 ms a step on a 2-core machine (the flags here ride on a collective that runs anyway).
+    Each step every rank sends ``[a signal, a Ctrl-C]`` (its own, 0 or 1) to be summed across ranks. Under DDP with
+    automatic optimization they ride on the step's first gradient bucket (``on_gradients``: DDP's communication hook,
+    :func:`trainer.distributed.strategy._marked_allreduce`, appends them; no collective of their own); elsewhere
+    (FSDP, manual optimization) they go in one small asynchronous all-reduce per step. Where the sums are known when
+    the step ends (DDP's all-reduce on the CPU) the ranks decide at that step; otherwise each step boundary reads the
+    previous step's sums (its all-reduce, and on CUDA its copy to pinned host memory, long done by then), so every
+    rank still decides at the same step, one step after the signal. Measured alternative: a per-step all-reduce
+    waited for at once cost 1.5 ms a step on a 2-core CPU machine.
     """
 
-    def __init__(self, watcher: PreemptionWatcher, device: torch.device) -> None:
+    def __init__(self, watcher: PreemptionWatcher, device: torch.device, *, on_gradients: bool) -> None:
         self.watcher = watcher
+        self.device = device
+        self.on_gradients = on_gradients
         self.cuda = device.type == "cuda"
+        self.lagged = self.cuda or not on_gradients  # the sums of a step are read at the next boundary
         self.outgoing = torch.zeros(2, pin_memory=self.cuda)  # this rank's flags, host side
         self.received = [torch.zeros(2, pin_memory=self.cuda) for _ in range(2)]  # the sums, one slot per step parity
         self.events: list[Any] = [None, None]
+        self.pending: list[Any] = [None, None]  # the separate all-reduce's futures
         self.arrived = [False, False]
-        self.slot = 0  # where the next step's sums go
+        self.slot = 0  # where this step's sums go
 
-    def pack(self, like: torch.Tensor) -> torch.Tensor:
-        """This rank's flags on ``like``'s device and dtype (called in the hook, on the step's first bucket)."""
+    def pack(self, like: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """This rank's flags on ``like``'s device and dtype, and the slot their sums go to."""
         self.outgoing[0] = 1.0 if self.watcher.requested else 0.0
         self.outgoing[1] = 1.0 if self.watcher.interrupted else 0.0
-        return self.outgoing.to(device=like.device, dtype=like.dtype, non_blocking=True)
+        return self.slot, self.outgoing.to(device=like.device, dtype=like.dtype, non_blocking=True)
 
-    def unpack(self, sums: torch.Tensor) -> None:
-        """Keep the reduced flags of this step (called when the all-reduce completes)."""
-        slot = self.slot
+    def unpack(self, slot: int, sums: torch.Tensor) -> None:
+        """Keep the reduced flags of a step (called when its all-reduce completes)."""
         self.received[slot].copy_(sums, non_blocking=True)
         if self.cuda:
             event = torch.cuda.Event()
@@ -149,16 +152,33 @@ class CarriedFlags:
     def decide(self) -> bool:
         """At an optimizer-step boundary, on every rank: True when any rank had a signal (then the watcher's
         ``interrupted`` says whether any had Ctrl-C). The same answer on every rank at the same step."""
-        slot = self.slot if not self.cuda else 1 - self.slot
-        if self.cuda:
-            self.slot = slot  # the next step's sums go where this step's decision was read from
+        read = 1 - self.slot if self.lagged else self.slot
+        if not self.on_gradients:
+            self._send()
+        self.slot = 1 - self.slot
+        return self._read(read)
+
+    def _send(self) -> None:
+        slot, flags = self.pack(torch.empty(0, device=self.device))
+        self.pending[slot] = comm.all_reduce_future(flags).then(lambda done: self.unpack(slot, done.value()[0]))
+
+    def _read(self, slot: int) -> bool:
+        if (future := self.pending[slot]) is not None:
+            future.wait()  # the previous step's: done long ago
+            self.pending[slot] = None
         if not self.arrived[slot]:
             return False
         self.arrived[slot] = False
-        event = self.events[slot]
-        if event is not None:
+        if (event := self.events[slot]) is not None:
             event.synchronize()  # the previous step's copy: finished long ago, so this does not stall
         preempt, interrupt = (float(v) for v in self.received[slot])
         if interrupt > 0:
             self.watcher.interrupted = True
         return preempt > 0 or interrupt > 0
+
+    def drain(self) -> None:
+        """The end of training: wait for the last step's all-reduce (every rank sent it)."""
+        for slot, future in enumerate(self.pending):
+            if future is not None:
+                future.wait()
+                self.pending[slot] = None

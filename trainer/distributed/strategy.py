@@ -516,12 +516,13 @@ def _marked_allreduce(mark, bucket):  # type: ignore[no-untyped-def]  # DDP refu
     # divides them, the flags summed with them.
     buffer = bucket.buffer()
     size = buffer.numel()
-    packed = torch.cat([buffer.div(comm.get_world_size()), flags.pack(buffer)])
+    slot, sent = flags.pack(buffer)
+    packed = torch.cat([buffer.div(comm.get_world_size()), sent])
     future = comm.all_reduce_future(packed)
 
     def split(done):  # type: ignore[no-untyped-def]
         reduced = done.value()[0]
-        flags.unpack(reduced[size:])
+        flags.unpack(slot, reduced[size:])
         return reduced[:size]
 
     return future.then(split)

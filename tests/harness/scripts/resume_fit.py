@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--kill-mid-upload-at", type=int, default=-1)
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--resumed", action="store_true", help="a manual second run: inject no faults")
+    parser.add_argument("--strategy", default="auto", help="the Trainer's strategy (auto: DDP on several ranks)")
     parser.add_argument("--save-on-crash-dir", default=None, help="also write the seen samples when crashing")
     args = parser.parse_args()
     checkpoint = ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_top_k=1)
@@ -146,6 +147,7 @@ def main() -> None:
         num_sanity_val_steps=0,
         log_every_n_steps=3,
         preemption_check_interval=None if args.default_check else 2,
+        strategy=args.strategy,
         callbacks=callbacks,
         seed=7,
     )
