@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from recipes.config_dir import config_dir
+from recipes.trainer_schema import override_values
 
 # Keys whose value is free-form in the config (a path, a name, a checkpoint spec): any type goes.
 _ANY_TYPE = frozenset({"ckpt_path", "name", "output_dir"})
@@ -104,7 +105,6 @@ def check_config_overrides(overrides: list[str]) -> str | None:
     """
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import ChoiceSweep
     from hydra.errors import HydraException
 
     try:
@@ -118,13 +118,9 @@ def check_config_overrides(overrides: list[str]) -> str | None:
         path = override.key_or_group
         if path.startswith(("hydra", "trainer.")) or path == "trainer":
             continue
-        value = override.value()
-        if isinstance(value, ChoiceSweep):
-            candidates = list(value.list)
-        elif override.is_sweep_override():
+        candidates = override_values(override)
+        if candidates is None:
             continue
-        else:
-            candidates = [value]
         folder = _group_dir(path.split("@")[0])
         if folder is not None:
             error = _check_choice(path.split("@")[0], folder, candidates, override.input_line)

@@ -109,6 +109,17 @@ def override_args(argv: list[str]) -> list[str]:
     return found
 
 
+def override_values(override: Any) -> list[Any] | None:
+    """The values a parsed override sets: one, or each of a sweep's list (``a=1,2``); None for what only Hydra
+    expands (ranges, globs, interpolations)."""
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    value = override.value()
+    if isinstance(value, ChoiceSweep):
+        return list(value.list)
+    return None if override.is_sweep_override() else [value]
+
+
 def check_overrides(argv: list[str]) -> str | None:
     """Checks the command line's ``trainer.<key>=value`` overrides against the schema, before composing.
 
@@ -124,7 +135,6 @@ def check_overrides(argv: list[str]) -> str | None:
         closest valid key and every valid key.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import ChoiceSweep
     from hydra.errors import HydraException
 
     overrides = override_args(argv)
@@ -161,13 +171,9 @@ def check_overrides(argv: list[str]) -> str | None:
                 f"Unknown trainer option {path!r} in override {text!r}.{hint}\n"
                 f"Valid trainer options (trainer.<key>): {', '.join(keys)}."
             )
-        value = override.value()
-        if isinstance(value, ChoiceSweep):
-            candidates = list(value.list)
-        elif override.is_sweep_override():
+        candidates = override_values(override)
+        if candidates is None:
             continue
-        else:
-            candidates = [value]
         for candidate in candidates:
             try:
                 schema[key] = candidate
