@@ -722,8 +722,8 @@ class Trainer(TrainerAttributes):
     def _carry_preemption_flags(self) -> CarriedFlags | None:
         """With several ranks the ranks agree on a signal at every step (:class:`CarriedFlags`): under DDP with
         automatic optimization the flags ride on the gradient all-reduce, elsewhere (sharded strategies, manual
-        optimization) on one small asynchronous all-reduce a step. With ``preemption_check_interval`` given: every that many steps,
-        with one small all-reduce waited for."""
+        optimization) on one small asynchronous all-reduce a step. With ``preemption_check_interval`` given: every
+        that many steps, with one small all-reduce waited for."""
         mark = self.strategy.sync_mark
         carried = None
         if self.world_size > 1 and self.options.preemption_check_interval is None:

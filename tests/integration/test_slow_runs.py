@@ -436,8 +436,9 @@ def test_throughput_metrics_samples_tokens_and_mfu_in_the_loggers_and_the_progre
     assert perf["perf/tokens_per_s"] == pytest.approx(rate * 2 * 32)
     assert perf["perf/mfu"] == pytest.approx(rate * 2 * 2e6 / 1e9)
     assert set(shown[None]) == {"data_wait", "tokens/s"} and set(shown[1e9]) == {"data_wait", "tokens/s", "mfu"}
-    assert float(shown[1e9]["mfu"]) == pytest.approx(perf["perf/mfu"], rel=1e-3)
-    assert float(shown[1e9]["data_wait"]) == pytest.approx(perf["perf/data_wait_frac"], rel=1e-3)
+    # shown as percentages: mfu to 0.1%, data_wait to 1%
+    assert float(shown[1e9]["mfu"].rstrip("%")) / 100 == pytest.approx(perf["perf/mfu"], abs=0.0005 + 1e-9)
+    assert float(shown[1e9]["data_wait"].rstrip("%")) / 100 == pytest.approx(perf["perf/data_wait_frac"], abs=0.005)
     with open(tmp_path / "peak1000000000.0" / "version_0" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["step"] for r in rows if r["perf/mfu"]] == ["2", "5"]  # the logging steps' own rows (0-based step)

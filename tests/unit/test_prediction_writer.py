@@ -1,7 +1,7 @@
 """BasePredictionWriter in one process makes Lightning 2.6.6's calls: ``write_on_batch_end`` with each batch's
 dataset indices, ``write_on_epoch_end`` with the run's predictions and per-loader, per-batch indices, for
 ``write_interval`` "batch" / "epoch" / "batch_and_epoch", and ``return_predictions`` decides only what ``predict``
-returns. The 2-rank run is tests/integration/test_prediction_writer.py.
+returns. The 2-rank run is tests/integration/test_prediction_writer_dist.py.
 
 The expected values are Lightning 2.6.6's, measured with the reference install: the writer and task below written
 against ``lightning.pytorch`` (``Trainer(accelerator="cpu")``), ``trainer.predict`` over one loader (7 samples, the

@@ -1,7 +1,7 @@
 """WeightAveraging, EMAWeightAveraging and StochasticWeightAveraging (callbacks/weight_averaging.py): the same
 program ends with Lightning 2.6.6's weights, a checkpoint holds the average as Lightning's does, and a fit killed
 midway and resumed with ckpt_path="last" ends with the weights of the uninterrupted fit. Two ranks under DDP and
-FSDP against one process: tests/integration/test_weight_averaging.py.
+FSDP against one process: tests/integration/test_weight_averaging_dist.py.
 """
 
 from __future__ import annotations

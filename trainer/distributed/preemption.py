@@ -129,6 +129,8 @@ class CarriedFlags:
         self.lagged = self.cuda or not on_gradients  # the sums of a step are read at the next boundary
         self.outgoing = torch.zeros(2, pin_memory=self.cuda)  # this rank's flags, host side
         self.received = [torch.zeros(2, pin_memory=self.cuda) for _ in range(2)]  # the sums, one slot per step parity
+        for host in self.received:
+            host.keel_host_buffer = True  # type: ignore[attr-defined]  # read on the host, never a device read
         self.events: list[Any] = [None, None]
         self.pending: list[Any] = [None, None]  # the separate all-reduce's futures
         self.arrived = [False, False]
@@ -171,7 +173,7 @@ class CarriedFlags:
         self.arrived[slot] = False
         if (event := self.events[slot]) is not None:
             event.synchronize()  # the previous step's copy: finished long ago, so this does not stall
-        preempt, interrupt = (float(v) for v in self.received[slot])
+        preempt, interrupt = self.received[slot].tolist()
         if interrupt > 0:
             self.watcher.interrupted = True
         return preempt > 0 or interrupt > 0

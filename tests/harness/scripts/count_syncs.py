@@ -17,11 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/harness/
 
 import torch.distributed as tdist
 from models import Regression, quiet, regression_data
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader
 
 from trainer import Callback, Trainer
+from trainer.distributed import strategy as ddp_strategy
 
 SYNC_OPS = {"item", "cpu", "__bool__", "tolist", "__float__", "__int__", "numpy"}
 COLLECTIVES = [
@@ -48,7 +48,9 @@ counts: Counter[str] = Counter()
 class CountSyncs(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in SYNC_OPS:
+        # keel's host buffers (the preemption flags, copied to the host without waiting and read a step later) hold
+        # host values: reading them is not a device read
+        if name in SYNC_OPS and not getattr(args[0] if args else None, "keel_host_buffer", False):
             counts["sync:" + name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -67,19 +69,19 @@ for _name in COLLECTIVES:
     setattr(tdist, _name, count_collective(_name))
 
 
-_allreduce_hook = default_hooks.allreduce_hook
+_marked_allreduce = ddp_strategy._marked_allreduce
 
 
 def counting_allreduce(state, bucket):
     counts["ddp_allreduce"] += 1
-    future = _allreduce_hook(state, bucket)
-    counts["collective:all_reduce"] -= 1  # the hook's own all_reduce is DDP's, counted above
+    future = _marked_allreduce(state, bucket)
+    counts["collective:all_reduce"] -= 1  # the hook's own all_reduce is DDP's (the preemption flags ride on it)
     return future
 
 
-# keel's DDP strategy registers its own comm hook (it marks when the last bucket launched) and calls
-# the default all-reduce hook from it, so counting goes through that hook: DDP takes one hook only.
-default_hooks.allreduce_hook = counting_allreduce
+# keel's DDP strategy registers its own comm hook (it marks when the last bucket launched, and the first bucket
+# carries the preemption flags); DDP takes one hook only, so counting wraps that hook where setup looks it up.
+ddp_strategy._marked_allreduce = counting_allreduce
 
 
 class Windows(Callback):

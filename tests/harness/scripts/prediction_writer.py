@@ -3,7 +3,7 @@
 Usage: torchrun --nproc-per-node N prediction_writer.py OUT_DIR
 Each rank writes OUT_DIR/rank{R}/batch-{dataloader_idx}-{batch_idx}.pt (``write_on_batch_end``: the batch's dataset
 indices and predictions) and OUT_DIR/rank{R}/epoch.pt (``write_on_epoch_end``: this rank's predictions and batch
-indices, and what ``predict`` returned). tests/integration/test_prediction_writer.py runs :func:`predict_and_write`
+indices, and what ``predict`` returned). tests/integration/test_prediction_writer_dist.py runs :func:`predict_and_write`
 in one process too and compares.
 """
 
