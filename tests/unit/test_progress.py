@@ -324,3 +324,20 @@ def test_each_distinct_warning_is_shown_once_per_run_even_when_a_library_resets_
         rank_zero._SHOWN_WARNINGS.clear()  # what a new Trainer (a new run) does
         warnings.warn("another warning", UserWarning, stacklevel=1)
     assert shown[-1] == "another warning" and len(shown) == 4
+
+
+@pytest.mark.parametrize("columns", [60, 130])
+def test_the_bar_fits_the_terminal_width_whatever_the_task_logs(columns: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", str(columns))  # what tqdm reads where the stream has no terminal size of its own
+    stream = TTYStream()
+    bar = ProgressBar(stream=stream)
+    metrics = {"train/loss": 0.6931, "val/acc": 0.1235, "val/loss": 2.25, "a_long_metric_name": 12345.678}
+    trainer = make_trainer(
+        progress_bar_metrics=metrics, callback_metrics={"perf/data_wait_frac": torch.tensor(0.0006681)}
+    )
+    bar.on_train_start(trainer, None)  # type: ignore[arg-type]
+    run_epoch(bar, trainer)
+    drawn = [line for line in stream.getvalue().replace("\n", "\r").split("\r") if line.strip()]
+    assert drawn and max(len(line) for line in drawn) <= columns, max(drawn, key=len)
+    if columns >= 130:  # the task's first value is kept, the tail cut
+        assert any("train/loss=0.6931" in line for line in drawn)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import datetime
 import logging
 import math
+import os
+import shutil
 import sys
 import time
 from typing import IO, TYPE_CHECKING, Any
@@ -284,7 +286,14 @@ class ProgressBar(Callback):
     def _new_bar(self, *, desc: str, total: int | None, leave: bool) -> tqdm:
         from tqdm import tqdm
 
-        return tqdm(total=total, desc=desc, leave=leave, file=self.stream, dynamic_ncols=True, unit="it")
+        # The bar is trimmed to the terminal's width: tqdm follows a real terminal as it resizes; a stream without
+        # one (a terminal emulator's pipe, a notebook) gets COLUMNS or the process's terminal, else 80 columns.
+        try:
+            os.get_terminal_size(self.stream.fileno())
+            follow, ncols = True, None
+        except (AttributeError, OSError, ValueError):
+            follow, ncols = False, shutil.get_terminal_size().columns
+        return tqdm(total=total, desc=desc, leave=leave, file=self.stream, dynamic_ncols=follow, ncols=ncols, unit="it")
 
     def _close_train_bar(self) -> None:
         if self._train_bar is not None:
