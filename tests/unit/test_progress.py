@@ -341,3 +341,30 @@ def test_the_bar_fits_the_terminal_width_whatever_the_task_logs(columns: int, mo
     assert drawn and max(len(line) for line in drawn) <= columns, max(drawn, key=len)
     if columns >= 130:  # the task's first value is kept, the tail cut
         assert any("train/loss=0.6931" in line for line in drawn)
+
+
+def test_a_recorded_failure_prints_one_line_unless_full_tracebacks_are_asked_for(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    from trainer.observability import failures
+
+    try:
+        raise ValueError("bad batch\nsecond line")
+    except ValueError as exc:
+        error, tb = exc, exc.__traceback__
+    monkeypatch.setattr(sys, "excepthook", lambda *args: print("python's traceback", file=sys.stderr))
+    monkeypatch.setattr(failures, "_installed", False)
+    path = failures.record(error, rank=1, run_dir=str(tmp_path))
+    assert path == str(tmp_path / "failure-rank1.log") and "second line" in (tmp_path / "failure-rank1.log").read_text()
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    sys.excepthook(ValueError, error, tb)
+    line = capsys.readouterr().err
+    assert line.startswith("keel: rank 1 failed: ValueError: bad batch (test_progress.py:") and line.endswith(
+        f"traceback in {path}\n"
+    )
+    monkeypatch.setenv("KEEL_FULL_TRACEBACK", "1")
+    sys.excepthook(ValueError, error, tb)
+    assert capsys.readouterr().err == "python's traceback\n"
+    assert failures.record(KeyboardInterrupt(), rank=1, run_dir=str(tmp_path)) is None  # not a failure
