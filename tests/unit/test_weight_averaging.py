@@ -78,17 +78,18 @@ LIGHTNING = {
 def test_the_program_ends_with_lightning_s_weights_and_validation_losses(case: str) -> None:
     """SWA (from epoch 2, annealed, with the BatchNorm pass at the end), EMA and the equal average of every step.
     The weights agree to the 6 places recorded (both compute in float32 in the same order); the validation losses to
-    1e-6, since keel reduces a logged mean in float64 and Lightning in float32. Lightning's SWA validates once more,
-    after its extra BatchNorm epoch; keel recomputes the statistics when training ends and does not (docs/porting.md),
-    so the fifth loss is Lightning's alone."""
+    1e-5 relative, since keel reduces a logged mean in float64 and Lightning in float32, and CPUs differ in kernels.
+    Lightning's SWA validates once more, after its extra BatchNorm epoch; keel recomputes the statistics when
+    training ends and does not (docs/porting.md), so the fifth loss is Lightning's alone."""
     got = program.summary(program.run(L.pytorch, case))
     expected = LIGHTNING[case]
     assert got["state"].keys() == expected["state"].keys()
     for key, (total, squares) in expected["state"].items():
         assert got["state"][key] == pytest.approx((total, squares), abs=2e-6), key
     losses = expected["val_losses"][:4]
-    assert got["val_losses"] == pytest.approx(losses, abs=1e-6)
-    assert got["final_loss"] == pytest.approx(expected["final_loss"], abs=1e-6)
+    # float32 kernels differ across CPUs by about 5e-7 relative (the constants' machine against an AMD EPYC)
+    assert got["val_losses"] == pytest.approx(losses, rel=1e-5)
+    assert got["final_loss"] == pytest.approx(expected["final_loss"], rel=1e-5)
 
 
 # ---------------------------------------------------------------------- killed and resumed
