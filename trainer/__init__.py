@@ -4,15 +4,16 @@
 strategy objects ``DDPStrategy`` and ``FSDPStrategy`` (``Trainer(strategy=FSDPStrategy(units=["Block"]))``), and
 ``export_weights`` (a checkpoint as safetensors or one plain weights file, :mod:`trainer.checkpoint.hf`).
 
-The core sits at the top of this package: ``trainer.py`` (the fit loop and the optimizer step), ``module.py``
-(TaskModule, DataModule), ``callback.py`` (the Callback base and its hook order), ``options.py`` (every option,
-validated), ``evaluation.py`` (validate / test / predict loops), ``metrics.py`` (``self.log``), ``hooks.py``,
-``lifecycle.py`` (around every stage), ``compat.py`` (what Lightning code expects), ``doctor.py``
-(``python -m trainer.doctor``), ``memory.py`` (the memory plan, ``python -m trainer.memory``) and ``estimate.py``
-(the estimate behind it, and the plan's line at fit start). The subsystems
-are packages, each saying in its docstring what it may import: :mod:`trainer.step`, :mod:`trainer.data`,
-:mod:`trainer.distributed`, :mod:`trainer.checkpoint`, :mod:`trainer.loggers` and :mod:`trainer.observability`.
-None of them imports ``trainer.py`` at run time. See docs/design.md.
+The core sits at the top of this package: ``trainer.py`` (the fit loop, the optimizer step and the loop's
+decisions), ``attributes.py`` (the Trainer's Lightning-named attributes), ``module.py`` (TaskModule, DataModule),
+``callback.py`` (the Callback base and its hook order), ``options.py`` (every option, validated), ``state.py``
+(TrainState), ``evaluation.py`` (validate / test / predict loops), ``metrics.py`` (``self.log``), ``hooks.py``,
+``lifecycle.py`` (around every stage), ``compat.py`` (step signatures, ``torch.compile``), ``storage.py`` (local
+and object-store paths) and ``doctor.py`` (``python -m trainer.doctor``). The subsystems are packages, each saying
+in its docstring what it may import: :mod:`trainer.step`, :mod:`trainer.data`, :mod:`trainer.distributed`,
+:mod:`trainer.checkpoint`, :mod:`trainer.loggers`, :mod:`trainer.observability` and :mod:`trainer.memory` (the
+memory planner, ``python -m trainer.memory``). None of them imports ``trainer.py`` at run time, except the memory
+planner's public face, which builds a Trainer. See docs/design.md.
 """
 
 from trainer.callback import Callback

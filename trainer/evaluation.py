@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from trainer.callback import Callback
-from trainer.compat import check_callback_dataloader_idx, check_task_dataloader_idx, is_keel_default, takes_batch_idx
+from trainer.compat import is_keel_default, takes_batch_idx
 from trainer.data.loaders import AdaptedLoader
 from trainer.data.transfer import move_to_device
 from trainer.distributed import comm
 from trainer.distributed import watchdog as wd
 from trainer.distributed.strategy import Strategy
-from trainer.hooks import BatchTransfer, overrides
+from trainer.hooks import BatchTransfer, check_callback_dataloader_idx, check_task_dataloader_idx, overrides
 from trainer.metrics import MetricCollector
 from trainer.module import TaskModule
 from trainer.step.precision import Precision

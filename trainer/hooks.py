@@ -15,12 +15,17 @@ callback added to ``trainer.callbacks`` or a hook assigned before then is seen i
 
 :class:`BatchTransfer` does the same for Lightning's three batch-transfer hooks, once per stage: when neither the
 task nor the datamodule overrides one, the loops move batches as they always do and call nothing more.
+
+Before a stage starts: :func:`check_task_dataloader_idx` and :func:`check_callback_dataloader_idx` check that the
+evaluation hooks take ``dataloader_idx`` as Lightning calls them (with its messages), and
+:func:`warn_uncalled_hooks` names each Lightning hook keel never calls, with what to do instead.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -145,3 +150,135 @@ def _batch_hook(task: TaskModule, datamodule: DataModule | None, name: str) -> C
     if in_datamodule:
         return getattr(datamodule, name)
     return getattr(task, name) if in_task else None
+
+
+# ---------------------------------------------------------------------- dataloader_idx (evaluation and predict)
+# Lightning's name for each stage's loaders in its messages ("You provided multiple `val_dataloader`, ...").
+_DATALOADER_PREFIX = {"validation": "val", "test": "test", "predict": "predict"}
+
+
+def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    """``fn``'s parameters (``self`` already bound), or None when Python cannot tell (a builtin)."""
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
+def _names_dataloader_idx(fn: Callable[..., Any]) -> bool:
+    """Lightning's ``is_param_in_hook_signature(fn, "dataloader_idx")``: a parameter of that name, or ``*args``."""
+    params = _parameters(fn)
+    return params is None or any(p.name == "dataloader_idx" or p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def _requires_dataloader_idx(fn: Callable[..., Any]) -> bool:
+    params = _parameters(fn)
+    return params is not None and any(p.name == "dataloader_idx" and p.default is p.empty for p in params)
+
+
+def check_task_dataloader_idx(task: TaskModule, stage: str, names: Iterable[str], *, many: bool) -> None:
+    """Lightning's check of the task's step and batch hooks (``names``, those the task overrides) before an
+    evaluation or predict run (``stage``: "validation", "test" or "predict"), with Lightning's messages: with
+    several loaders each must take ``dataloader_idx``; with one, none may require it.
+
+    Raises:
+        RuntimeError: naming the method and the fix, as Lightning 2.6 does.
+    """
+    prefix = _DATALOADER_PREFIX[stage]
+    for name in names:
+        fn = getattr(task, name)
+        where = f"`{type(task).__name__}.{name}()`"
+        if many and not _names_dataloader_idx(fn):
+            raise RuntimeError(
+                f"You provided multiple `{prefix}_dataloader`, but no `dataloader_idx` argument in {where}. Try "
+                "adding `dataloader_idx=0` to its signature."
+            )
+        if not many and _requires_dataloader_idx(fn):
+            raise RuntimeError(
+                f"You provided only a single `{prefix}_dataloader`, but have included `dataloader_idx` in {where}. "
+                "Either remove the argument or give it a default value i.e. `dataloader_idx=0`."
+            )
+
+
+def check_callback_dataloader_idx(callback: Callback, name: str, stage: str, *, leading: int, many: bool) -> None:
+    """Whether ``callback.<name>`` accepts the call Lightning makes: ``(trainer, task, [outputs,] batch,
+    batch_idx)`` with one loader, ``dataloader_idx`` as one more positional argument with several
+    (``leading``: the positional arguments before ``dataloader_idx``). Lightning itself calls the hook and
+    fails with Python's TypeError; keel says so before the run starts, with the fix.
+
+    Raises:
+        RuntimeError: naming the callback, the hook and the fix.
+    """
+    fn = getattr(callback, name)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: let the call tell
+        return
+    try:
+        signature.bind(*range(leading + many))
+    except TypeError:
+        prefix, where = _DATALOADER_PREFIX[stage], f"{type(callback).__name__}.{name}{signature}"
+        if many:
+            raise RuntimeError(
+                f"You provided multiple `{prefix}_dataloader`: {where} is called with `dataloader_idx` as its last "
+                "positional argument (as Lightning does), but does not take it. Add `dataloader_idx=0` to its "
+                "signature."
+            ) from None
+        raise RuntimeError(
+            f"You provided only a single `{prefix}_dataloader`: {where} is called without `dataloader_idx` (as "
+            "Lightning does), but requires it. Give it a default value, `dataloader_idx=0`."
+        ) from None
+
+
+# ---------------------------------------------------------------------- hooks keel never calls
+# Lightning hooks (module or callback) that keel deliberately does not call, with what to do instead.
+UNCALLED_HOOKS: dict[str, str] = {
+    "configure_callbacks": "pass the callbacks to Trainer(callbacks=[...]).",
+    "configure_gradient_clipping": "use Trainer(gradient_clip_val=..., gradient_clip_algorithm=...), or clip "
+    "in on_before_optimizer_step.",
+    "optimizer_step": "keel steps the optimizers itself; change the step in on_before_optimizer_step, or use "
+    "manual optimization (self.automatic_optimization = False).",
+    "optimizer_zero_grad": "keel zeroes gradients with set_to_none=True after each step; use "
+    "on_before_zero_grad to act just before it.",
+    "lr_scheduler_step": "return the scheduler config from configure_optimizers; for a custom schedule use "
+    "manual optimization and call sch.step() yourself.",
+    "backward": "use on_before_backward / on_after_backward, or manual optimization (self.manual_backward).",
+    "on_validation_model_zero_grad": "keel evaluates under torch.no_grad(); gradients are untouched.",
+    "configure_sharded_model": "build the model in __init__ (or in configure_model where keel has it).",
+}
+# The hooks of automatic optimization: under manual optimization (automatic_optimization = False) Lightning 2.6.6
+# calls none of them either (of UNCALLED_HOOKS only `backward`, from manual_backward), so a task that defines one
+# there loses nothing under keel and is not warned.
+AUTOMATIC_OPTIMIZATION_HOOKS = frozenset(
+    ("optimizer_step", "optimizer_zero_grad", "lr_scheduler_step", "configure_gradient_clipping")
+)
+_UNCALLED_WARNED: set[tuple[type, str]] = set()
+
+
+def warn_uncalled_hooks(task: TaskModule, callbacks: Iterable[Callback]) -> list[str]:
+    """Warn once per class for each Lightning hook in :data:`UNCALLED_HOOKS` that ``task`` or a callback
+    defines: keel will never call it (nor the task's :data:`AUTOMATIC_OPTIMIZATION_HOOKS` under manual
+    optimization, where Lightning does not call them either). Returns the warnings issued (for tests)."""
+    issued = []
+    manual = not getattr(task, "automatic_optimization", True)
+    for obj in [task, *callbacks]:
+        cls = type(obj)
+        for name, instead in UNCALLED_HOOKS.items():
+            if (cls, name) in _UNCALLED_WARNED or not callable(getattr(obj, name, None)) or _keel_owned(cls, name):
+                continue
+            if manual and obj is task and name in AUTOMATIC_OPTIMIZATION_HOOKS:
+                continue
+            _UNCALLED_WARNED.add((cls, name))
+            message = f"{cls.__name__}.{name} is a Lightning hook that keel never calls: {instead}"
+            warnings.warn(message, UserWarning, stacklevel=3)
+            issued.append(message)
+    return issued
+
+
+def _keel_owned(cls: type, name: str) -> bool:
+    """True when ``name`` comes from keel's own classes (nn.Module's ``optimizer_step`` does not exist,
+    but e.g. a keel base could define one), not from the user's."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return klass.__module__.split(".")[0] in ("trainer", "callbacks", "torch")
+    return True

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.compat import warn_uncalled_hooks
 from trainer.distributed import comm
 from trainer.distributed.watchdog import Watchdog, nccl_flight_recorder_env_defaults, start_for_run
+from trainer.hooks import warn_uncalled_hooks
 from trainer.observability.rank_zero import rank_zero_only
 from trainer.options import resolve_seed
 from trainer.storage import local_dir, sync_mirrors

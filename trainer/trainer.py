@@ -16,22 +16,18 @@ import functools
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, cast
 
 import torch
 
-from trainer import efficiency, lifecycle
+from trainer import lifecycle
+from trainer.attributes import TrainerAttributes
 from trainer.callback import Callback, check_callbacks
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
-from trainer.compat import (
-    TrainerAttributes,
-    compile_step,
-    fit_validation,
-    val_check_batches,
-    validates_at_epoch_end,
-)
+from trainer.compat import compile_step, is_keel_default
 from trainer.data import global_batch as elastic
 from trainer.data import stages
 from trainer.data.loaders import AdaptedLoader, EpochPlan, plan_epoch, warn_if_unsharded
@@ -41,7 +37,6 @@ from trainer.distributed import watchdog as wd
 from trainer.distributed.preemption import CarriedFlags, PreemptionWatcher
 from trainer.distributed.selection import select_strategy
 from trainer.distributed.strategy import StepAdapter, Strategy
-from trainer.estimate import MemoryPlan
 from trainer.evaluation import EvaluationLoop, log_results
 from trainer.hooks import BatchTransfer, TrainHooks
 from trainer.loggers.local import default_loggers
@@ -50,6 +45,7 @@ from trainer.metrics import MetricCollector, logged_step, logger_row
 from trainer.module import DataModule, TaskModule, check_stage_inputs
 from trainer.observability import failures
 from trainer.observability import summary as run_summary
+from trainer.observability.efficiency import Efficiency
 from trainer.observability.phases import PhaseClock
 from trainer.observability.progress import ProgressBar
 from trainer.observability.rank_zero import configure_logging
@@ -65,6 +61,7 @@ from trainer.step.accumulation import (
 from trainer.step.nonfinite import NonFiniteGuard
 from trainer.step.optim import ManualOptimization, SchedulerConfig, parse_optimizers, step_schedulers
 from trainer.step.precision import Precision
+from trainer.storage import local_dir
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +177,7 @@ class Trainer(TrainerAttributes):
                 check_callbacks(opts.callbacks),
                 progress_bar=ProgressBar if opts.enable_progress_bar else None,
                 checkpoint=ModelCheckpoint if opts.enable_checkpointing else None,
-                memory_plan=MemoryPlan if opts.memory_plan else None,
+                memory_plan=_memory_plan if opts.memory_plan else None,
             )
         )
         # fast_dev_run is a smoke test: no logger (as logger=False) and no periodic save (ModelCheckpoint.save).
@@ -219,7 +216,7 @@ class Trainer(TrainerAttributes):
         self._hooks: TrainHooks | None = None  # the epoch's overridden per-batch hooks (trainer/hooks.py)
         self._val_every_batches: int | None = None  # the epoch's fractional val_check_interval in batches, if any
         self._phases = PhaseClock()  # where each rank's time goes (observability); with its accounting in fit:
-        self._efficiency: efficiency.Efficiency
+        self._efficiency: Efficiency
         self.num_training_batches: int | None = None
         self.num_val_batches: list[int | None] = []  # per validation loader of the current fit
         self.num_sanity_val_batches: list[int | None] = []  # per loader of the last sanity check
@@ -259,7 +256,38 @@ class Trainer(TrainerAttributes):
             strategy=self.strategy,
         )
 
-    # ------------------------------------------------------------------ public properties (more in trainer/compat.py)
+    # ------------------------------------------------------------------ public properties (more in attributes.py)
+    # A stop request (should_stop = True) waits for min_epochs / min_steps, as in Lightning (logged once).
+    _stop_requested: bool = False
+    _min_logged: bool = False
+
+    @property
+    def should_stop(self) -> bool:
+        """Set True (by a callback, on every rank) to stop at the next optimizer-step boundary; reads True
+        only once ``min_epochs`` and ``min_steps`` are met."""
+        if not self._stop_requested:
+            return False
+        opts = self.options
+        if (opts.min_steps is None or self.global_step >= opts.min_steps) and (
+            opts.min_epochs is None or self.current_epoch >= opts.min_epochs
+        ):
+            return True
+        if not self._min_logged:
+            self._min_logged = True
+            log.info(
+                "Trainer was signaled to stop but the required min_epochs=%r or min_steps=%r has not been met. "
+                "Training will continue...",
+                opts.min_epochs,
+                opts.min_steps,
+            )
+        return False
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        self._stop_requested = bool(value)
+        if not value:
+            self._min_logged = False
+
     @property
     def accumulate_grad_batches(self) -> int:
         """Micro-batches of the current optimizer step: ``accumulation_schedule`` at the step clock."""
@@ -515,7 +543,18 @@ class Trainer(TrainerAttributes):
         )
         if resumed is not None:
             elastic.check_resume(self, resumed.get("global_batch"), path=str(self.ckpt_path))
-        self._phases, self._efficiency = efficiency.start(self, load_s)  # the run's time, from this step
+        self._efficiency = Efficiency(  # the run's time, from this step
+            task=task,
+            strategy=self.strategy,
+            device=self.device,
+            precision=opts.precision,
+            folder=local_dir(self.log_dir) if self.loggers and self.is_global_zero else None,
+            speaks=self.is_global_zero,
+            step=self.global_step,
+            micro_batch=elastic.micro_batch_of(self._train.loader),
+            load_s=load_s,
+        )
+        self._phases = self._efficiency.clock
         if self.is_global_zero:
             own_summary = any(getattr(cb, "is_model_summary", False) for cb in self.callbacks)
             self._log_fit_start(summary=opts.enable_model_summary and not own_summary)
@@ -546,7 +585,7 @@ class Trainer(TrainerAttributes):
         if self._carried is not None:
             self._carried.drain()  # the last step's flags: every rank sent them
         self._nonfinite.check("at the end of fit")
-        self._efficiency.finish(self, self._phases)  # the time budget, efficiency.json, the goodput ledger
+        self._efficiency.finish(self.global_step)  # the time budget, efficiency.json, the goodput ledger
         task.on_train_end()
         for cb in self.callbacks:
             cb.on_train_end(self, task)
@@ -908,7 +947,9 @@ class Trainer(TrainerAttributes):
         )
         if any_bad:
             self._nonfinite.fail(bad, f"at logging step {self.global_step}")  # raises on every rank
-        perf = self._efficiency.update(self, self._metrics.rows, values)  # the same on every rank
+        perf = self._efficiency.update(
+            self._metrics.rows, values, step=self.global_step, accumulate=self.accumulate_grad_batches
+        )  # the same on every rank
         if values := {**values, **perf}:  # the loggers get perf/ with the task's own row, never a row of its own
             self._publish(values, {**to_logger, **perf} if to_logger else {}, to_bar)
 
@@ -1006,3 +1047,74 @@ def _bounded(limit: int | None, loader: Any) -> int | None:
     if limit is None or length is None:
         return limit if length is None else length
     return min(limit, length)
+
+
+def _memory_plan() -> Callback:
+    """The memory plan's callback, imported when ``memory_plan`` is on: the planner's public face builds a Trainer
+    (trainer/memory/__init__.py), so the loop imports it only here, and ``import trainer`` never does."""
+    from trainer.memory.callback import MemoryPlan
+
+    return MemoryPlan()
+
+
+# ---------------------------------------------------------------------- when fit validates
+def fit_validation(
+    task: TaskModule,
+    loaders: list[AdaptedLoader],
+    limit: Callable[[AdaptedLoader], int | None],
+    device: torch.device | None = None,
+) -> tuple[list[AdaptedLoader], list[int | None]]:
+    """The validation loaders ``fit`` runs and their batch limits, decided as Lightning does:
+
+    * loaders but no ``validation_step``: validation is skipped, with a warning (Lightning: "You passed in
+      a val_dataloader but have no validation_step. Skipping val loop.");
+    * ``limit_val_batches=0`` (every loader limited to 0 batches): no validation and no sanity check.
+
+    The second is agreed by every rank (one all-reduce on ``device`` in a distributed run): a rank whose shard of a
+    small validation set is empty still runs validation with the others (their collectives need it).
+    """
+    if loaders and is_keel_default(task.validation_step):
+        warnings.warn(
+            f"{type(task).__name__} got validation data but defines no validation_step: validation is "
+            "skipped (as in Lightning). Implement validation_step(batch, batch_idx) to run it.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return [], []
+    limits = [limit(loader) for loader in loaders]
+    if not loaders:
+        return [], []
+    batches = torch.tensor([float(any(n != 0 for n in limits))], device=device)
+    if device is not None and comm.get_world_size() > 1:
+        comm.all_reduce(batches, "max")
+    return (loaders, limits) if batches.item() else ([], [])
+
+
+def validates_at_epoch_end(interval: int | float | None) -> bool:
+    """Whether ``val_check_interval`` leaves validation to the epoch ends: None, or Lightning's default 1.0."""
+    return interval is None or (isinstance(interval, float) and interval == 1.0)
+
+
+def val_check_batches(options: TrainerOptions, num_batches: int | None, *, epoch: int) -> int | None:
+    """For a fractional ``val_check_interval`` (a float below 1.0), the number of training batches between
+    validation runs in ``epoch``, as Lightning 2.6.6 counts them: ``max(1, int(num_batches * fraction))`` of the
+    epoch's batches after ``limit_train_batches``, counted from the epoch's start (also under gradient
+    accumulation, where a run can fall inside a window), in the epochs ``check_val_every_n_epoch`` selects; None
+    in other epochs, and for an int, None or 1.0 (keel's step and epoch-end schedules).
+
+    Raises:
+        ValueError: a fraction below 1.0 and a training loader of unknown length (Lightning's rule).
+    """
+    interval = options.val_check_interval
+    if not isinstance(interval, float) or interval == 1.0:
+        return None
+    if num_batches is None:
+        raise ValueError(
+            f"Trainer(val_check_interval={interval!r}) is a fraction of the training epoch, whose length is unknown "
+            "(the training loader has no len(): an IterableDataset). Use an int val_check_interval (every N optimizer "
+            "steps), 1.0 (epoch ends), or limit_train_batches=N (an int) to give the epoch a length."
+        )
+    every = options.check_val_every_n_epoch
+    if every is not None and (epoch + 1) % every != 0:
+        return None
+    return max(1, int(num_batches * interval))

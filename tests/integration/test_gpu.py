@@ -192,7 +192,7 @@ def test_the_memory_estimate_matches_the_cuda_peak_of_a_real_step(precision: str
     real = torch.cuda.max_memory_allocated() - start
     assert abs(estimate.device - real) / real < 0.15, (estimate.summary(), real)
     # Trainer(memory_plan=True) logs the same plan at the first batch (fake tensors: not in the peak above).
-    from trainer.estimate import MemoryPlan
+    from trainer.memory import MemoryPlan
 
     (plan,) = [cb for cb in trainer.callbacks if isinstance(cb, MemoryPlan)]
     assert plan.summary is not None and plan.summary.startswith(f"Memory plan: {estimate.summary()}; fits ")

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 import callbacks.lightning as L
 from trainer import DataModule, TaskModule, Trainer
-from trainer.compat import warn_uncalled_hooks
+from trainer.hooks import warn_uncalled_hooks
 
 SCRIPT = REPO_ROOT / "tests" / "harness" / "scripts" / "lightning_ports_run.py"
 HAS_TORCHMETRICS = importlib.util.find_spec("torchmetrics") is not None

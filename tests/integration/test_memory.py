@@ -1,4 +1,4 @@
-"""The memory plan (trainer/memory.py): estimated on fake tensors, it matches the memory a real step takes on the
+"""The memory plan (trainer/memory/): estimated on fake tensors, it matches the memory a real step takes on the
 CPU within 15% (the char GPT and a 100M-parameter model, measured as the resident-set high-water mark of a real
 ``Trainer.fit`` in its own process: tests/harness/scripts/measure_memory.py); FSDP divides the state by the ranks,
 activation checkpointing and CPU offload take what they should off the device, and the plan names the cheapest
@@ -18,7 +18,8 @@ from launch import REPO_ROOT
 
 from recipes.charlm import CharGPT
 from trainer import FSDPStrategy, TaskModule, Trainer
-from trainer.memory import MemoryEstimate, estimate_memory, format_plan, main, plan_memory
+from trainer.memory import MemoryEstimate, estimate_memory, format_plan, plan_memory
+from trainer.memory.__main__ import main
 
 SCRIPT = REPO_ROOT / "tests" / "harness" / "scripts" / "measure_memory.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -293,9 +294,9 @@ def _fit(task, memory_plan, caplog: pytest.LogCaptureFixture) -> tuple[dict, lis
     trainer = Trainer(
         max_steps=3, memory_plan=memory_plan, logger=False, enable_checkpointing=False, enable_progress_bar=False
     )
-    with caplog.at_level(logging.INFO, logger="trainer.estimate"):
+    with caplog.at_level(logging.INFO, logger="trainer.memory.callback"):
         trainer.fit(task, DataLoader(TensorDataset(x, x), batch_size=8, shuffle=True))
-    records = [r for r in caplog.records if r.name == "trainer.estimate"]
+    records = [r for r in caplog.records if r.name == "trainer.memory.callback"]
     return {k: v.clone() for k, v in task.state_dict().items()}, records
 
 

@@ -418,7 +418,7 @@ def test_throughput_metrics_samples_tokens_and_mfu_in_the_loggers_and_the_progre
 
     shown = {}
     for peak in (None, 1e9):
-        monkeypatch.setattr("trainer.efficiency.device_peak_flops", lambda device, dtype, peak=peak: peak)
+        monkeypatch.setattr("trainer.observability.efficiency.device_peak_flops", lambda device, dtype, peak=peak: peak)
         logger = CSVLogger(str(tmp_path), name=f"peak{peak}", version=0)
         bar = ProgressBar(log_every_n_steps_when_not_tty=3, stream=io.StringIO())  # not a terminal: log lines
         options = quiet(max_steps=6, log_every_n_steps=3, accumulate_grad_batches=2, logger=logger)
@@ -461,7 +461,7 @@ def test_a_task_that_logs_a_perf_name_keeps_its_value_and_is_warned_once(caplog)
             return super().training_step(batch, batch_idx)
 
     trainer = Trainer(**quiet(max_steps=6, log_every_n_steps=2))
-    with caplog.at_level(logging.WARNING, logger="trainer.efficiency"):
+    with caplog.at_level(logging.WARNING, logger="trainer.observability.efficiency"):
         trainer.fit(OwnSpeed(), DataLoader(regression_data(64), batch_size=4))
     assert float(trainer.callback_metrics["perf/steps_per_s"]) == 123.0
     assert "perf/data_wait_frac" in trainer.callback_metrics  # keel's others are still there

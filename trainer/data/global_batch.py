@@ -137,10 +137,14 @@ def _spec(value: int | dict[Any, Any] | None) -> int | dict[str, Any] | None:
     return {"clock": clock, "items": [[start, size] for start, size in items]}
 
 
-def _micro_of(trainer: Trainer) -> int | None:
-    loader = trainer._train.loader if trainer._train is not None else None
+def micro_batch_of(loader: Any) -> int | None:
+    """The training loader's batch size (one micro-batch of one rank), or None when it has none."""
     size = getattr(loader, "batch_size", None)
     return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def _micro_of(trainer: Trainer) -> int | None:
+    return micro_batch_of(trainer._train.loader if trainer._train is not None else None)
 
 
 def checkpoint_record(trainer: Trainer) -> dict[str, Any]:

@@ -9,7 +9,6 @@
   :mod:`~trainer.distributed.fsdp`; :mod:`~trainer.distributed.selection` turns the ``strategy`` option into one.
 * :mod:`~trainer.distributed.preemption`: signals set a flag; the ranks agree at a step boundary.
 * :mod:`~trainer.distributed.watchdog`: a rank that stops making progress dumps its stacks and exits.
-* :mod:`~trainer.distributed.memory`: a training step's memory on fake tensors in a fake process group.
 
 May import: torch, :mod:`trainer.options` and :mod:`trainer.compat` (the strategy reads the options), nothing
 else of keel at run time; the core's ``trainer.py`` only as a type (under ``TYPE_CHECKING``).

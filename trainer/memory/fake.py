@@ -6,7 +6,7 @@
 the world size asked for (torch's ``fake`` backend: collectives return at once), so an FSDP run of 64 ranks is
 planned in one process, or, at the start of fit, on fake groups over the run's own ranks. The peak over both steps
 (the first creates the gradients and the optimizer state) is reported by category, as the tracker saw it at that
-moment. :mod:`trainer.memory` turns it into a plan; see docs/memory.md.
+moment. :mod:`trainer.memory.plan` turns it into a plan; see docs/memory.md.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@ times on logging steps, throughput (samples, tokens, MFU), the time budget at th
 (``<run dir>/efficiency.json``) and the job's goodput across restarts (``<run dir>/goodput.jsonl``).
 
 The numbers and words come from :mod:`trainer.observability.phases` and :mod:`trainer.observability.goodput`; this
-module adds what needs the Trainer and other ranks: host names (one gather at fit start), the end-of-fit gather
-and the run directory. See docs/slow-runs.md.
+module adds what needs other ranks and the run: host names (one gather at fit start), the end-of-fit gather and
+the run directory. The loop hands it what it reads (the task, the strategy, the step); it never sees the Trainer.
+See docs/slow-runs.md.
 """
 
 from __future__ import annotations
@@ -17,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.data import global_batch
 from trainer.distributed import comm
 from trainer.distributed.launcher import run_identity
 from trainer.observability import goodput
 from trainer.observability.phases import DeviceTimeline, Diagnosis, PhaseClock
-from trainer.storage import local_dir
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer.trainer import Trainer
+    from torch import nn
+
+    from trainer.distributed.strategy import Strategy
 
 log = logging.getLogger(__name__)
 
@@ -64,36 +65,54 @@ class Efficiency:
     """A fit's accounting on one rank. Every rank reads the same rows and computes the same metrics; rank 0 speaks
     and writes the files."""
 
-    def __init__(self, trainer: Trainer, *, load_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        task: nn.Module,
+        strategy: Strategy,
+        device: torch.device,
+        precision: str,
+        folder: str | None,
+        speaks: bool,
+        step: int,
+        micro_batch: int | None,
+        load_s: float,
+    ) -> None:
+        """``folder``: the run directory (rank 0's, where the files go), ``speaks``: this rank logs (rank 0),
+        ``micro_batch``: the training loader's batch size (None when it has none), ``load_s``: the seconds the
+        checkpoint it resumed from took to load."""
         hosts = comm.all_gather_object(socket.gethostname())
-        task = trainer.task
-        manual = task is not None and not task.automatic_optimization
+        manual = not getattr(task, "automatic_optimization", True)
+        self.task, self.strategy, self.speaks, self.micro_batch = task, strategy, speaks, micro_batch
         self.diagnosis = Diagnosis(
             hosts=hosts,
             # FSDP gathers parameters in the forward; under manual optimization the whole step (backward and its
             # all-reduce too) is timed as the forward.
-            forward_waits=trainer.strategy.name == "fsdp" or manual,
-            backward_waits=trainer.strategy.sync_mark is None or manual,
+            forward_waits=strategy.name == "fsdp" or manual,
+            backward_waits=strategy.sync_mark is None or manual,
         )
-        self.folder = local_dir(trainer.log_dir) if trainer.loggers and trainer.is_global_zero else None
+        self.folder = folder
         self.clash_warned = False
         self.ledger = goodput.Ledger(self.folder, run_identity())
-        self.ledger.start(
-            step=trainer.global_step, load_s=load_s, attempt=restart_count(), world_size=trainer.world_size
-        )
-        precision = trainer.options.precision
+        self.ledger.start(step=step, load_s=load_s, attempt=restart_count(), world_size=len(hosts))
         dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "64": torch.float64}.get(precision)
-        self.peak = device_peak_flops(trainer.device, dtype or torch.float32)
+        self.peak = device_peak_flops(device, dtype or torch.float32)
+        # A fresh phase clock from this step (split at the strategy's gradient sync where it can tell; on CUDA with
+        # the device's times from timing events).
+        timeline = DeviceTimeline(lambda: torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None
+        self.clock = PhaseClock(step, sync=strategy.sync_mark, device=timeline)
 
-    def update(self, trainer: Trainer, rows: list[list[float]], logged: dict[str, float]) -> dict[str, float]:
-        """A logging step: the interval's ``perf/`` metrics (for the loggers and ``callback_metrics``, where
-        the progress bar finds them), less any name the task logged itself (``logged``: the task's value stays,
-        with one warning); the goodput ledger's line."""
-        metrics = self._update(trainer, rows)
+    def update(
+        self, rows: list[list[float]], logged: dict[str, float], *, step: int, accumulate: int
+    ) -> dict[str, float]:
+        """A logging step (``step``, with ``accumulate`` micro-batches per optimizer step): the interval's ``perf/``
+        metrics (for the loggers and ``callback_metrics``, where the progress bar finds them), less any name the
+        task logged itself (``logged``: the task's value stays, with one warning); the goodput ledger's line."""
+        metrics = self._update(rows, step=step, accumulate=accumulate)
         clash = sorted(metrics.keys() & logged.keys())
         if clash and not self.clash_warned:
             self.clash_warned = True
-            if trainer.is_global_zero:
+            if self.speaks:
                 log.warning(
                     "The task logs %s, a name keel uses for its own throughput metrics (docs/slow-runs.md); the "
                     "task's value is kept and keel's is not logged. Rename the task's metric to see keel's.",
@@ -101,17 +120,15 @@ class Efficiency:
                 )
         return {k: v for k, v in metrics.items() if k not in logged}
 
-    def _update(self, trainer: Trainer, rows: list[list[float]]) -> dict[str, float]:
-        metrics = self.diagnosis.update(rows, speak=trainer.is_global_zero)
+    def _update(self, rows: list[list[float]], *, step: int, accumulate: int) -> dict[str, float]:
+        metrics = self.diagnosis.update(rows, speak=self.speaks)
         if not metrics:
             return {}
-        self.ledger.progress(trainer.global_step, self.diagnosis.seconds[0])
+        self.ledger.progress(step, self.diagnosis.seconds[0])
         per_second = metrics["perf/steps_per_s"]
-        k, replicas = trainer.accumulate_grad_batches, trainer.strategy.data_parallel_size
-        samples = global_batch.checkpoint_record(trainer)[global_batch.R_SAMPLES]
-        if samples:
-            metrics["perf/samples_per_s"] = per_second * samples
-        task = trainer.task
+        k, replicas, task = accumulate, self.strategy.data_parallel_size, self.task
+        if self.micro_batch:  # samples per optimizer step, all ranks together
+            metrics["perf/samples_per_s"] = per_second * replicas * self.micro_batch * k
         tokens = getattr(task, "tokens_per_batch", None)  # one micro-batch of one rank
         if tokens:
             metrics["perf/tokens_per_s"] = per_second * k * replicas * float(tokens)
@@ -120,17 +137,18 @@ class Efficiency:
             metrics["perf/mfu"] = per_second * k * float(flops) / self.peak
         return metrics
 
-    def finish(self, trainer: Trainer, clock: PhaseClock) -> None:
-        """The end of fit: every rank's times since the last logging step (one collective); rank 0 logs the time
-        budget and the goodput, and writes ``efficiency.json`` when the run has a run directory."""
-        self.diagnosis.add(comm.all_gather_object(clock.take(trainer.global_step, wait=True)))
+    def finish(self, step: int) -> None:
+        """The end of fit (at ``step``): every rank's times since the last logging step (one collective); rank 0
+        logs the time budget and the goodput, and writes ``efficiency.json`` when the run has a run directory."""
+        clock = self.clock
+        self.diagnosis.add(comm.all_gather_object(clock.take(step, wait=True)))
         clock.device = None  # nothing reads the device's times after fit: no events pile up in validate/predict
-        if not trainer.is_global_zero:
+        if not self.speaks:
             return
         log.info("%s", self.diagnosis.budget_line())
         if self.folder is None:
             return
-        self.ledger.progress(trainer.global_step, self.diagnosis.seconds[0], end=True)
+        self.ledger.progress(step, self.diagnosis.seconds[0], end=True)
         budget: dict[str, Any] = self.diagnosis.budget()
         budget["goodput"] = job = goodput.account(goodput.read(self.folder))
         if job["restarts"]:
@@ -146,14 +164,3 @@ class Efficiency:
         os.makedirs(self.folder, exist_ok=True)
         with open(os.path.join(self.folder, "efficiency.json"), "w") as f:
             f.write(json.dumps(budget, indent=1) + "\n")
-
-
-def start(trainer: Trainer, load_s: float) -> tuple[PhaseClock, Efficiency]:
-    """A fresh phase clock from this step (split at the strategy's gradient sync where it can tell; on CUDA with
-    the device's times from timing events) and the accounting of this fit; ``load_s``: the seconds the checkpoint
-    it resumed from took to load."""
-    efficiency = Efficiency(trainer, load_s=load_s)
-    device = None
-    if trainer.device.type == "cuda":
-        device = DeviceTimeline(lambda: torch.cuda.Event(enable_timing=True))
-    return PhaseClock(trainer.global_step, sync=trainer.strategy.sync_mark, device=device), efficiency

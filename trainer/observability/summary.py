@@ -9,10 +9,26 @@ logs nothing to the bar) is not a logged metric, so it is not repeated next to t
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
-if TYPE_CHECKING:  # pragma: no cover
-    from trainer.trainer import Trainer
+
+class FinishedFit(Protocol):
+    """What the summary reads of a Trainer whose ``fit`` ended (its public, Lightning-named attributes)."""
+
+    @property
+    def log_dir(self) -> str: ...
+    @property
+    def loggers(self) -> Sequence[Any]: ...
+    @property
+    def checkpoint_callback(self) -> Any: ...
+    @property
+    def global_step(self) -> int: ...
+    @property
+    def current_epoch(self) -> int: ...
+    @property
+    def logged_metrics(self) -> Mapping[str, Any]: ...
+
 
 TITLE = " keel run summary "
 WIDTH = 78
@@ -31,7 +47,7 @@ def _logger_kind(logger: Any) -> str:
     return {"TensorBoardLogger": "tensorboard", "CSVLogger": "csv"}.get(name, name)
 
 
-def of_fit(trainer: Trainer, seconds: float) -> dict[str, Any]:
+def of_fit(trainer: FinishedFit, seconds: float) -> dict[str, Any]:
     """The summary of the fit that just ended, the same on every rank.
 
     Returns:
@@ -58,7 +74,7 @@ def of_fit(trainer: Trainer, seconds: float) -> dict[str, Any]:
     }
 
 
-def metrics_of(trainer: Trainer) -> dict[str, float]:
+def metrics_of(trainer: FinishedFit) -> dict[str, float]:
     """What the loggers last received for each name (reduced as logged), sorted by name; ``epoch`` left out."""
     return {name: float(value) for name, value in sorted(trainer.logged_metrics.items()) if name != "epoch"}
 

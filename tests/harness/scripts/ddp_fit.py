@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainer import Trainer
-from trainer.estimate import MemoryPlan
+from trainer.memory import MemoryPlan
 
 
 class Recording(Regression):

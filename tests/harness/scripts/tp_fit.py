@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from callbacks.lightning.pytorch.strategies import ModelParallelStrategy
 from trainer import FSDPStrategy, TaskModule, Trainer
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
-from trainer.estimate import MemoryPlan
+from trainer.memory import MemoryPlan
 
 WIDTH = 8
 
