@@ -12,7 +12,7 @@ import datetime
 import difflib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainer.distributed.launcher import DistEnv
 
 Precision = Literal["32", "64", "bf16-mixed", "16-mixed"]
+# initial_weights_rename: a function of a source name (None drops the entry), or {source_prefix: task_prefix}
+Rename = Callable[[str], "str | None"] | Mapping[str, str]
 Accelerator = Literal["auto", "cpu", "cuda"]
 
 PRECISIONS: tuple[str, ...] = ("32", "64", "bf16-mixed", "16-mixed")
@@ -372,8 +374,6 @@ class TrainerOptions:
                 )
             self.initial_weights = location(self.initial_weights, "Trainer(initial_weights=...)")
         if self.initial_weights_rename is not None:
-            from trainer.checkpoint.initial import rename_function
-
             try:
                 rename_function(self.initial_weights_rename)
             except ValueError:
@@ -647,4 +647,27 @@ def check_lightning_keywords(options: TrainerOptions, env: DistEnv) -> None:
         f"Trainer({', '.join(asked)}) does not match the launch: this process was started {started}. keel "
         f"does not start processes itself; launch the layout you asked for with\n    {command}\nor pass "
         "devices='auto' and leave out num_nodes to use whatever the launcher started."
+    )
+
+
+def rename_function(rename: Rename | None, option: str = "initial_weights_rename") -> Callable[[str], str | None]:
+    """``rename`` as a function of a source name: a callable as it is (None drops the entry), or a mapping of
+    source prefixes to task prefixes (the longest matching prefix is replaced; ``""`` matches every name)."""
+    if rename is None:
+        return lambda name: name
+    if callable(rename):
+        return rename
+    if isinstance(rename, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in rename.items()):
+        prefixes = sorted(rename.items(), key=lambda kv: len(kv[0]), reverse=True)
+
+        def by_prefix(name: str) -> str:
+            for old, new in prefixes:
+                if name.startswith(old):
+                    return new + name[len(old) :]
+            return name
+
+        return by_prefix
+    raise ValueError(
+        f"Trainer option {option}={rename!r}: pass a function of a source name (returning the task's name, or None "
+        "to drop the entry) or a mapping of source prefixes to task prefixes, e.g. {'model.': 'net.'}."
     )

@@ -409,11 +409,23 @@ class Trainer(TrainerAttributes):
             )
         self.checkpointer.save(filepath, weights_only=weights_only)
 
+    def _loader_source(self) -> DataModule | TaskModule:
+        """Where a stage's ``*_dataloader()`` hooks are: the datamodule when there is one, else the task."""
+        assert self.task is not None  # set for the whole stage (Trainer._run)
+        return self.datamodule if self.datamodule is not None else self.task
+
     def _before_save(self, path: str) -> None:
         self._beat(wd.PHASE_CHECKPOINT)
         self._nonfinite.check(f"before saving checkpoint {path!r}")  # never a checkpoint after a NaN step
         self.state.data_parallel_size = self.strategy.data_parallel_size
-        self.state.global_batch = elastic.checkpoint_record(self)
+        # A save in on_train_epoch_end resumes at the next epoch: record the accumulation in force there.
+        epoch = self.current_epoch + (1 if self.state.epoch_finished else 0)
+        self.state.global_batch = elastic.checkpoint_record(
+            self.options.global_batch_size,
+            micro=elastic.micro_batch_of(self._train.loader if self._train is not None else None),
+            k=self.accumulation_schedule.k(epoch=epoch, global_step=self.global_step),
+            replicas=self.strategy.data_parallel_size,
+        )
 
     def _on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         task = self.task
@@ -507,8 +519,14 @@ class Trainer(TrainerAttributes):
         task = self.task
         assert task is not None
         opts = self.options
-        self._train = stages.train_loader(self, train_dataloaders)
-        elastic.configure(self, self._train.loader)  # global_batch_size -> accumulation at this world size
+        self._train = stages.train_loader(
+            self._loader_source(), train_dataloaders, strategy=self.strategy, seed=opts.seed
+        )
+        schedule = elastic.configure(  # global_batch_size -> accumulation at this world size
+            opts.global_batch_size, self._train.loader, replicas=self.strategy.data_parallel_size
+        )
+        if schedule is not None:
+            self.accumulation_schedule = schedule
         pinned = bool(getattr(self._train.loader, "pin_memory", False))
         copier = BatchCopier(self.device, float_dtype=self._precision.param_dtype, overlap=pinned)
         transfer = BatchTransfer.resolve(  # None unless the task or datamodule overrides a batch-transfer hook
@@ -518,8 +536,10 @@ class Trainer(TrainerAttributes):
         self._moves_batches = self._device_copies or transfer is not None
         val_loaders, self.num_val_batches = fit_validation(  # none without validation_step or with limit 0
             task,
-            stages.eval_loaders(self, "validate", val_dataloaders),
-            lambda v: stages.batch_limit(self, v.loader, "limit_val_batches"),
+            stages.eval_loaders(
+                self._loader_source(), "validate", val_dataloaders, strategy=self.strategy, seed=opts.seed
+            ),
+            lambda v: stages.batch_limit(opts, v.loader, "limit_val_batches"),
             self.device,
         )
         self._check_sharding = self.strategy.data_parallel_size > 1 and self._train.sampler is None
@@ -542,7 +562,15 @@ class Trainer(TrainerAttributes):
             micro_batch=getattr(self._train.loader, "batch_size", None), replicas=self.strategy.data_parallel_size
         )
         if resumed is not None:
-            elastic.check_resume(self, resumed.get("global_batch"), path=str(self.ckpt_path))
+            elastic.check_resume(
+                resumed.get("global_batch"),
+                option=opts.global_batch_size,
+                micro=elastic.micro_batch_of(self._train.loader),
+                k=self.accumulate_grad_batches,
+                replicas=self.strategy.data_parallel_size,
+                step=self.global_step,
+                path=str(self.ckpt_path),
+            )
         self._efficiency = Efficiency(  # the run's time, from this step
             task=task,
             strategy=self.strategy,
@@ -649,9 +677,9 @@ class Trainer(TrainerAttributes):
         # Every parameter the optimizers update (clipping and gradient rescaling act on these).
         self._params = [p for o in self.optimizers for group in o.param_groups for p in group["params"]]
         self._manual = ManualOptimization(
-            trainer=self,
             task=task,
-            callbacks=self.callbacks,
+            # the epoch's overridden hooks; outside an epoch (a manual step in on_fit_start) those in force now
+            hooks=lambda: self._hooks or TrainHooks(self, task, self.callbacks),
             strategy=self.strategy,
             precision=self._precision,
             clip_val=opts.gradient_clip_val,
@@ -669,7 +697,7 @@ class Trainer(TrainerAttributes):
             epoch=self.current_epoch,
             batches_done=self.state.batches_done,
             samples_done=self.state.samples_done,
-            limit=lambda loader: stages.batch_limit(self, loader, "limit_train_batches"),
+            limit=lambda loader: stages.batch_limit(self.options, loader, "limit_train_batches"),
             replicas=self.strategy.data_parallel_size,
             device=self.device,
             uneven=cast('Literal["error", "truncate"]', opts.uneven_batches),  # checked in options
@@ -1004,7 +1032,9 @@ class Trainer(TrainerAttributes):
 
     def _stage_loaders(self, stage: str, dataloaders: Any, ckpt_path: str | None) -> list[AdaptedLoader]:
         """validate / test / predict: the sharded loaders, and the weights of ``ckpt_path`` when given."""
-        loaders = stages.eval_loaders(self, stage, dataloaders, required=True)
+        loaders = stages.eval_loaders(
+            self._loader_source(), stage, dataloaders, strategy=self.strategy, seed=self.options.seed, required=True
+        )
         assert self.task is not None
         self.checkpointer.track(self.task, datamodule=self.datamodule)
         self.checkpointer.load(ckpt_path, full=False)
@@ -1015,7 +1045,8 @@ class Trainer(TrainerAttributes):
     ) -> list[dict[str, float]]:
         name = "limit_val_batches" if stage == "validate" else "limit_test_batches"
         limits = [
-            stages.batch_limit(self, a.loader, name) if limit_override is None else limit_override for a in loaders
+            stages.batch_limit(self.options, a.loader, name) if limit_override is None else limit_override
+            for a in loaders
         ]
         # What each loader will run, where known (Lightning's names; the progress bar's totals).
         counts = [_bounded(limit, a.loader) for limit, a in zip(limits, loaders)]
@@ -1032,7 +1063,7 @@ class Trainer(TrainerAttributes):
 
     def _predict(self, dataloaders: Any, ckpt_path: str | None, keep: bool | None) -> list[Any] | None:
         loaders = self._stage_loaders("predict", dataloaders, ckpt_path)
-        limits = [stages.batch_limit(self, a.loader, "limit_predict_batches") for a in loaders]
+        limits = [stages.batch_limit(self.options, a.loader, "limit_predict_batches") for a in loaders]
         gather = None if keep is False else self.options.predict_return
         assert self.task is not None
         return self._eval_loop.predict(self, self.task, self.callbacks, loaders, limits, gather=gather)

@@ -14,8 +14,9 @@ from models import Regression, loader, quiet, regression_data
 
 from trainer import Trainer
 from trainer.checkpoint.files import CheckpointError, read_pointer
+from trainer.checkpoint.hf import export_weights
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
-from trainer.checkpoint.reader import export_weights, load_weights
+from trainer.checkpoint.reader import load_weights
 from trainer.distributed.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 SCRIPT = REPO_ROOT / "tests" / "harness" / "scripts" / "resume_fit.py"

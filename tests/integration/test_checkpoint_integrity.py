@@ -35,8 +35,9 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from trainer import Callback, Trainer
 from trainer.checkpoint.claim import CLAIM_FILE
 from trainer.checkpoint.files import POINTER_NAME, CheckpointError, read_pointer
+from trainer.checkpoint.hf import export_weights
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
-from trainer.checkpoint.reader import export_weights, load_weights
+from trainer.checkpoint.reader import load_weights
 from trainer.checkpoint.store import KEEL_FILE, LIGHTNING_FILE, MANIFEST_FILE, METADATA_FILE, manifest_body, quiet_dcp
 from trainer.loggers.logger import Logger
 

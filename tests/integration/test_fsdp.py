@@ -136,7 +136,7 @@ def test_sigkill_under_torchrun_resumes_bit_identical_and_reshards_to_one_rank(t
     out = tmp_path / "weights.pt"
     code = (
         "import sys, torch; sys.path.insert(0, 'tests/harness/scripts'); "
-        "from trainer.checkpoint.reader import export_weights; "
+        "from trainer.checkpoint.hf import export_weights; "
         f"export_weights({str(last)!r}, {str(out)!r}); from fsdp_fit import BlockNet; t = BlockNet(); "
         f"t.load_state_dict(torch.load({str(out)!r}, weights_only=True)); "
         f"u = BlockNet.load_from_checkpoint({str(last)!r}); "

@@ -90,7 +90,7 @@ sys.path.insert(0, 'tests/harness'); sys.path.insert(0, 'tests/harness/scripts')
 from torch.utils.data import DataLoader, TensorDataset
 from fsdp_fit import BlockNet, data
 from trainer import FSDPStrategy, Trainer
-from trainer.checkpoint.reader import export_weights
+from trainer.checkpoint.hf import export_weights
 task = BlockNet()
 trainer = Trainer(max_steps=4, accelerator='cuda', strategy=FSDPStrategy(cpu_offload=True), precision='bf16-mixed',
                   logger=False, enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0)

@@ -127,7 +127,7 @@ def test_fsdp_async_saves_on_s3_survive_a_sigkill_reshard_to_one_process_and_exp
     files = {o.rsplit("/", 1)[1] for o in fs(s3).find(last.removeprefix("s3://"))}
     assert {"keel.json", ".metadata", "keel.pt", "__0_0.distcp", "__1_0.distcp"} <= files, files
     exported = s3.url(last.removeprefix("s3://").split("/", 1)[0], "weights.pt")
-    code = f"from trainer.checkpoint.reader import export_weights; export_weights({last!r}, {exported!r})"
+    code = f"from trainer.checkpoint.hf import export_weights; export_weights({last!r}, {exported!r})"
     done = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO_ROOT,

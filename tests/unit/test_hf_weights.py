@@ -104,16 +104,12 @@ def test_rename_and_dtype(save: tuple[Path, dict], tmp_path: Path) -> None:
     assert not (tmp_path / "y.safetensors").exists()
 
 
-def test_plain_export_and_the_old_import_path(save: tuple[Path, dict], tmp_path: Path) -> None:
-    from trainer.checkpoint.reader import export_weights as old
-
-    assert old is hf.export_weights and trainer.export_weights is hf.export_weights
-    old(save[0], tmp_path / "weights.pt")
+def test_plain_export(save: tuple[Path, dict], tmp_path: Path) -> None:
+    assert trainer.export_weights is hf.export_weights
+    trainer.export_weights(save[0], tmp_path / "weights.pt")
     assert_same(torch.load(tmp_path / "weights.pt", weights_only=True), save[1])
     net = Regression()
     net.load_state_dict(torch.load(tmp_path / "weights.pt", weights_only=True))
-    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
-        reader.no_such_name  # noqa: B018
 
 
 def test_open_weights_on_a_keel_save(save: tuple[Path, dict]) -> None:

@@ -22,8 +22,9 @@ from models import Regression, loader, quiet, regression_data
 from trainer import Trainer, storage
 from trainer.checkpoint.claim import CLAIM_FILE
 from trainer.checkpoint.files import CorruptCheckpointError
+from trainer.checkpoint.hf import export_weights
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
-from trainer.checkpoint.reader import committed, export_weights, resolve_last
+from trainer.checkpoint.reader import committed, resolve_last
 from trainer.checkpoint.store import MANIFEST_FILE
 from trainer.loggers import CSVLogger
 from trainer.storage import RemotePath, location

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,36 +25,13 @@ from torch import nn
 
 from trainer.checkpoint.files import CheckpointError
 from trainer.distributed import comm
+from trainer.options import Rename, rename_function
 
 __all__ = ["Rename", "load_initial_weights", "rename_function"]
 
 log = logging.getLogger(__name__)
 
-Rename = Callable[[str], "str | None"] | Mapping[str, str]
 _SHOWN = 8  # names listed per kind of problem
-
-
-def rename_function(rename: Rename | None, option: str = "initial_weights_rename") -> Callable[[str], str | None]:
-    """``rename`` as a function of a source name: a callable as it is (None drops the entry), or a mapping of
-    source prefixes to task prefixes (the longest matching prefix is replaced; ``""`` matches every name)."""
-    if rename is None:
-        return lambda name: name
-    if callable(rename):
-        return rename
-    if isinstance(rename, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in rename.items()):
-        prefixes = sorted(rename.items(), key=lambda kv: len(kv[0]), reverse=True)
-
-        def by_prefix(name: str) -> str:
-            for old, new in prefixes:
-                if name.startswith(old):
-                    return new + name[len(old) :]
-            return name
-
-        return by_prefix
-    raise ValueError(
-        f"Trainer option {option}={rename!r}: pass a function of a source name (returning the task's name, or None "
-        "to drop the entry) or a mapping of source prefixes to task prefixes, e.g. {'model.': 'net.'}."
-    )
 
 
 def load_initial_weights(

@@ -14,13 +14,12 @@ freely).
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
 import zlib
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -469,15 +468,3 @@ def resolve_best(
         else:
             out.append(os.path.join(os.fspath(directory), name))
     return out
-
-
-if TYPE_CHECKING:
-    from trainer.checkpoint.hf import export_weights as export_weights
-else:
-
-    def __getattr__(name: str) -> Any:
-        """``export_weights`` moved to :mod:`trainer.checkpoint.hf` (which imports this module, so this module
-        names it only when asked for it): ``from trainer.checkpoint.reader import export_weights`` gives it."""
-        if name == "export_weights":
-            return importlib.import_module("trainer.checkpoint.hf").export_weights
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

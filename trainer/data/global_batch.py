@@ -23,16 +23,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainer.options import parse_global_batch
 from trainer.step.accumulation import AccumulationSchedule
 
-if TYPE_CHECKING:  # pragma: no cover
-    from trainer.trainer import Trainer
-
 log = logging.getLogger(__name__)
-# The functions below take the Trainer as an argument; it is imported for types only (no import circle).
 
 OPTION = "global_batch_size"
 # Keys of the checkpoint's record of the global batch (checkpoint key trainer.checkpoint.files.K_GLOBAL_BATCH).
@@ -105,26 +101,28 @@ def _not_divisible(size: int, world_size: int, micro_batch: int, where: str = ""
     )
 
 
-def configure(trainer: Trainer, loader: Iterable[Any]) -> None:
-    """Set ``trainer.accumulation_schedule`` from ``global_batch_size`` for this (re)start (no-op without it).
+def configure(
+    option: int | dict[Any, Any] | None, loader: Iterable[Any], *, replicas: int
+) -> AccumulationSchedule | None:
+    """The accumulation schedule that ``global_batch_size`` (``option``) gives on ``replicas`` data-parallel ranks
+    with the micro-batch of ``loader``, for this (re)start; None without the option.
 
-    Called by ``Trainer.fit`` once the training loader is known, before ``configure_optimizers`` (so
+    The Trainer calls it in ``fit`` once the training loader is known, before ``configure_optimizers`` (so
     ``estimated_stepping_batches`` counts the right steps).
     """
-    if trainer.options.global_batch_size is None:
-        return
+    if option is None:
+        return None
     micro = micro_batch_size(loader)
-    trainer.accumulation_schedule = accumulation_for(
-        trainer.options.global_batch_size, world_size=trainer.strategy.data_parallel_size, micro_batch=micro
-    )
+    schedule = accumulation_for(option, world_size=replicas, micro_batch=micro)
     log.info(
         "%s=%r on %d data-parallel rank(s) x micro-batch %d: accumulation %s.",
         OPTION,
-        trainer.options.global_batch_size,
-        trainer.strategy.data_parallel_size,
+        option,
+        replicas,
         micro,
-        trainer.accumulation_schedule,
+        schedule,
     )
+    return schedule
 
 
 def _spec(value: int | dict[Any, Any] | None) -> int | dict[str, Any] | None:
@@ -143,26 +141,31 @@ def micro_batch_of(loader: Any) -> int | None:
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
-def _micro_of(trainer: Trainer) -> int | None:
-    return micro_batch_of(trainer._train.loader if trainer._train is not None else None)
-
-
-def checkpoint_record(trainer: Trainer) -> dict[str, Any]:
-    """What a checkpoint records of the global batch: the option, and the layout of the step to come."""
-    micro = _micro_of(trainer)
-    # A save in on_train_epoch_end resumes at the next epoch: record the accumulation in force there.
-    epoch = trainer.current_epoch + (1 if trainer.state.epoch_finished else 0)
-    k = trainer.accumulation_schedule.k(epoch=epoch, global_step=trainer.global_step)
+def checkpoint_record(
+    option: int | dict[Any, Any] | None, *, micro: int | None, k: int, replicas: int
+) -> dict[str, Any]:
+    """What a checkpoint records of the global batch: the option, and the layout of the step to come (``k``
+    micro-batches of ``micro`` samples on ``replicas`` data-parallel ranks)."""
     return {
-        R_SPEC: _spec(trainer.options.global_batch_size),
-        R_SAMPLES: None if micro is None else trainer.strategy.data_parallel_size * micro * k,
+        R_SPEC: _spec(option),
+        R_SAMPLES: None if micro is None else replicas * micro * k,
         R_MICRO: micro,
-        R_WORLD: trainer.strategy.data_parallel_size,
+        R_WORLD: replicas,
     }
 
 
-def check_resume(trainer: Trainer, record: dict[str, Any] | None, *, path: str) -> None:
-    """Refuse a resume that would change the run's samples per optimizer step.
+def check_resume(
+    record: dict[str, Any] | None,
+    *,
+    option: int | dict[Any, Any] | None,
+    micro: int | None,
+    k: int,
+    replicas: int,
+    step: int,
+    path: str,
+) -> None:
+    """Refuse a resume that would change the run's samples per optimizer step: ``record`` is the checkpoint's,
+    the rest this run's (``global_batch_size``, micro-batch, accumulation at ``step``, data-parallel ranks).
 
     Call after the step clock is restored (the accumulation in force is read at it). A micro-batch size
     that does not divide the global batch at the new world size was already refused by :func:`configure`.
@@ -174,10 +177,9 @@ def check_resume(trainer: Trainer, record: dict[str, Any] | None, *, path: str) 
         saved_spec, saved_samples = None, None
     else:
         saved_spec, saved_samples = record.get(R_SPEC), record.get(R_SAMPLES)
-    spec = _spec(trainer.options.global_batch_size)
-    micro, replicas = _micro_of(trainer), trainer.strategy.data_parallel_size
-    now = None if micro is None else replicas * micro * trainer.accumulate_grad_batches
-    where = f"Checkpoint {path!r} (step {trainer.global_step})"
+    spec = _spec(option)
+    now = None if micro is None else replicas * micro * k
+    where = f"Checkpoint {path!r} (step {step})"
     changed = now is not None and saved_samples is not None and now != saved_samples
     if saved_spec is not None and spec is not None and saved_spec != spec:
         raise ValueError(
@@ -190,7 +192,7 @@ def check_resume(trainer: Trainer, record: dict[str, Any] | None, *, path: str) 
         raise ValueError(
             f"{where} was written by a run with {OPTION}={_show(saved_spec)} ({saved_samples} samples per step "
             f"at this step); without the option this run would take {now} ({replicas} data-parallel rank(s) x "
-            f"micro-batch {micro} x accumulate {trainer.accumulate_grad_batches}). Pass "
+            f"micro-batch {micro} x accumulate {k}). Pass "
             f"{OPTION}={_show(saved_spec)} to continue the run with the same global batch."
         )
     if saved_spec is None and spec is not None and changed:

@@ -17,7 +17,7 @@ import random
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from torch.utils.data import (
@@ -33,9 +33,6 @@ from torch.utils.data import (
 from trainer.data.streams import AllRanksHaveData, Stream, adapt_stream, loader_settings, not_stateful_reason
 from trainer.data.transfer import tensors_in
 from trainer.distributed import comm
-
-if TYPE_CHECKING:  # pragma: no cover
-    from trainer.module import DataHooks
 
 logger = logging.getLogger(__name__)
 
@@ -516,7 +513,16 @@ def limit_batches(loader: Any, limit: int | float, name: str, *, fast_dev_run: b
     return int(length * limit)
 
 
-def resolve_loaders(source: DataHooks, stage: str, given: Any) -> list[Any]:
+class LoaderSource(Protocol):
+    """Where a stage's loaders come from when none is given: a DataModule or a TaskModule (their ``DataHooks``)."""
+
+    def train_dataloader(self) -> Any: ...
+    def val_dataloader(self) -> Any: ...
+    def test_dataloader(self) -> Any: ...
+    def predict_dataloader(self) -> Any: ...
+
+
+def resolve_loaders(source: LoaderSource, stage: str, given: Any) -> list[Any]:
     """The loaders of ``stage``: ``given`` (one loader or a list), else ``source``'s ``*_dataloader()``
     hook (the datamodule's, or the task's)."""
     if given is None:

@@ -21,6 +21,7 @@ from trainer.distributed.strategy import (
     _class_list,
     _ModuleClasses,
     _plain_setting,
+    hooks_of,
     match_modules,
 )
 from trainer.options import TrainerOptions
@@ -29,8 +30,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Callable, Iterable, Iterator, Sequence
 
     from torch.distributed.fsdp import FSDPModule
-
-    from trainer.module import TaskModule
 
 
 class FSDPStrategy(Strategy):
@@ -182,7 +181,7 @@ class FSDPStrategy(Strategy):
             mesh["replicate", "shard"]._flatten("data_parallel")
         return mesh
 
-    def prepare_model(self, task: TaskModule, *, dtype: torch.dtype | None) -> None:
+    def prepare_model(self, task: nn.Module, *, dtype: torch.dtype | None) -> None:
         """Every stage: the task sharded, on its device, every weight real, with the same initial weights at every
         world size (a collective; docs/fsdp.md, "What a rank holds").
 
@@ -202,20 +201,20 @@ class FSDPStrategy(Strategy):
         self.setup_mesh()
         if any(_is_dtensor(p) for p in task.parameters()):  # sharded by an earlier stage
             with shared_rng(self.root_device):
-                task.configure_model()
+                hooks_of(task).configure_model()
             return
         check_same_model(task, "built")  # before the first broadcast of its tensors
         broadcast_tensors(task, self.root_device)
         if self.tensor_parallel_size > 1 and not has_meta(task):
             task.to(self.root_device)  # the plan's distribute_tensor splits full tensors already on the device
         with shared_rng(self.root_device):
-            task.configure_model()
+            hooks_of(task).configure_model()
         check_same_model(task, "configured")  # what configure_model built, before sharding splits it
         if dtype is not None:
             task.to(dtype=dtype)
         self.shard(task)
         with shared_rng(self.root_device):
-            materialize(task, self.root_device, task.init_weights)
+            materialize(task, self.root_device, hooks_of(task).init_weights)
         task.to(self.root_device)  # buffers outside every unit, and a task without parameters
 
     def shard(self, task: nn.Module) -> None:
@@ -272,7 +271,7 @@ class FSDPStrategy(Strategy):
             # which needs them first (FSDP2's own choice for a root: one all-gather a step fewer).
             fully_shard(task, **{**kwargs, "mp_policy": full, "reshard_after_forward": False})
 
-    def setup(self, task: TaskModule, *, manual: bool) -> nn.Module:
+    def setup(self, task: nn.Module, *, manual: bool) -> nn.Module:
         from torch.distributed.fsdp import register_fsdp_forward_method
 
         if not any(p.requires_grad for p in task.parameters()):

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import torch
 from torch import nn
@@ -50,13 +50,28 @@ from trainer.options import TrainerOptions
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Iterable, Iterator
 
-    from trainer.module import TaskModule
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it costs nothing on the hot path
 
 
 def _without_batch_idx(training_step: Callable[..., Any], batch: Any, batch_idx: int) -> Any:
     return training_step(batch)
+
+
+class ModelHooks(Protocol):
+    """What a strategy calls on a task beyond nn.Module's own methods: building its layers (``configure_model``),
+    initialising a module made on the meta device (``init_weights``), and the training step. TaskModule has them;
+    the strategy names this protocol instead, so that it never depends on the TaskModule (or on the Trainer
+    behind it)."""
+
+    def configure_model(self) -> None: ...
+    def init_weights(self, module: nn.Module) -> None: ...
+    def training_step(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def hooks_of(task: nn.Module) -> ModelHooks:
+    """``task`` (a TaskModule) as the strategy calls it."""
+    return cast("ModelHooks", task)
 
 
 class StepAdapter(nn.Module):
@@ -67,11 +82,11 @@ class StepAdapter(nn.Module):
 
     run_step: Callable[[Any, int], Any]  # set by bind(), in the instance __dict__
 
-    def __init__(self, task: TaskModule) -> None:
+    def __init__(self, task: nn.Module) -> None:
         super().__init__()
         self.task = task  # a registered submodule: the wrapper sees its parameters
         # Lightning calls training_step(batch) when it takes no batch_idx: decided here, once per fit.
-        self.with_batch_idx = takes_batch_idx(task.training_step)
+        self.with_batch_idx = takes_batch_idx(hooks_of(task).training_step)
         self.bind()
 
     def bind(self) -> None:
@@ -80,7 +95,7 @@ class StepAdapter(nn.Module):
         Calling it is calling this adapter; the loop calls it directly when nothing wraps the adapter,
         since reading attributes of an nn.Module (which defines __getattr__) and calling one skip the
         interpreter's fast paths, on every step."""
-        step = self.task.training_step
+        step = hooks_of(self.task).training_step
         self.__dict__["run_step"] = step if self.with_batch_idx else partial(_without_batch_idx, step)
 
     def forward(self, batch: Any, batch_idx: int) -> Any:
@@ -230,7 +245,7 @@ class Strategy:
         return torch.stack(comm.all_gather_tensor(tensor))
 
     # ------------------------------------------------------------------ lifecycle
-    def prepare_model(self, task: TaskModule, *, dtype: torch.dtype | None) -> None:
+    def prepare_model(self, task: nn.Module, *, dtype: torch.dtype | None) -> None:
         """Every stage, at the end of its setup (``trainer.lifecycle.setup_stage``), on every rank: run
         ``task.configure_model()`` with rank 0's random state (the layers it builds start equal on every rank),
         give the task ``dtype`` (precision ``"64"``; None: keep it) and put it on :attr:`root_device`. What the task
@@ -238,17 +253,17 @@ class Strategy:
         per module, under rank 0's random state, so the weights do not depend on the world size. A collective with
         several ranks. :class:`~trainer.distributed.fsdp.FSDPStrategy` shards before it materialises."""
         with shared_rng(self.root_device):
-            task.configure_model()
+            hooks_of(task).configure_model()
             check_same_model(
                 task, "configured"
             )  # before DDP's construction broadcasts (or materialize fills) the tensors
             if dtype is not None:
                 task.to(dtype=dtype)
             if has_meta(task):
-                materialize(task, self.root_device, task.init_weights)
+                materialize(task, self.root_device, hooks_of(task).init_weights)
         task.to(self.root_device)
 
-    def setup(self, task: TaskModule, *, manual: bool) -> nn.Module:
+    def setup(self, task: nn.Module, *, manual: bool) -> nn.Module:
         """Prepare ``task`` for training; return the module the loop calls as ``model(batch, batch_idx)``
         (it runs ``task.training_step``). ``manual``: the task steps its own optimizers
         (``automatic_optimization = False``). May communicate (every rank calls it)."""
@@ -573,7 +588,7 @@ class DDPStrategy(Strategy):
         self.bucket_cap_mb = bucket_cap_mb
         self.ddp: nn.parallel.DistributedDataParallel | None = None
 
-    def setup(self, task: TaskModule, *, manual: bool) -> nn.Module:
+    def setup(self, task: nn.Module, *, manual: bool) -> nn.Module:
         opts = self.options
         if opts.sync_batchnorm:
             converted = nn.SyncBatchNorm.convert_sync_batchnorm(task)

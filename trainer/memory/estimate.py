@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -32,8 +32,7 @@ from trainer.step.optim import parse_optimizers
 from trainer.step.precision import Precision
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer.module import TaskModule
-    from trainer.trainer import Trainer
+    from trainer.options import TrainerOptions
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +96,27 @@ class MemoryEstimate:
         return line
 
 
+class Host(Protocol):
+    """The Trainer that hosts the task's hooks during the estimate (``self.trainer.max_steps``, ``self.log``)."""
+
+    options: TrainerOptions
+    strategy: Strategy
+
+
+class PlannedTask(Protocol):
+    """What the estimate calls on a task beyond nn.Module's methods (a TaskModule has them)."""
+
+    _trainer: Any
+
+    def configure_model(self) -> None: ...
+    def configure_optimizers(self) -> Any: ...
+
+
 def estimate_step(
-    task: Callable[[], TaskModule],
+    task: Callable[[], nn.Module],
     batch: Any,
     *,
-    trainer_class: Callable[..., Any],
+    trainer_class: Callable[..., Host],
     strategy: Any = "auto",
     world_size: int = 1,
     precision: str = "32",
@@ -157,7 +172,7 @@ def estimate_step(
     return _estimate(chosen, world_size, held, sizes)
 
 
-def _on_meta(task: Callable[[], TaskModule]) -> TaskModule:
+def _on_meta(task: Callable[[], nn.Module]) -> nn.Module:
     """The task built on the meta device: its structure, no storage; ``__init__`` may move or convert it
     (``.to(torch.float64)``, which fake tensors cannot do: their ``module.to`` swap fails)."""
     with torch.device("meta"):
@@ -165,10 +180,10 @@ def _on_meta(task: Callable[[], TaskModule]) -> TaskModule:
 
 
 def _build(
-    built: TaskModule,
+    built: nn.Module,
     batch: Any,
     strategy: Strategy,
-    host: Trainer,
+    host: Host,
     plugin: Precision | None,
     where: torch.device,
     sizes: dict[str, int],
@@ -181,15 +196,15 @@ def _build(
     replace_tensors(  # fake tensors on the device, in the run's dtype
         built, lambda t: torch.empty_like(t, device=where, dtype=dtype if dtype and t.is_floating_point() else None)
     )
-    module = built
-    module._trainer = host
+    module, planned = built, cast("PlannedTask", built)
+    planned._trainer = host
     with where:  # the layers it builds, and its tensor-parallel plan on self.device_mesh (FSDP)
-        module.configure_model()
+        planned.configure_model()
     sizes["module"] = max((_nbytes(m.parameters(recurse=False)) for m in module.modules()), default=0)
     if isinstance(strategy, FSDPStrategy):
         strategy.shard(module)  # a run shards in the stage setup (FSDPStrategy.prepare_model)
     run = strategy.setup(module, manual=False)
-    optimizers, _ = parse_optimizers(module.configure_optimizers())
+    optimizers, _ = parse_optimizers(planned.configure_optimizers())
     fake = tree_map(lambda t: mode.from_tensor(t).to(where) if isinstance(t, torch.Tensor) else t, batch)
     if plugin is not None and plugin.param_dtype is not None:
         fake = tree_map(lambda t: t.to(plugin.param_dtype) if _is_float(t) else t, fake)

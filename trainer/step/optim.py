@@ -19,18 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeGuard
+from typing import Any, Literal, Protocol, TypeGuard
 
 import torch
 
 from trainer.distributed import watchdog as wd
 from trainer.distributed.strategy import Strategy
 from trainer.step.precision import Precision
-
-if TYPE_CHECKING:  # pragma: no cover
-    from trainer.callback import Callback
-    from trainer.module import TaskModule
-    from trainer.trainer import Trainer
 
 _SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
 _OPTIMIZER_DICT_KEYS = {"optimizer", "lr_scheduler", "monitor"}
@@ -172,12 +167,21 @@ def step_schedulers(
             config.scheduler.step()
 
 
+class StepHooks(Protocol):
+    """The hooks around a manual step, each a tuple of callables taking the hook's own arguments (the task's hook,
+    then each callback's with ``(trainer, task)`` bound): :class:`trainer.hooks.TrainHooks` of the epoch."""
+
+    on_before_backward: tuple[Callable[..., Any], ...]
+    on_after_backward: tuple[Callable[..., Any], ...]
+    on_before_optimizer_step: tuple[Callable[..., Any], ...]
+
+
 class ManualOptimization:
     """What keel does for a task with ``automatic_optimization = False``: ``training_step`` calls
     ``self.manual_backward(loss)`` and ``opt.step()`` itself; keel keeps the step clock (one training
     iteration is one step), precision (GradScaler), clipping, the hooks and the gradient sync.
 
-    Built by the Trainer once per ``fit``; ``trainer`` is only handed to callbacks. On every rank.
+    Built by the Trainer once per ``fit``; ``hooks`` gives the hooks in force (the epoch's). On every rank.
     Gradients are averaged over ranks by ``strategy.average_gradients`` in the ``manual_backward`` of
     the last micro-batch of each ``accumulate_grad_batches`` window (like DDP's ``no_sync`` on the others).
     """
@@ -185,16 +189,15 @@ class ManualOptimization:
     def __init__(
         self,
         *,
-        trainer: Trainer,
-        task: TaskModule,
-        callbacks: Sequence[Callback],
+        task: torch.nn.Module,
+        hooks: Callable[[], StepHooks],
         strategy: Strategy,
         precision: Precision,
         clip_val: float | None,
         clip_algorithm: str,
         beat: Callable[[str], None],
     ) -> None:
-        self.trainer, self.task, self.callbacks = trainer, task, callbacks
+        self.task, self.hooks = task, hooks
         self.strategy, self.precision, self.beat = strategy, precision, beat
         self.clip_val, self.clip_algorithm = clip_val, clip_algorithm
         self.sync = True  # manual_backward of this micro-batch averages gradients over ranks
@@ -216,25 +219,21 @@ class ManualOptimization:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``TaskModule.manual_backward``: hooks, (scaled) backward, gradient sync on the window's last."""
-        task = self.task
-        task.on_before_backward(loss)
-        for cb in self.callbacks:
-            cb.on_before_backward(self.trainer, task, loss)
+        hooks = self.hooks()
+        for hook in hooks.on_before_backward:
+            hook(loss)
         self.beat(wd.PHASE_BACKWARD)
         self.precision.backward(loss)
         if self.sync:
-            self.strategy.average_gradients([p for p in task.parameters()])
-        task.on_after_backward()
-        for cb in self.callbacks:
-            cb.on_after_backward(self.trainer, task)
+            self.strategy.average_gradients([p for p in self.task.parameters()])
+        for hook in hooks.on_after_backward:
+            hook()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``opt.step()`` from the task: unscale, hooks, clip, (scaler-aware) step."""
-        task = self.task
         self.precision.unscale(optimizer)
-        task.on_before_optimizer_step(optimizer)
-        for cb in self.callbacks:
-            cb.on_before_optimizer_step(self.trainer, task, optimizer)
+        for hook in self.hooks().on_before_optimizer_step:
+            hook(optimizer)
         self.strategy.clip_gradients(
             [p for group in optimizer.param_groups for p in group["params"]], self.clip_val, self.clip_algorithm
         )
