@@ -41,6 +41,10 @@ def test_the_same_batches_give_lightnings_losses_step_for_step(tmp_path: Path) -
     assert {k: trace["at_configure"][k] for k in LIGHTNING_AT_CONFIGURE} == LIGHTNING_AT_CONFIGURE
     steps = trace["steps"]
     assert steps[0]["lr"] == LIGHTNING_FIRST_LR and steps[-1]["lr"] == pytest.approx(LIGHTNING_LAST_LR, rel=1e-12)
-    # Measured bit-identical on this torch; another CPU's kernels may round the last digits differently.
-    assert [s["loss"] for s in steps] == pytest.approx(LIGHTNING_LOSSES, rel=1e-5, abs=1e-6)
-    assert trace["final_val_acc"] == pytest.approx(LIGHTNING_VAL_ACC, abs=2 / 1024)
+    # Bit-identical on the machine that recorded Lightning's losses. Another CPU's float32 kernels round otherwise and
+    # training compounds it (an AMD EPYC: the first 6 steps within 2e-7 relative, then drifting to 2.5e-3 by step 40
+    # and 5 of 1024 validation answers): the same trajectory, where another seed or batch order differs at step 0.
+    losses = [s["loss"] for s in steps]
+    assert losses[:6] == pytest.approx(LIGHTNING_LOSSES[:6], rel=1e-6)
+    assert losses == pytest.approx(LIGHTNING_LOSSES, rel=5e-3)
+    assert trace["final_val_acc"] == pytest.approx(LIGHTNING_VAL_ACC, abs=8 / 1024)

@@ -358,9 +358,10 @@ def test_a_gradient_all_reduce_that_outweighs_the_compute_is_called_communicatio
     args = ["--cause", "comm_bound", "--steps", "48", "--log-every", "4"]
     spawn_ranks(SCRIPT, str(tmp_path), *args, nproc=2, timeout=180).check()
     said = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    assert said["warnings"], said["history"]
-    warning = said["warnings"][0]
-    assert warning.startswith("every rank waits") and "communication-bound" in warning, (warning, said["history"])
+    # On a loaded machine a descheduled rank can be named slow first (seen beside a second test run: "rank 1 on vm:
+    # backward 67 ms/step vs median 58 ms"); the run is still called communication-bound.
+    bound = [w for w in said["warnings"] if w.startswith("every rank waits") and "communication-bound" in w]
+    assert bound, (said["warnings"], said["history"])
     budget = json.loads((tmp_path / "run" / "version_0" / "efficiency.json").read_text())
     for seconds in budget["per_rank_seconds"]:
         assert seconds["sync"] > 0.3 * sum(seconds.values()), seconds
