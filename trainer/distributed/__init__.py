@@ -1,5 +1,5 @@
-"""Everything that talks to other processes: the only package besides :mod:`trainer.checkpoint` that imports
-``torch.distributed``.
+"""Everything that talks to other processes: the only package besides :mod:`trainer.checkpoint` (and the memory
+planner's fake process group, :mod:`trainer.memory.fake`, which talks to nobody) that imports ``torch.distributed``.
 
 * :mod:`~trainer.distributed.launcher`: where this process sits in the job, read from the launcher's environment
   (torchrun / TorchElastic, SLURM ``srun``, one plain process); talks to nobody.
