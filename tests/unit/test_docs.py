@@ -32,7 +32,7 @@ HOOK = DOCS / "hooks" / "options_page.py"
 MAX_README_LINES = 250
 QUICKSTART = (
     'pip install -c requirements/cpu.txt ".[recipes]" && python -m recipes.train',
-    'pip install -c requirements/cpu.txt -e ".[dev]" && python -m pytest -q',
+    "pip install --no-deps -r requirements/dev.txt -e . && python -m pytest -q",
 )
 FIELDS = [f.name for f in dataclasses.fields(TrainerOptions)]
 
