@@ -478,9 +478,14 @@ class Trainer(TrainerAttributes):
         return result
 
     def _known_run_dir(self) -> str | None:
-        """The run directory when the loggers have picked it (no collective: safe while failing), else None."""
+        """Where this run's files go, for its failure logs: the first logger's run directory once picked (no
+        collective: safe while failing), else ``default_root_dir`` when the user set it. None without either (no
+        logger, no ``default_root_dir``): the failure log then goes to the temporary folder, never into the current
+        directory of whatever program called fit."""
+        if not self.loggers:
+            return self.options.default_root_dir
         try:
-            return self.log_dir
+            return self.loggers[0].log_dir
         except RuntimeError:
             return None
 

@@ -368,3 +368,31 @@ def test_a_recorded_failure_prints_one_line_unless_full_tracebacks_are_asked_for
     sys.excepthook(ValueError, error, tb)
     assert capsys.readouterr().err == "python's traceback\n"
     assert failures.record(KeyboardInterrupt(), rank=1, run_dir=str(tmp_path)) is None  # not a failure
+
+
+def test_the_failure_log_of_a_run_without_a_run_directory_never_lands_in_the_current_directory(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No logger and no default_root_dir: the temporary folder (the console line names it), not the folder the
+    program happened to be started in; with default_root_dir, there; with a logger, its run directory."""
+    from trainer import Trainer
+    from trainer.loggers import CSVLogger
+
+    monkeypatch.chdir(tmp_path)
+    bare = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert bare._known_run_dir() is None
+    rooted = Trainer(logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path / "root"))
+    assert rooted._known_run_dir() == str(tmp_path / "root")
+    logged = Trainer(logger=CSVLogger(str(tmp_path / "logs")), enable_checkpointing=False)
+    assert logged._known_run_dir() is None  # the version is not picked yet: the temporary folder too
+    logged = Trainer(logger=CSVLogger(str(tmp_path / "logs"), version=3), enable_checkpointing=False)
+    assert logged._known_run_dir() == logged.loggers[0].log_dir == str(tmp_path / "logs" / "keel_logs" / "version_3")
+    import tempfile
+
+    from trainer.observability import failures
+
+    monkeypatch.setattr(failures, "install", lambda: None)  # the hook is another test's subject
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    path = failures.record(ValueError("bad batch"), rank=1, run_dir=bare._known_run_dir())
+    assert path == str(tmp_path / "tmp" / "keel-failures" / "failure-rank1.log")
+    assert not list(tmp_path.glob("failure-rank*"))
