@@ -158,6 +158,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line("markers", "slurm: runs jobs on the one-node SLURM cluster of tests/harness/slurm/start.sh")
     config.addinivalue_line(
+        "markers", "index: needs the package index; skipped unless --run-index (or KEEL_RUN_INDEX=1)"
+    )
+    config.addinivalue_line(
         "markers",
         "slow: over a minute each, or a variant of a scenario the default run covers; skipped unless --run-slow "
         "(or KEEL_RUN_SLOW=1)",
@@ -166,6 +169,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow")
+    parser.addoption("--run-index", action="store_true", help="also run the tests marked index (they need PyPI)")
 
 
 def _cuda_available() -> bool:
@@ -230,6 +234,102 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("slow") is not None:
                 item.add_marker(skip_slow)
+    if not (config.getoption("--run-index") or os.environ.get("KEEL_RUN_INDEX") == "1"):
+        skip_index = pytest.mark.skip(
+            reason="needs the package index, which moves: run with --run-index or KEEL_RUN_INDEX=1"
+        )
+        for item in items:
+            if item.get_closest_marker("index") is not None:
+                item.add_marker(skip_index)
+
+
+# ---------------------------------------------------------------------------------- nothing written into the checkout
+# What git sees in the checkout, ignored files included, before the run and after it: whatever appeared in between
+# was written by a test (or by a program it launched) and fails the run, named. The test runner's own files and the
+# development environments are not the tests' doing. The workers of pytest-xdist leave it to the controller.
+_RUNNER_FILES = re.compile(r"(^|/)(__pycache__|\.pytest_cache|[^/]*\.egg-info|\.venv|\.ci-venv)(/|$)")
+
+
+def _checkout_entries() -> set[str] | None:
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            ["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:  # not a git checkout (an unpacked sdist): nothing to compare
+        return None
+    return {line for line in done.stdout.splitlines() if not _RUNNER_FILES.search(line[3:])}
+
+
+def written_into_checkout(before: set[str], after: set[str]) -> list[str]:
+    """The entries of ``git status --porcelain --ignored`` that the test run added (paths, sorted)."""
+    return sorted(line[3:] for line in after - before)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):
+        session.config.stash[_CHECKOUT_BEFORE] = _checkout_entries()
+
+
+# ---------------------------------------------------------------------------------- the launch budget
+# README's command (`python -m pytest -q`, the slow and index tests skipped) launches at most this many processes
+# through tests/harness/launch.py (python, spawn_ranks, torchrun, two_nodes, elastic_agents; a retry of the known
+# gloo abort is the same launch). A launch costs seconds of a suite that must stay within 10 minutes on 2 cores:
+# raise this only on purpose, and record the suite's new time in docs/development.md ("Where the time goes").
+LAUNCH_BUDGET = 0
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # type: ignore[no-untyped-def]
+    """pytest-xdist: a worker's launch count reaches the controller."""
+    counts = node.config.stash.setdefault(_WORKER_LAUNCHES, [])
+    counts.append(int(getattr(node, "workeroutput", {}).get("keel_launches", 0)))
+
+
+def _fail_session(session: pytest.Session, message: str) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_line(message, red=True, bold=True)
+    else:
+        print(message, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if hasattr(config, "workerinput"):
+        config.workeroutput["keel_launches"] = launch.launches  # type: ignore[attr-defined]
+        return
+    launches = launch.launches + sum(config.stash.get(_WORKER_LAUNCHES, []))
+    extra = config.getoption("--run-slow") or config.getoption("--run-index") or os.environ.get("KEEL_RUN_SLOW") == "1"
+    if launches > LAUNCH_BUDGET and not extra:
+        _fail_session(
+            session,
+            f"the tests launched {launches} processes, over the budget of {LAUNCH_BUDGET} (tests/conftest.py): share "
+            "a launch between the tests that observe the same run, run a single-process reference in the test "
+            "process, or raise the budget on purpose",
+        )
+    before = config.stash.get(_CHECKOUT_BEFORE, None)
+    after = _checkout_entries() if before is not None else None
+    written = written_into_checkout(before, after) if before is not None and after is not None else []
+    if written:
+        _fail_session(
+            session,
+            f"the test run wrote {len(written)} path(s) into the checkout (run tests in tmp_path; launches get a "
+            f"temporary working directory): {', '.join(written[:20])}",
+        )
+
+
+_CHECKOUT_BEFORE = pytest.StashKey[set[str] | None]()
+_WORKER_LAUNCHES = pytest.StashKey[list[int]]()
 
 
 @pytest.fixture(autouse=True)

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import IO
 
 from launch_state import Snapshot
+from zygote import unsafe_variables
 
 __all__ = [
     "LaunchResult",
@@ -59,6 +60,7 @@ __all__ = [
     "elastic_agents",
     "python",
     "import_check",
+    "captured",
     "REPO_ROOT",
 ]
 
@@ -220,8 +222,11 @@ def _loopback_ifname() -> str | None:
     return "lo" if os.path.exists("/sys/class/net/lo") else None
 
 
-def _make_env(env: dict[str, str] | None, marker: str) -> dict[str, str]:
+def _make_env(env: dict[str, str] | None, marker: str, *, workers: bool = True) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    server = _zygote() if workers else None
+    if server is not None:  # torchrun's workers fork from the server too, through their stand-in
+        e["PYTHON_EXEC"], e["KEEL_TEST_ZYGOTE"] = server.worker, server.socket
     e["OMP_NUM_THREADS"] = "1"
     e["PYTHONUNBUFFERED"] = "1"
     ifname = _loopback_ifname()
@@ -309,15 +314,202 @@ def _reap(pids: set[int], deadline: float) -> None:
         time.sleep(0.05)
 
 
+# --------------------------------------------------------------------------- the preloaded fork server
+
+# Every fresh interpreter pays 2 to 3 s here before a test's program trains (torch, the dynamo stack its optimizers
+# import, DCP). python() and spawn_ranks() launches fork instead from one server per test process that imported
+# those once (tests/harness/zygote.py); torchrun's workers are started by the agent and still exec.
+# KEEL_TEST_FORK=0 starts every launch as a fresh interpreter (to tell a fork-related failure from a real one).
+ZYGOTE = Path(__file__).resolve().with_name("zygote.py")
+FORK_WORKER = Path(__file__).resolve().with_name("fork_worker.py")
+ZYGOTE_START_TIMEOUT = 120.0
+
+
+class _Forked:
+    """A process forked by the server, seen through :class:`subprocess.Popen`'s ``pid``, ``poll``, ``wait`` and
+    ``returncode``: the server reaps it and sends its ``waitpid`` status on the connection of its request."""
+
+    def __init__(self, conn: socket.socket, pid: int) -> None:
+        self.conn, self.pid = conn, pid
+        self.returncode: int | None = None
+        self._buffer = b""
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read(block=False)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.02)
+        return self.returncode  # type: ignore[return-value]
+
+    def _read(self, block: bool) -> None:
+        import json
+
+        self.conn.setblocking(block)
+        try:
+            chunk = self.conn.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:  # the server died: the child's status is lost with it
+            self.returncode = -signal.SIGKILL if self.returncode is None else self.returncode
+            return
+        self._buffer += chunk
+        while b"\n" in self._buffer:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            message = json.loads(line)
+            if "status" in message:
+                self.returncode = os.waitstatus_to_exitcode(message["status"])
+                self.conn.close()
+                return
+
+
+class _Zygote:
+    """The fork server of this test process (tests/harness/zygote.py)."""
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="keel-zygote-")
+        self.socket = os.path.join(self.folder, "socket")
+        self.env = _make_env(None, "", workers=False)
+        del self.env[_MARKER_VAR]
+        # torchrun starts its workers with PYTHON_EXEC: this wrapper runs their stand-in (fork_worker.py).
+        self.worker = os.path.join(self.folder, "python")
+        with open(self.worker, "w") as f:
+            f.write(f'#!/bin/sh\nexec "{sys.executable}" -S "{FORK_WORKER}" "$@"\n')
+        os.chmod(self.worker, 0o755)
+        self.log = open(os.path.join(self.folder, "server.log"), "w+b")
+        self.proc = subprocess.Popen(
+            [sys.executable, os.fspath(ZYGOTE), self.socket],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=self.env,
+            cwd=self.folder,
+            start_new_session=True,
+        )
+        ready = self.proc.stdout.readline() if self.proc.stdout is not None else b""
+        if ready.strip() != b"ready":
+            self.close()
+            self.log.seek(0)
+            raise RuntimeError(f"the fork server did not start: {self.log.read().decode(errors='replace')[-2000:]}")
+
+    def start(self, argv: list[str], env: dict[str, str], cwd: str | None, out: IO[bytes] | list[IO[bytes]]) -> _Forked:
+        """Fork ``python argv...`` with this environment and working directory, its output on ``out`` (one file for
+        both streams, or ``[stdout, stderr]``)."""
+        import json
+
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.socket)
+        request = {"argv": argv, "env": env, "cwd": cwd, "ppid": os.getpid()}
+        files = out if isinstance(out, list) else [out]
+        socket.send_fds(conn, [json.dumps(request).encode()], [f.fileno() for f in files])
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = conn.recv(4096)
+            if not chunk:
+                raise RuntimeError("the fork server closed the connection before it forked")
+            line += chunk
+        return _Forked(conn, json.loads(line)["pid"])
+
+    def forks(self, env: dict[str, str]) -> bool:
+        """Whether a launch with this environment can be forked from the server (zygote.FORK_SAFE); the variables
+        that made it a fresh interpreter go to the launch log."""
+        self.unsafe = unsafe_variables(env, self.env)
+        return not self.unsafe
+
+    def members(self, marker: str) -> set[int]:
+        """The live processes the server forked for the launch with this marker (torchrun workers' programs)."""
+        import json
+
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.connect(self.socket)
+                socket.send_fds(conn, [json.dumps({"members": marker}).encode()], [])
+                return set(json.loads(conn.makefile("rb").readline())["pids"])
+        except (OSError, ValueError, KeyError):
+            return set()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_zygote_server: _Zygote | None = None
+_zygote_failed: str | None = None
+
+
+def _zygote() -> _Zygote | None:
+    """This process's fork server, started on first use; None when KEEL_TEST_FORK=0 or it could not start."""
+    global _zygote_server, _zygote_failed
+    if os.environ.get("KEEL_TEST_FORK", "1") == "0" or _zygote_failed is not None:
+        return None
+    if _zygote_server is not None and not _zygote_server.alive():
+        _zygote_server.close()
+        _zygote_server = None
+    if _zygote_server is None:
+        try:
+            _zygote_server = _Zygote()
+        except (OSError, RuntimeError) as error:
+            _zygote_failed = str(error)
+            print(f"[launch] every launch execs a fresh interpreter: {error}", file=sys.stderr)
+            return None
+        import atexit
+
+        atexit.register(_zygote_server.close)
+    return _zygote_server
+
+
+def _session_pids(sessions: set[int]) -> set[int]:
+    """Live (non-zombie) processes whose session is one of ``sessions``."""
+    found: set[int] = set()
+    if not sessions:
+        return found
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != b"Z" and int(fields[3]) in sessions:
+            found.add(int(name))
+    return found
+
+
 class _Launch:
     """One or more launcher processes that share an environment marker."""
 
-    def __init__(self, cmds: list[list[str]], env: dict[str, str], cwd, marker: str):
+    def __init__(self, cmds: list[list[str]], env: dict[str, str], cwd, marker: str, *, forkable: bool = False):
         require_multiprocess_marker(" ".join(cmds[0][:4]) if cmds else "torchrun agents")
         _become_subreaper()
         self.marker = marker
+        # Plain `python` launches (python(), spawn_ranks()) fork from the preloaded server where they can (_zygote);
+        # the pids it forked head sessions of their own, which their forked descendants share (_members).
+        self.forkable = forkable
+        self.forked: set[int] = set()
+        self.exec_because: set[str] = set()  # the variables that kept a forkable launch from forking
         self.env = env
-        self.cwd = cwd
+        # A launch without a working directory gets a fresh temporary one, removed when it ends: nothing a program
+        # writes into its current directory (a failure log, Hydra's outputs/) lands in the checkout.
+        self.scratch = tempfile.mkdtemp(prefix="keel-launch-") if cwd is None else None
+        self.cwd = cwd if cwd is not None else self.scratch
         self.cmds: list[list[str]] = []
         self.tracked: set[int] = set()
         self.outs = []
@@ -336,15 +528,23 @@ class _Launch:
         out = _output_file() if out is None else out
         env = dict(self.env, **(extra_env or {}))
         try:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=self.cwd,
-                start_new_session=True,
-            )
+            proc: subprocess.Popen | _Forked
+            server = _zygote() if self.forkable else None
+            if server is not None and server.forks(env):
+                proc = server.start(cmd[1:], env, self.cwd, out)
+                self.forked.add(proc.pid)
+            else:
+                self.exec_because.update(server.unsafe if server is not None else [])
+                apart = isinstance(out, list)  # standard output and error in files of their own (captured())
+                proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out[0] if apart else out,
+                    stderr=out[1] if apart else subprocess.STDOUT,
+                    env=env,
+                    cwd=self.cwd,
+                    start_new_session=True,
+                )
         except BaseException:
             if own:
                 out.close()
@@ -355,8 +555,16 @@ class _Launch:
         self.notes.append([])
         self.procs.append(proc)
 
+    def _members(self) -> set[int]:
+        """The live processes of this launch: those that carry its marker (what exec'd with its environment) and
+        those in the sessions of the processes forked from the preloaded server (whose /proc environ is the
+        server's, not the launch's)."""
+        server = _zygote_server if self.forkable else None
+        forked = self.forked | (server.members(self.marker) if server is not None else set())
+        return _marked_pids(self.marker) | _session_pids(forked)
+
     def _track(self) -> None:
-        self.tracked |= _marked_pids(self.marker)
+        self.tracked |= self._members()
 
     def stacks(self) -> str:
         """Where every live process of the launch stands, for the message of a launch that timed out: the Python
@@ -364,7 +572,7 @@ class _Launch:
         spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
         if spy is None:
             return "(no stacks: py-spy is not installed; the dev extra brings it)"
-        pids = sorted({p.pid for p in self.procs if p.poll() is None} | _marked_pids(self.marker))
+        pids = sorted({p.pid for p in self.procs if p.poll() is None} | self._members())
         deadline, parts = time.monotonic() + STACKS_BUDGET, []
         for pid in pids:
             left = deadline - time.monotonic()
@@ -430,18 +638,18 @@ class _Launch:
         # The launchers themselves are left to their group signal: a second SIGTERM
         # would interrupt torchrun's own graceful shutdown of its workers.
         launchers = {p.pid for p in self.procs}
-        for pid in _marked_pids(self.marker) - launchers:
+        for pid in self._members() - launchers:
             _signal_pid(pid, signal.SIGTERM)
         deadline = time.monotonic() + KILL_GRACE
         while time.monotonic() < deadline:
-            if all(p.poll() is not None for p in self.procs) and not _marked_pids(self.marker):
+            if all(p.poll() is not None for p in self.procs) and not self._members():
                 break
             time.sleep(0.05)
         self._track()
         for p in self.procs:
             if p.poll() is None:
                 _signal_group(p.pid, signal.SIGKILL)
-        for pid in _marked_pids(self.marker):
+        for pid in self._members():
             _signal_pid(pid, signal.SIGKILL)
         for p in self.procs:
             try:
@@ -451,18 +659,22 @@ class _Launch:
         _reap(self.tracked, time.monotonic() + 5)
 
     def finish(self) -> list[LaunchResult]:
-        """Kill leftovers (noting them), collect outputs."""
+        """Kill leftovers (noting them), collect outputs, remove the scratch working directory."""
         elapsed = time.monotonic() - self.start
-        stray = _marked_pids(self.marker)
+        stray = self._members()
         if stray:
             self.notes[0].append(f"[launch] killed {len(stray)} stray process(es) left by the launch: {sorted(stray)}")
             self.kill()
         else:
             _reap(self.tracked, time.monotonic() + 5)
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
         results = []
         texts: dict[int, str] = {}  # one read of each output file (the ranks of spawn_ranks() share one)
         for out in self.outs:
-            if id(out) not in texts:
+            if isinstance(out, list):  # output apart (captured()): its caller reads the files
+                texts[id(out)] = ""
+            elif id(out) not in texts:
                 out.seek(0)
                 texts[id(out)] = out.read().decode("utf-8", errors="replace")
                 out.close()
@@ -487,9 +699,13 @@ def _output_file() -> IO[bytes]:
     return out
 
 
-def _run(cmds: list[list[str]], *, what: str, timeout: float, env, cwd, fail_fast: bool) -> list[LaunchResult]:
+def _run(
+    cmds: list[list[str]], *, what: str, timeout: float, env, cwd, fail_fast: bool, forkable: bool = False
+) -> list[LaunchResult]:
     marker, started = uuid.uuid4().hex, time.monotonic()
-    launch = _Launch(cmds, _make_env(env, marker), os.fspath(cwd) if cwd is not None else None, marker)
+    launch = _Launch(
+        cmds, _make_env(env, marker), os.fspath(cwd) if cwd is not None else None, marker, forkable=forkable
+    )
     try:
         finished = launch.wait(timeout, fail_fast)
     except BaseException:  # KeyboardInterrupt etc.: never leave the launch behind
@@ -500,7 +716,7 @@ def _run(cmds: list[list[str]], *, what: str, timeout: float, env, cwd, fail_fas
     if not finished:
         launch.kill()
     results = launch.finish()
-    _log_launch(what, cmds, started)
+    _log_launch(what, cmds, started, launch)
     if not finished:
         parts = [f"{what} timed out after {timeout:g}s (all its processes were killed)"]
         for i, r in enumerate(results):
@@ -511,14 +727,26 @@ def _run(cmds: list[list[str]], *, what: str, timeout: float, env, cwd, fail_fas
     return results
 
 
-def _log_launch(what: str, cmds: list[list[str]], started: float) -> None:
+# How many launches this process made (tests/conftest.py holds the suite's total to its budget).
+launches = 0
+
+
+def _log_launch(what: str, cmds: list[list[str]], started: float, launch: _Launch) -> None:
     """With ``KEEL_LAUNCH_LOG`` set to a file: one JSON line a launch (the test, what, its commands, its seconds),
     to see where the suite's time goes (``--durations`` names tests, not the launches inside them)."""
+    global launches
+    launches += 1
     path = os.environ.get("KEEL_LAUNCH_LOG")
     if path:
         import json
 
-        record = {"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "what": what, "cmds": cmds}
+        record = {
+            "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+            "what": what,
+            "cmds": cmds,
+            "forked": len(launch.forked),
+            "exec_because": sorted(launch.exec_because),
+        }
         with open(path, "a") as f:
             f.write(json.dumps({**record, "seconds": round(time.monotonic() - started, 2)}) + "\n")
 
@@ -567,7 +795,7 @@ def torchrun(
     cmd += _target(script, args, module)
 
     def launch() -> list[LaunchResult]:
-        return _run([cmd], what="torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=False)
+        return _run([cmd], what="torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=False, forkable=True)
 
     return (_retry_known_abort(launch, args, env, cwd) if retry else launch())[0]
 
@@ -593,6 +821,8 @@ def _retry_known_abort(
                 r.stdout = f"[launch] hit {KNOWN_ABORT!r}; not retried: {state.why_not}\n" + r.stdout
             return results
         state.restore()
+        global launches
+        launches -= 1  # the retry is the same launch, for the budget
         retried = launch()
         for r in retried:
             r.stdout = (
@@ -630,7 +860,7 @@ def spawn_ranks(
     def once() -> list[LaunchResult]:
         marker, started = uuid.uuid4().hex, time.monotonic()
         job_env = dict(_make_env(env, marker), MASTER_PORT=str(free_port()), **job)
-        launch = _Launch([], job_env, os.fspath(cwd) if cwd is not None else None, marker)
+        launch = _Launch([], job_env, os.fspath(cwd) if cwd is not None else None, marker, forkable=True)
         out = _output_file()
         try:
             for rank in range(nproc):
@@ -644,7 +874,7 @@ def spawn_ranks(
         if not finished:
             launch.kill()
         results = launch.finish()
-        _log_launch(f"{nproc} ranks", [cmd], started)
+        _log_launch(f"{nproc} ranks", [cmd], started, launch)
         notes = [note for rank_notes in launch.notes for note in rank_notes]
         text = launch.texts[0] + ("" if launch.texts[0].endswith("\n") or not launch.texts[0] else "\n")
         text += "".join(f"{note}\n" for note in notes)
@@ -707,7 +937,10 @@ def two_nodes(
             cmd += ["--local-addr", LOOPBACK]
         cmds.append(cmd + _target(script, args, module))
     return _retry_known_abort(
-        lambda: _run(cmds, what="two_nodes torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=True), args, env, cwd
+        lambda: _run(cmds, what="two_nodes torchrun", timeout=timeout, env=env, cwd=cwd, fail_fast=True, forkable=True),
+        args,
+        env,
+        cwd,
     )
 
 
@@ -766,7 +999,7 @@ def elastic_agents(
 
     def once() -> list[LaunchResult]:
         endpoint, rdzv_id, marker = f"{LOOPBACK}:{free_port()}", f"keel-{uuid.uuid4().hex[:12]}", uuid.uuid4().hex
-        launch = _Launch([], _make_env(env, marker), os.fspath(cwd) if cwd is not None else None, marker)
+        launch = _Launch([], _make_env(env, marker), os.fspath(cwd) if cwd is not None else None, marker, forkable=True)
         store = None
         try:
             if external_store:
@@ -810,7 +1043,7 @@ def elastic_agents(
         if not finished:
             launch.kill()
         results = launch.finish()
-        _log_launch("elastic torchrun agents", [r.cmd for r in results], launch.start)
+        _log_launch("elastic torchrun agents", [r.cmd for r in results], launch.start, launch)
         if not finished:
             parts = [f"elastic torchrun agents timed out after {timeout:g}s (all their processes were killed)"]
             for i, r in enumerate(results):
@@ -832,4 +1065,46 @@ def python(
 ) -> LaunchResult:
     """Plain single-process ``python script args...`` with the same env / timeout / kill rules."""
     cmd = [sys.executable] + _target(script, args, module)
-    return _run([cmd], what="python", timeout=timeout, env=env, cwd=cwd, fail_fast=False)[0]
+    return _run([cmd], what="python", timeout=timeout, env=env, cwd=cwd, fail_fast=False, forkable=True)[0]
+
+
+def captured(
+    args: list[str],
+    *,
+    cwd: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
+    unset: Iterable[str] = (),
+    timeout: float = 180,
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run([python, *args], capture_output=True, text=True)`` for a test that reads standard output and
+    standard error apart (a recipe's summary on one, its log lines on the other), with the harness's environment
+    (:func:`python`'s: ``env`` adds to it, ``unset`` removes names) and its rules: forked from the preloaded server
+    where it can be, a temporary working directory without ``cwd``, a timeout that kills the whole launch and raises
+    :class:`subprocess.TimeoutExpired` with the output so far, and nothing left running."""
+    marker, started = uuid.uuid4().hex, time.monotonic()
+    full = {k: v for k, v in _make_env(env, marker).items() if k not in set(unset)}
+    launch = _Launch([], full, os.fspath(cwd) if cwd is not None else None, marker, forkable=True)
+    streams = [_output_file(), _output_file()]
+    try:
+        launch.add([sys.executable, *map(str, args)], out=streams)
+        finished = launch.wait(timeout, fail_fast=False)
+    except BaseException:
+        launch.kill()
+        launch.finish()
+        raise
+    if not finished:
+        launch.kill()
+    results = launch.finish()
+    _log_launch("python (output apart)", [[sys.executable, *map(str, args)]], started, launch)
+    stdout, stderr = (_read(stream) for stream in streams)
+    stderr += results[0].stdout  # the launch's own notes (a stray process it killed), if any
+    if not finished:
+        raise subprocess.TimeoutExpired(results[0].cmd, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(results[0].cmd, results[0].returncode, stdout, stderr)
+
+
+def _read(stream: IO[bytes]) -> str:
+    stream.seek(0)
+    text = stream.read().decode("utf-8", errors="replace")
+    stream.close()
+    return text

@@ -4,13 +4,11 @@ each fragment checked here is on the page, so the two cannot drift apart."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
-from launch import REPO_ROOT, torchrun
+from launch import REPO_ROOT, captured, torchrun
 
 PAGE = REPO_ROOT / "docs" / "getting-started.md"
 
@@ -29,15 +27,7 @@ def script(tmp_path: Path, *, epochs: int = 3, ckpt_path: str = '"last"') -> Pat
 
 def run(tmp_path: Path, **variant: object) -> subprocess.CompletedProcess[str]:
     """``python train.py`` in ``tmp_path``, stdout and stderr apart (the page says where the log lines go)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(script(tmp_path, **variant))],  # type: ignore[arg-type]
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = captured([str(script(tmp_path, **variant))], cwd=tmp_path, env={"PYTHONPATH": str(REPO_ROOT)})  # type: ignore[arg-type]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 

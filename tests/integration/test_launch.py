@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,67 @@ def test_the_state_of_a_launch_is_what_it_names_in_the_temporary_directory(tmp_p
     assert copies is not None and (copies / "0").read_bytes() == b"x" * 2048
     state.discard()
     assert not copies.exists()
+
+
+# ------------------------------------------------------------------ launches forked from the preloaded server
+PROBE = SCRIPTS / "fork_probe.py"
+
+
+def _probe(tmp_path: Path, mode: str, *, fork: bool, env: dict[str, str] | None = None) -> tuple[LaunchResult, dict]:
+    import json
+
+    result = python(PROBE, str(tmp_path), mode, env={"KEEL_TEST_FORK": "1" if fork else "0", **(env or {})})
+    return result, json.loads(result.stdout.splitlines()[0])
+
+
+def test_a_forked_launch_sees_what_a_fresh_interpreter_sees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness forks python() and spawn_ranks() launches from a server that imported torch once
+    (tests/harness/zygote.py): the program must not tell the difference, but for the imports it skips."""
+    import launch
+
+    monkeypatch.setenv("KEEL_TEST_FORK", "0")
+    fresh, fresh_state = _probe(tmp_path, "ok", fork=False, env={"KEEL_PROBE": "x"})
+    monkeypatch.delenv("KEEL_TEST_FORK")
+    before = launch.launches
+    forked, forked_state = _probe(tmp_path, "ok", fork=True, env={"KEEL_PROBE": "x"})
+    again, again_state = _probe(tmp_path, "ok", fork=True, env={"KEEL_PROBE": "x"})
+    assert launch.launches == before + 2 and launch._zygote_server is not None
+    for result in (fresh, forked, again):
+        assert result.returncode == 0 and "to stderr" in result.stdout, result.stdout
+    same = ("name", "argv", "path0", "pythonpath", "probe", "session_leader", "stdin", "main_file")
+    assert {k: forked_state[k] for k in same} == {k: fresh_state[k] for k in same}
+    assert forked_state["name"] == "__main__" and forked_state["probe"] == "x" and forked_state["session_leader"]
+    assert forked_state["pythonpath"] and forked_state["path0"] == str(SCRIPTS)
+    assert forked_state["cwd"] != again_state["cwd"] and str(launch.REPO_ROOT) not in forked_state["cwd"]
+    # Seeded afresh, as a new interpreter's are: two forks do not share Python's or NumPy's random stream.
+    assert forked_state["random"] != again_state["random"] and forked_state["numpy"] != again_state["numpy"]
+
+
+def test_a_forked_launch_exits_and_fails_as_a_fresh_interpreter_does(tmp_path: Path) -> None:
+    for fork in (False, True):
+        exited, _ = _probe(tmp_path, "exit", fork=fork)
+        assert exited.returncode == 3, exited.stdout
+        raised, _ = _probe(tmp_path, "raise", fork=fork)
+        assert raised.returncode == 1 and "ValueError: probe failure" in raised.stdout, raised.stdout
+        frames = re.findall(r'File "([^"]+)"', raised.stdout)
+        assert [Path(f).name for f in frames] == ["fork_probe.py", "fork_probe.py"], raised.stdout
+
+
+def test_a_variable_read_at_start_up_gets_a_fresh_interpreter(tmp_path: Path) -> None:
+    """PYTHONHASHSEED is read when the interpreter starts: a fork would keep the server's, so such a launch
+    execs."""
+    _, state = _probe(tmp_path, "ok", fork=True, env={"PYTHONHASHSEED": "0"})
+    _, again = _probe(tmp_path, "ok", fork=True, env={"PYTHONHASHSEED": "0"})
+    _, other = _probe(tmp_path, "ok", fork=True, env={"PYTHONHASHSEED": "1"})
+    assert state["hash"] == again["hash"] != other["hash"]
+
+
+def test_what_a_forked_launch_forks_and_leaves_behind_is_killed(tmp_path: Path) -> None:
+    """A forked launch's /proc environ is the server's, so its descendants are found by session, not by marker."""
+    result, _ = _probe(tmp_path, "orphan", fork=True)
+    orphan = int((tmp_path / "orphan.pid").read_text())
+    assert result.returncode == 0 and "stray process" in result.stdout, result.stdout
+    deadline = time.monotonic() + 10
+    while not _gone(orphan) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(orphan)

@@ -13,12 +13,12 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from launch import captured
 
 pytest.importorskip("sklearn", reason="the digits recipe needs scikit-learn (pip install -e '.[dev]')")
 
@@ -340,19 +340,12 @@ def test_save_config_warns_key_by_key_when_a_resume_changes_the_config(
 def _run(
     args: list[str], cwd: Path, timeout: float = 180, env: dict[str, str] | None = None, pythonpath: list[Path] = ()
 ) -> subprocess.CompletedProcess[str]:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
-    full_env.update(env or {})
+    full_env = dict(env or {})
     full_env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(REPO_ROOT), *map(str, pythonpath), full_env.get("PYTHONPATH")])
+        filter(None, [str(REPO_ROOT), *map(str, pythonpath), os.environ.get("PYTHONPATH")])
     )
-    return subprocess.run(
-        [sys.executable, "-m", "recipes.train", *args],
-        cwd=cwd,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    hydra = [name for name in os.environ if name.startswith("HYDRA_")]
+    return captured(["-m", "recipes.train", *args], cwd=cwd, env=full_env, unset=hydra, timeout=timeout)
 
 
 def _summary(stdout: str) -> tuple[dict[str, str], dict[str, float]]:

@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launch import captured
 
 from trainer.loggers import Logger, MLFlowLogger, WandbLogger, wandb_records
 
@@ -262,8 +261,7 @@ def test_hydra_several_loggers_share_the_run_directory(tmp_path: Path) -> None:
 
 def test_recipe_logs_config_and_metrics_to_both_trackers(tmp_path: Path) -> None:
     pytest.importorskip("sklearn", reason="the digits recipe needs scikit-learn")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
-    env["PYTHONPATH"] = str(TESTS.parent)
+    hydra = [name for name in os.environ if name.startswith("HYDRA_")]
     args = [
         "logger=mlflow",
         "+logger@loggers.wandb=wandb",
@@ -274,13 +272,8 @@ def test_recipe_logs_config_and_metrics_to_both_trackers(tmp_path: Path) -> None
         "trainer.limit_test_batches=2",
         f"output_dir={tmp_path}",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "recipes.train", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    proc = captured(
+        ["-m", "recipes.train", *args], cwd=tmp_path, env={"PYTHONPATH": str(TESTS.parent)}, unset=hydra, timeout=240
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "digits" / "version_0"
