@@ -113,11 +113,14 @@ def launched(
 
 
 def _audit(event: str, args: tuple) -> None:
-    if event != "subprocess.Popen" or launch.running_test is None or launch.running_test[1]:
+    if event != "subprocess.Popen" or launch.running_test is None or launch._starting:
         return
     what = launched(args[1], args[2])
-    if what is not None:
+    if what is None:
+        return
+    if not launch.running_test[1]:
         launch.require_multiprocess_marker(what)
+    launch.launches += 1  # a launch a test made with subprocess itself counts toward the budget too
 
 
 def _guard_spawn_starters() -> None:

@@ -332,6 +332,7 @@ class _Forked:
     def __init__(self, conn: socket.socket, pid: int) -> None:
         self.conn, self.pid = conn, pid
         self.returncode: int | None = None
+        self.cpu = 0.0  # CPU seconds of the process and what it reaped, once it has exited
         self._buffer = b""
 
     def poll(self) -> int | None:
@@ -365,6 +366,7 @@ class _Forked:
             line, self._buffer = self._buffer.split(b"\n", 1)
             message = json.loads(line)
             if "status" in message:
+                self.cpu = float(message.get("cpu", 0.0))
                 self.returncode = os.waitstatus_to_exitcode(message["status"])
                 self.conn.close()
                 return
@@ -374,6 +376,7 @@ class _Zygote:
     """The fork server of this test process (tests/harness/zygote.py)."""
 
     def __init__(self) -> None:
+        global _starting
         self.folder = tempfile.mkdtemp(prefix="keel-zygote-")
         self.socket = os.path.join(self.folder, "socket")
         self.env = _make_env(None, "", workers=False)
@@ -384,6 +387,7 @@ class _Zygote:
             f.write(f'#!/bin/sh\nexec "{sys.executable}" -S "{FORK_WORKER}" "$@"\n')
         os.chmod(self.worker, 0o755)
         self.log = open(os.path.join(self.folder, "server.log"), "w+b")
+        _starting = True  # the server is the harness's own process, not a launch of a test
         self.proc = subprocess.Popen(
             [sys.executable, os.fspath(ZYGOTE), self.socket],
             stdin=subprocess.DEVNULL,
@@ -393,11 +397,13 @@ class _Zygote:
             cwd=self.folder,
             start_new_session=True,
         )
+        _starting = False
         ready = self.proc.stdout.readline() if self.proc.stdout is not None else b""
         if ready.strip() != b"ready":
-            self.close()
             self.log.seek(0)
-            raise RuntimeError(f"the fork server did not start: {self.log.read().decode(errors='replace')[-2000:]}")
+            said = self.log.read().decode(errors="replace")[-2000:]
+            self.close()
+            raise RuntimeError(f"the fork server did not start: {said}")
 
     def start(self, argv: list[str], env: dict[str, str], cwd: str | None, out: IO[bytes] | list[IO[bytes]]) -> _Forked:
         """Fork ``python argv...`` with this environment and working directory, its output on ``out`` (one file for
@@ -524,6 +530,7 @@ class _Launch:
         """Start one more launcher of this launch (same marker), e.g. a node that joins later. ``out``: a file
         to write to that another process of the launch writes too (the ranks of :func:`spawn_ranks` share one, as
         torchrun's workers share their agent's)."""
+        global _starting
         own = out is None
         out = _output_file() if out is None else out
         env = dict(self.env, **(extra_env or {}))
@@ -536,6 +543,7 @@ class _Launch:
             else:
                 self.exec_because.update(server.unsafe if server is not None else [])
                 apart = isinstance(out, list)  # standard output and error in files of their own (captured())
+                _starting = True  # counted by _log_launch, not by the audit of direct launches
                 proc = subprocess.Popen(
                     cmd,
                     stdin=subprocess.DEVNULL,
@@ -550,6 +558,8 @@ class _Launch:
                 out.close()
             self.kill()
             raise
+        finally:
+            _starting = False
         self.cmds.append(cmd)
         self.outs.append(out)
         self.notes.append([])
@@ -727,8 +737,11 @@ def _run(
     return results
 
 
-# How many launches this process made (tests/conftest.py holds the suite's total to its budget).
+# How many launches this process made (tests/conftest.py holds the suite's total to its budget): those of this
+# module, and the processes a test started with subprocess itself that the folder rule calls launches (counted by
+# tests/conftest.py's audit hook, which skips the Popen calls of this module: _starting).
 launches = 0
+_starting = False
 
 
 def _log_launch(what: str, cmds: list[list[str]], started: float, launch: _Launch) -> None:
@@ -745,6 +758,7 @@ def _log_launch(what: str, cmds: list[list[str]], started: float, launch: _Launc
             "what": what,
             "cmds": cmds,
             "forked": len(launch.forked),
+            "forked_cpu": round(sum(getattr(p, "cpu", 0.0) for p in launch.procs), 2),
             "exec_because": sorted(launch.exec_because),
         }
         with open(path, "a") as f:
@@ -810,6 +824,7 @@ KNOWN_ABORT = "terminate called without an active exception"
 def _retry_known_abort(
     launch: Callable[[], list[LaunchResult]], args: Iterable[object], env: dict[str, str] | None, cwd
 ) -> list[LaunchResult]:
+    global launches
     names = [str(a) for a in args] + list((env or {}).values()) + ([os.fspath(cwd)] if cwd is not None else [])
     state = Snapshot(names, {**os.environ, **(env or {})})
     try:
@@ -821,7 +836,6 @@ def _retry_known_abort(
                 r.stdout = f"[launch] hit {KNOWN_ABORT!r}; not retried: {state.why_not}\n" + r.stdout
             return results
         state.restore()
-        global launches
         launches -= 1  # the retry is the same launch, for the budget
         retried = launch()
         for r in retried:
@@ -998,6 +1012,7 @@ def elastic_agents(
         return cmd + _target(script, args, False)
 
     def once() -> list[LaunchResult]:
+        global _starting
         endpoint, rdzv_id, marker = f"{LOOPBACK}:{free_port()}", f"keel-{uuid.uuid4().hex[:12]}", uuid.uuid4().hex
         launch = _Launch([], _make_env(env, marker), os.fspath(cwd) if cwd is not None else None, marker, forkable=True)
         store = None
@@ -1010,6 +1025,7 @@ def elastic_agents(
                     + ", is_master=True, multi_tenant=True, wait_for_workers=False, "
                     "timeout=datetime.timedelta(seconds=60)); print('store up', flush=True); time.sleep(3600)"
                 )
+                _starting = True  # the rendezvous store of this launch, not a launch of its own
                 store = subprocess.Popen(
                     [sys.executable, "-c", code],
                     stdin=subprocess.DEVNULL,
@@ -1018,6 +1034,7 @@ def elastic_agents(
                     env=launch.env,
                     start_new_session=True,
                 )
+                _starting = False
             launch.add(command(0, endpoint, rdzv_id), {"KEEL_NODE": "0"})
             if join_when is None:
                 launch.add(command(1, endpoint, rdzv_id), {"KEEL_NODE": "1"})

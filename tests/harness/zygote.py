@@ -3,10 +3,11 @@ process from itself, so that a launch skips the 2 to 3 s of imports every fresh 
 
 Started by tests/harness/launch.py (one per pytest worker, on its first launch) as ``python zygote.py SOCKET``; it
 imports :data:`PRELOAD`, prints ``ready`` and serves on the Unix socket ``SOCKET``. A request is one JSON line
-(``argv``: the script and its arguments, ``-m module`` or ``-c code`` and theirs; ``env``; ``cwd``) with the file
-descriptor of the launch's output attached (``SCM_RIGHTS``). The server forks; the parent answers
-``{"pid": N}`` and, when that child exits, ``{"status": S}`` (a ``waitpid`` status) on the same connection; the
-child becomes what ``python script args`` would have been:
+(``argv``: the script and its arguments, ``-m module`` or ``-c code`` and theirs; ``env``; ``cwd``; ``ppid``, the
+parent the program would have had; ``watch``, a stand-in's pid) with the file descriptors of the launch's output
+attached (``SCM_RIGHTS``: one for both streams, or standard output and error). The server forks; the parent answers
+``{"pid": N}`` and, when that child exits, ``{"status": S, "cpu": C}`` (a ``waitpid`` status, its CPU seconds) on
+the same connection; the child becomes what ``python script args`` would have been:
 
 * a session of its own (``setsid``, as the harness's ``start_new_session=True``), its output on the launch's file,
   standard input from /dev/null, the launch's working directory;
@@ -18,9 +19,11 @@ child becomes what ``python script args`` would have been:
   frames and the exit status is 1, ``SystemExit`` and ``KeyboardInterrupt`` exit as the interpreter would, and the
   interpreter's own shutdown (non-daemon threads, ``atexit``, finalizers) runs as in any process.
 
-What a fork cannot give is decided by the harness before it asks (``launch._forkable``): a launch whose
-environment differs from the server's in a variable read when an interpreter or a library starts (``PYTHONHASHSEED``,
-``OMP_NUM_THREADS``, ``LD_PRELOAD``, ``TORCH_LOGS``, ...) is started as a fresh interpreter instead.
+What a fork cannot give, it refuses: a program whose environment differs from the server's in a variable read when
+an interpreter or a library starts (``PYTHONHASHSEED``, ``OMP_NUM_THREADS``, ``LD_PRELOAD``, ``TORCH_LOGS``, ...:
+any not in :data:`FORK_SAFE`) is started as a fresh interpreter instead, by the harness (tests/harness/launch.py)
+or by a torchrun worker's stand-in (tests/harness/fork_worker.py). ``{"members": MARKER}`` asks which live children
+belong to the launch with that ``KEEL_LAUNCH_ID``.
 
 The server itself runs no torch operation (no thread pool exists when it forks) and checks that it has one thread.
 """
@@ -48,9 +51,14 @@ PRELOAD = (
     "torch.distributed",
     "torch.distributed.checkpoint",
     "torch.distributed.fsdp",
+    "torch.distributed.run",
     "torch.nn.parallel",
     "torch.utils.data",
 )
+# What many of them import besides, where installed (the dev extra has them all): the TensorBoard writer, Hydra and
+# OmegaConf (the recipes), s3fs. None reads an environment variable when imported: Hugging Face datasets does (HF_*),
+# and scikit-learn's datasets start a native thread, so neither is here.
+PRELOAD_IF_INSTALLED = ("torch.utils.tensorboard", "omegaconf", "hydra", "s3fs")
 
 
 # Variables that may differ between the server's environment and a forked program's: those read after start-up (by
@@ -112,6 +120,11 @@ def unsafe_variables(env: dict[str, str], base: dict[str, str]) -> list[str]:
 def _preload() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in PRELOAD_IF_INSTALLED:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
         raise SystemExit(f"zygote: importing {PRELOAD} started threads; forking from it would be unsafe")
     # What the server imported is never garbage: out of the collector's sight, a forked program's collections and
@@ -220,7 +233,7 @@ class _Server:
     def _reap(self) -> None:
         while self.children:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
@@ -232,7 +245,8 @@ class _Server:
                 self.selector.unregister(child.watch)
                 os.close(child.watch)
             try:
-                child.conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+                cpu = usage.ru_utime + usage.ru_stime  # the child's and its reaped descendants' CPU seconds
+                child.conn.sendall(json.dumps({"status": status, "cpu": round(cpu, 3)}).encode() + b"\n")
             except OSError:
                 pass  # the requester is gone; nothing to tell
             child.conn.close()
