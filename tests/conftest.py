@@ -4,20 +4,26 @@ The tiers
 ---------
 * ``tests/unit/``: tests that run in the pytest process and launch nothing; quick (``python -m pytest -q
   tests/unit``).
-* ``tests/integration/``: tests that launch processes (the module moves whole, so it may hold in-process tests
-  too). Every test there carries the ``multiprocess`` marker, set by the folder
-  (:func:`pytest_collection_modifyitems`): a module there writes no ``pytestmark`` or decorator for it.
+* ``tests/integration/``: a test is here only when it launches processes, or needs a fixture that does
+  (``resume_fit_one_process``, a module's launched reference run), the S3 server (``s3_server``) or the SLURM
+  cluster (``slurm_cluster``). Every other test is in ``tests/unit/``, even when the other tests of its subject
+  launch: such a subject has a module in each folder (tests/unit/test_checkpoint_files.py beside
+  tests/integration/test_checkpoint.py), and what both need is in ``tests/harness/``. Every test here carries the
+  ``multiprocess`` marker, set by the folder (:func:`pytest_collection_modifyitems`): a module here writes no
+  ``pytestmark`` or decorator for it.
 * ``tests/harness/``: what the tests use, not tests: the launch harness (launch.py, launch_state.py), the models,
-  the S3 server, the recipes' fault callbacks, ``scripts/`` (the programs the tests launch) and ``slurm/`` (the
-  one-node cluster). This file puts ``tests/harness/`` on ``sys.path``: ``import launch``, ``from models import
-  ...``, ``from slurm import cluster``.
+  the S3 server, the recipes' fault callbacks, the helpers a subject's unit and integration modules share (e.g.
+  checkpoint_damage.py), ``scripts/`` (the programs the tests launch) and ``slurm/`` (the one-node cluster). This
+  file puts ``tests/harness/`` on ``sys.path``: ``import launch``, ``from models import ...``, ``from slurm import
+  cluster``.
 
 ``tests/fixtures/`` and ``tests/lightning_ports/`` are data the tests read.
 
 The folder rule
 ---------------
 A test launches processes only from ``tests/integration/``, so that ``python -m pytest -q tests/unit`` (or
-``-m "not multiprocess"``, the same tests) is the quick, in-process suite. "Launches" means: torchrun, srun or
+``-m "not multiprocess"``, the same tests) is the quick, in-process suite; and a test that launches nothing is not
+there, so that every in-process test is in that suite. "Launches" means: torchrun, srun or
 sbatch, a ``python`` subprocess that runs the repository's code (a training script, a recipe, ``python -m
 trainer.doctor``, a benchmark, ``python -c`` code), and ``multiprocessing`` / ``torch.multiprocessing`` with the
 spawn or forkserver start method. The rule is enforced through the marker the folder sets:
@@ -221,7 +227,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("slurm") is not None:
             item.add_marker(pytest.mark.xdist_group("slurm"))
-    # The tests that launch processes (tests/integration/) first, in-process ones (a few ms each) last: two workers
+    # The tests that launch processes (tests/integration/) first, in-process ones (ms to seconds each) last: two workers
     # then finish together instead of one waiting out the last module's long launches (collection is alphabetical,
     # and test_s3, test_slurm, test_streams, test_tensor_parallel and test_tracking_dist are among the slowest).
     items.sort(key=lambda item: item.get_closest_marker("multiprocess") is None)

@@ -1,15 +1,15 @@
-"""Tests of the multi-process launch harness (tests/harness/launch.py)."""
+"""Tests of the multi-process launch harness (tests/harness/launch.py): its launches. Its parts that launch nothing
+(free ports, a result's check, a launch's state) are in tests/unit/test_launch_harness.py."""
 
 from __future__ import annotations
 
 import os
 import re
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from launch import LaunchResult, free_port, python, spawn_ranks, torchrun, two_nodes
+from launch import LaunchResult, python, spawn_ranks, torchrun, two_nodes
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "harness" / "scripts"
 
@@ -24,15 +24,6 @@ def _gone(pid: int) -> bool:
 
 def _read_pids(path: Path) -> list[int]:
     return [int(x) for x in path.read_text().split()]
-
-
-def test_free_port_and_check():
-    port = free_port()
-    assert 0 < port < 65536
-    LaunchResult(0, "fine", 0.1).check()
-    with pytest.raises(AssertionError, match=r"(?s)returncode 2.*line 99\Z") as info:
-        LaunchResult(2, "\n".join(f"line {i}" for i in range(100)), 0.1).check()
-    assert "line 19" not in str(info.value) and "line 20" in str(info.value)  # last 80 lines only
 
 
 def test_torchrun_allreduce():
@@ -125,22 +116,6 @@ def test_a_launch_whose_remote_state_cannot_be_put_back_is_not_retried(tmp_path:
     result = spawn_ranks(SCRIPTS / "abort_once.py", str(state), str(out), "gs://keel-bucket/ck", nproc=1, timeout=60)
     assert result.returncode != 0 and (tmp_path / "attempts.log").read_text().count("attempt") == 1
     assert "not retried: it names gs://keel-bucket/ck, whose state this harness cannot put back" in result.stdout
-
-
-def test_the_state_of_a_launch_is_what_it_names_in_the_temporary_directory(tmp_path: Path) -> None:
-    """Arguments, --opt=value and key=value values, os.pathsep lists; never the checkout or the interpreter."""
-    from launch_state import REPO_ROOT, Snapshot, _local_paths
-
-    run, ck, lib = tmp_path / "run", tmp_path / "run" / "ck", tmp_path / "lib"
-    words = [sys.executable, str(REPO_ROOT / "tests"), str(ck), f"--dir={run}", f"logger.dir={lib}", f"/nope:{lib}"]
-    assert _local_paths(words) == sorted([lib, run])  # ck lies inside run
-    (tmp_path / "big").write_bytes(b"x" * 2048)
-    assert "holds over 1024 bytes" in Snapshot([str(tmp_path / "big")], {}, limit=1024).why_not
-    state = Snapshot([str(tmp_path / "big")], {})
-    copies = state._store
-    assert copies is not None and (copies / "0").read_bytes() == b"x" * 2048
-    state.discard()
-    assert not copies.exists()
 
 
 # ------------------------------------------------------------------ launches forked from the preloaded server

@@ -1,6 +1,6 @@
 """Distributed failures become fast, clear errors: init timeouts, uneven data, non-finite losses, DDP's unused
 parameters, and torchrun's root-cause summary. (A stalled rank and the hang watchdog:
-tests/integration/test_watchdog.py.)"""
+tests/integration/test_watchdog_hangs.py and tests/unit/test_watchdog.py.)"""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from launch import REPO_ROOT, free_port, python, spawn_ranks, torchrun
-
-from trainer.data.loaders import shard_iterable
 
 SCRIPT = REPO_ROOT / "tests" / "harness" / "scripts" / "robustness.py"
 
@@ -79,9 +77,3 @@ def test_torchrun_summary_shows_the_root_cause() -> None:
     assert result.returncode != 0
     root = result.stdout[result.stdout.index("Root Cause") :]
     assert "root cause from failing_main" in root
-
-
-def test_shard_iterable_gives_disjoint_complete_shards() -> None:
-    shards = [list(shard_iterable(range(10), rank=r, world_size=3)) for r in range(3)]
-    assert sorted(sum(shards, [])) == list(range(10))
-    assert shards[1] == [1, 4, 7]

@@ -1,6 +1,7 @@
 """The S3 server of the tests (tests/harness/s3server.py, the ``s3_server`` fixture of tests/conftest.py): it serves
 S3 through s3fs, refuses other credentials, reaches a child process through the standard AWS variables, and
-its faults (pause, kill) look to a client the way keel's tests rely on."""
+its faults (pause, kill) look to a client the way keel's tests rely on. Why it cannot start somewhere:
+tests/unit/test_s3server_availability.py."""
 
 from __future__ import annotations
 
@@ -215,11 +216,3 @@ def test_a_killed_server_refuses_connections_and_a_restart_brings_the_store_back
         assert fs.cat_file(f"{bucket}/x") == b"1"
     finally:
         restarted.kill()
-
-
-def test_unavailable_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    assert s3server.unavailable_reason() is None or "not installed" in str(s3server.unavailable_reason())
-    monkeypatch.setattr(s3server.shutil, "which", lambda name: None)
-    monkeypatch.setattr(s3server.sys, "executable", str(tmp_path / "python"))
-    assert s3server.weed_binary() is None
-    assert "no `weed` on PATH" in str(s3server.unavailable_reason())

@@ -1,8 +1,9 @@
 """Hydra's submitit launcher for real: ``python -m recipes.train -m hydra/launcher=submitit_slurm`` submits
 a two-value sweep as two SLURM jobs to the one-node cluster of tests/harness/slurm/start.sh, each trains on 2 ranks
 in its own run directory, and the results and submitit's logs land where docs/slurm.md says.
-``submitit_local`` runs the same sweep as two local processes at the same time, one run directory each,
-and ``tasks_per_node`` > 1 is refused there. A few optimizer steps of the digits recipe per job.
+``submitit_local`` runs the same sweep as two local processes at the same time, one run directory each. A few
+optimizer steps of the digits recipe per job. That ``tasks_per_node`` > 1 is refused under ``submitit_local``:
+tests/unit/test_submitit_local_tasks.py.
 """
 
 from __future__ import annotations
@@ -103,14 +104,3 @@ def test_submitit_local_sweep_runs_jobs_side_by_side_in_their_own_run_directorie
     identities = [(d / ".keel_run_id").read_text() for d in dirs]
     assert all(i.startswith("submitit-local:") for i in identities) and len(set(identities)) == 2, identities
     assert not list(out.glob("digits/version_*/config.1.yaml"))  # neither job resumed the other
-
-
-def test_submitit_local_with_several_tasks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    # hydra.launcher.tasks_per_node=2 under submitit_local: each copy has SUBMITIT_LOCAL_NTASKS=2.
-    from recipes.train import _check_submitit_local_tasks
-
-    monkeypatch.setenv("SUBMITIT_LOCAL_NTASKS", "2")
-    with pytest.raises(SystemExit, match="submitit_local with tasks_per_node=2 starts 2 independent copies"):
-        _check_submitit_local_tasks()
-    monkeypatch.setenv("SUBMITIT_LOCAL_NTASKS", "1")
-    _check_submitit_local_tasks()

@@ -155,7 +155,7 @@ def test_plain_precision_binds_torchs_own_backward_and_step() -> None:
 
 def test_move_to_the_cpu_skips_loader_batches_but_not_outputs_from_any_device() -> None:
     """A loader's batch headed for the CPU is returned as it is (the hot path); predictions (made on any device)
-    are walked and every tensor brought to the CPU (on a GPU: tests/integration/test_gpu.py)."""
+    are walked and every tensor brought to the CPU (on a GPU: test_gpu_one_process.py)."""
     from trainer.data.transfer import move_to_device
 
     out = {"y": torch.ones(2), "extra": [torch.zeros(1)]}

@@ -1,6 +1,6 @@
 """Strategy objects in one process: activation checkpointing recomputes the chosen modules in backward and
 changes no weight, while autograd keeps fewer bytes for backward. The 2-rank DDP and FSDP runs under activation
-checkpointing are in tests/integration/test_fsdp.py; settings and their errors in tests/integration/test_fsdp.py and
+checkpointing are in tests/integration/test_fsdp.py; settings and their errors in test_fsdp_settings.py and
 test_options.py."""
 
 from __future__ import annotations

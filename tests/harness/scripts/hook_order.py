@@ -3,8 +3,8 @@
 Usage: hook_order.py OUT_DIR   (writes OUT_DIR/rank{R}.json, a list of event names)
 
 Each rank sees the same number of batches whatever the world size (the datasets grow with it), so the
-lists of a 2-rank run must equal the single-process list. tests/integration/test_hook_order.py also imports
-:func:`record` and runs it in-process.
+lists of a 2-rank run must equal the single-process list (tests/integration/test_hook_order.py).
+tests/unit/test_hook_order_one_process.py imports :func:`record` and runs it in-process.
 
 Events: ``task.<hook>`` for the TaskModule's hooks and steps, ``cb.<hook>`` for the callback's,
 ``optimizer.step`` from a torch optimizer step post-hook; setup/teardown carry their stage.

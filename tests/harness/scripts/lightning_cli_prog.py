@@ -3,7 +3,8 @@
 Changed from the Lightning original: ``import lightning as L`` became ``import callbacks.lightning as L`` and
 ``from lightning.pytorch.cli import LightningCLI`` became ``from callbacks.lightning.pytorch.cli import LightningCLI``
 (marked below); nothing else. tests/integration/test_lightning_cli.py runs it as ``python lightning_cli_prog.py
-fit ...`` (and under torchrun) and builds the same CLI in-process from :func:`cli_main`.
+fit ...`` (and under torchrun); tests/unit/test_lightning_cli_in_process.py builds the same CLI in-process from
+:func:`cli_main`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ the files Lightning's ModelCheckpoint leaves.
 Usage: torchrun --nproc-per-node 2 lightning_port_ddp.py OUT_DIR [checkpoint]
 Writes OUT_DIR/rank{R}.json with what every rank saw (tests/integration/test_metrics_objects.py checks it); with
 ``checkpoint``, OUT_DIR/rank{R}.pt from :func:`lightning_checkpoint` instead (tests/integration/test_lightning_port.py
-checks it, and runs the same function in one process).
+checks it; tests/unit/test_lightning_porting.py runs the same function in one process).
 
 The duck-typed metrics here do their own all-reduce through ``torch.distributed`` (as torchmetrics does
 in ``compute()``); keel must use their result as is, never reduce it again.

@@ -2,7 +2,8 @@
 
 Usage: lightning_ports_run.py OUT_DIR CASE [CASE ...]   (CASE: autoencoder, gan, transformer, imagenet,
 hydra_mnist, nan; "all": the first five). Writes OUT_DIR/<case>/rank{R}.json with what the test checks.
-tests/integration/test_lightning_modules.py imports :func:`run` for the single-process runs.
+tests/unit/test_lightning_modules_one_process.py imports :func:`run` for the single-process runs;
+tests/integration/test_lightning_modules.py launches this script on 2 ranks.
 """
 
 from __future__ import annotations
