@@ -341,6 +341,17 @@ _CHECKOUT_BEFORE = pytest.StashKey[set[str] | None]()
 _WORKER_LAUNCHES = pytest.StashKey[list[int]]()
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What was imported to collect the tests (torch, the trackers, Hydra, every test module) lives for the whole
+    run: frozen out of the garbage collector's sight, a collection in a test (the Tuner's ``gc.collect()`` between
+    trials, as Lightning's; Python's own full collections) walks only what the tests made. Measured: the Tuner's
+    tests 23.6 s -> 15.7 s alone, and a collection from 100 ms to 230 ms in the whole unit tier without it."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _no_global_seed_between_tests():  # type: ignore[no-untyped-def]
     """``seed_everything(n)`` sets ``PL_GLOBAL_SEED`` (and ``workers=True`` ``PL_SEED_WORKERS``), which a Trainer

@@ -84,6 +84,10 @@ FORK_SAFE = frozenset(
         "PYTEST_CURRENT_TEST",
         "PYTHONPATH",
         "PYTHON_EXEC",
+        "PWD",  # the shells in between (the stand-in's wrapper) set these four
+        "OLDPWD",
+        "SHLVL",
+        "_",
         "COLUMNS",
         "LINES",
         "TERM",

@@ -143,7 +143,8 @@ def test_a_forked_launch_sees_what_a_fresh_interpreter_sees(tmp_path: Path, monk
     assert launch.launches == before + 2 and launch._zygote_server is not None
     for result in (fresh, forked, again):
         assert result.returncode == 0 and "to stderr" in result.stdout, result.stdout
-    same = ("name", "argv", "path0", "pythonpath", "probe", "session_leader", "stdin", "main_file")
+    assert forked_state["preloaded"] and not fresh_state["preloaded"]
+    same = ("name", "argv", "path0", "pythonpath", "probe", "session_leader", "stdin", "main_file", "parent")
     assert {k: forked_state[k] for k in same} == {k: fresh_state[k] for k in same}
     assert forked_state["name"] == "__main__" and forked_state["probe"] == "x" and forked_state["session_leader"]
     assert forked_state["pythonpath"] and forked_state["path0"] == str(SCRIPTS)
@@ -169,6 +170,23 @@ def test_a_variable_read_at_start_up_gets_a_fresh_interpreter(tmp_path: Path) ->
     _, again = _probe(tmp_path, "ok", fork=True, env={"PYTHONHASHSEED": "0"})
     _, other = _probe(tmp_path, "ok", fork=True, env={"PYTHONHASHSEED": "1"})
     assert state["hash"] == again["hash"] != other["hash"]
+    assert not state["preloaded"] and not other["preloaded"]
+
+
+def test_torchruns_workers_fork_through_their_stand_in_and_see_the_agent_as_their_parent(tmp_path: Path) -> None:
+    """torchrun starts each worker with PYTHON_EXEC: the harness's stand-in (tests/harness/fork_worker.py) has the
+    server fork the program; the worker sees its agent as its parent, and its exit code reaches the agent."""
+    import json
+
+    result = torchrun(PROBE, str(tmp_path), "ok", nproc=2, timeout=120).check()
+    states = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(state["rank"] for state in states) == ["0", "1"], result.stdout
+    assert all(state["preloaded"] for state in states), result.stdout
+    assert len({state["parent"] for state in states}) == 1  # one agent, the parent of both
+    failed = torchrun(PROBE, str(tmp_path), "exit", nproc=2, timeout=120)
+    assert failed.returncode != 0 and re.search(r"exitcode\s*:\s*3\b", failed.stdout), failed.stdout
+    fresh = torchrun(PROBE, str(tmp_path), "ok", nproc=2, timeout=120, env={"PYTHONHASHSEED": "0"}).check()
+    assert not any(json.loads(line)["preloaded"] for line in fresh.stdout.splitlines() if line.startswith("{"))
 
 
 def test_what_a_forked_launch_forks_and_leaves_behind_is_killed(tmp_path: Path) -> None:

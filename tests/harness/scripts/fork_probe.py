@@ -9,13 +9,16 @@ tests/integration/test_launch.py compares a launch forked from the harness's pre
 interpreter (KEEL_TEST_FORK=0).
 """
 
-import json
-import os
-import random
 import sys
-import time
 
-import numpy as np
+PRELOADED = "torch" in sys.modules  # before this program imports anything: forked from the harness's server
+
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 out, mode = sys.argv[1], sys.argv[2]
 state = {
@@ -31,6 +34,9 @@ state = {
     "hash": hash("keel"),
     "stdin": sys.stdin.read(),
     "main_file": sys.modules["__main__"].__file__,
+    "preloaded": PRELOADED,
+    "rank": os.environ.get("RANK"),
+    "parent": os.getppid(),
 }
 print(json.dumps(state), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
