@@ -254,9 +254,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # ---------------------------------------------------------------------------------- nothing written into the checkout
 # What git sees in the checkout, ignored files included, before the run and after it: whatever appeared in between
-# was written by a test (or by a program it launched) and fails the run, named. The test runner's own files and the
-# development environments are not the tests' doing. The workers of pytest-xdist leave it to the controller.
-_RUNNER_FILES = re.compile(r"(^|/)(__pycache__|\.pytest_cache|[^/]*\.egg-info|\.venv|\.ci-venv)(/|$)")
+# was written by a test (or by a program it launched) and fails the run, named. The test runner's own files, the
+# development environments and the caches of the linter and type checker (a developer may run them meanwhile) are
+# not the tests' doing. The workers of pytest-xdist leave it to the controller.
+_RUNNER_FILES = re.compile(
+    r"(^|/)(__pycache__|\.pytest_cache|[^/]*\.egg-info|\.venv|\.ci-venv|\.mypy_cache|\.ruff_cache)(/|$)"
+)
 
 
 def _checkout_entries() -> set[str] | None:

@@ -46,3 +46,15 @@ def test_a_test_of_the_integration_folder_gets_the_marker_from_it(request: pytes
     _conftest().pytest_collection_modifyitems(request.config, [item])
     assert [m.name for m in item.markers] == ["multiprocess"]
     assert request.node.get_closest_marker("multiprocess") is None  # this module is in tests/unit/
+
+
+def test_a_path_that_appears_in_the_checkout_during_the_run_is_named_and_the_runners_own_files_are_not() -> None:
+    """tests/conftest.py compares ``git status --porcelain --ignored`` at the start and the end of the run."""
+    conftest = _conftest()
+    before = {"?? notes.txt", " M README.md"}
+    after = before | {"?? failure-rank0.log", "!! outputs/run/"}
+    assert conftest.written_into_checkout(before, after) == ["failure-rank0.log", "outputs/run/"]
+    assert conftest.written_into_checkout(before, before) == []
+    for runner in ("tests/__pycache__/x.pyc", ".mypy_cache/3.10/cache.db", ".venv/bin/python", "keel.egg-info/"):
+        assert conftest._RUNNER_FILES.search(runner), runner
+    assert not conftest._RUNNER_FILES.search("failure-rank0.log")
