@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import IO
 
 from launch_state import Snapshot
-from zygote import unsafe_variables
+from zygote import LAUNCHER_VARS, unsafe_variables
 
 __all__ = [
     "LaunchResult",
@@ -75,27 +75,9 @@ KILL_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
 FAIL_FAST_GRACE = 3.0  # two_nodes: seconds the other agent gets to exit by itself after one failed
 _MARKER_VAR = "KEEL_LAUNCH_ID"
 
-# Variables that a launcher sets for its workers; inheriting them from the
-# process running the tests (e.g. pytest itself started under torchrun) would
-# confuse a plain `python` run.  torchrun sets its own for the workers.
-_DIST_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_NAME",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCHELASTIC_ERROR_FILE",
-)
+# Variables that a launcher sets for its workers; inheriting them from the process running the tests (e.g. pytest
+# itself started under torchrun) would confuse a plain `python` run. torchrun sets its own for the workers.
+_DIST_VARS = LAUNCHER_VARS
 
 
 # --------------------------------------------------------------------------- the multiprocess marker

@@ -67,19 +67,30 @@ PRELOAD_IF_INSTALLED = ("torch.utils.tensorboard", "omegaconf", "hydra", "s3fs")
 # makes the launch a fresh interpreter, so that a test of such a variable gets what it sets.
 # TORCHINDUCTOR_CACHE_DIR: set in the test process by torch's compiler once a test compiles, read when a program
 # compiles, which the server never does. PYTHON_EXEC: what torchrun starts its workers with (the stand-in).
+# Variables that a launcher sets for its workers (torchrun, tests/harness/launch.py's spawn_ranks); the harness also
+# keeps them out of the environment it gives a launch, so that a test process started under torchrun does not pass
+# its own on.
+LAUNCHER_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+)
 FORK_SAFE = frozenset(
     {
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "GROUP_WORLD_SIZE",
-        "ROLE_RANK",
-        "ROLE_NAME",
-        "ROLE_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
+        *LAUNCHER_VARS,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING",
         "PYTEST_CURRENT_TEST",
         "PYTHONPATH",
