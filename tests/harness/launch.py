@@ -20,6 +20,9 @@ SIGKILLed is re-parented to PID 1 -- which, in some containers, never reaps it
 * every launch gets a unique marker variable (``KEEL_LAUNCH_ID``) in its
   environment; every descendant inherits it, so all processes of a launch are
   found by scanning ``/proc/<pid>/environ``, whatever their session or parent;
+* a process forked from the preloaded server (see "the preloaded fork server" below) shows the server's
+  environment in ``/proc``, not the launch's: it heads a session of its own, and the processes of that session
+  belong to the launch (the server names those it forked for a marker: torchrun's workers);
 * this (the pytest) process makes itself a *child subreaper* (Linux
   ``prctl(PR_SET_CHILD_SUBREAPER)``) on the first launch, so orphans of a launch
   are re-parented to us and are reaped here instead of lingering as zombies;
@@ -299,12 +302,12 @@ def _reap(pids: set[int], deadline: float) -> None:
 # --------------------------------------------------------------------------- the preloaded fork server
 
 # Every fresh interpreter pays 2 to 3 s here before a test's program trains (torch, the dynamo stack its optimizers
-# import, DCP). python() and spawn_ranks() launches fork instead from one server per test process that imported
-# those once (tests/harness/zygote.py); torchrun's workers are started by the agent and still exec.
-# KEEL_TEST_FORK=0 starts every launch as a fresh interpreter (to tell a fork-related failure from a real one).
+# import, DCP) and 1 s to shut down. python(), spawn_ranks(), captured() and the torchrun agents fork instead from
+# one server per test process that imported those once (tests/harness/zygote.py); torchrun's workers fork from it
+# through a stand-in the agent starts as its PYTHON_EXEC (tests/harness/fork_worker.py). KEEL_TEST_FORK=0 starts
+# every launch as a fresh interpreter (to tell a fork-related failure from a real one).
 ZYGOTE = Path(__file__).resolve().with_name("zygote.py")
 FORK_WORKER = Path(__file__).resolve().with_name("fork_worker.py")
-ZYGOTE_START_TIMEOUT = 120.0
 
 
 class _Forked:
@@ -380,7 +383,11 @@ class _Zygote:
             start_new_session=True,
         )
         _starting = False
-        ready = self.proc.stdout.readline() if self.proc.stdout is not None else b""
+        import select
+
+        assert self.proc.stdout is not None
+        started = select.select([self.proc.stdout], [], [], 120)[0]  # its imports take seconds, never minutes
+        ready = self.proc.stdout.readline() if started else b""
         if ready.strip() != b"ready":
             self.log.seek(0)
             said = self.log.read().decode(errors="replace")[-2000:]
