@@ -236,20 +236,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip = pytest.mark.skip(reason="needs CUDA; torch.cuda.is_available() is False")
         for item in gpu_items:
             item.add_marker(skip)
-    if not (config.getoption("--run-slow") or os.environ.get("KEEL_RUN_SLOW") == "1"):
-        skip_slow = pytest.mark.skip(
-            reason="slow (over a minute, or a variant): run with --run-slow or KEEL_RUN_SLOW=1"
-        )
-        for item in items:
-            if item.get_closest_marker("slow") is not None:
-                item.add_marker(skip_slow)
-    if not (config.getoption("--run-index") or os.environ.get("KEEL_RUN_INDEX") == "1"):
-        skip_index = pytest.mark.skip(
-            reason="needs the package index, which moves: run with --run-index or KEEL_RUN_INDEX=1"
-        )
-        for item in items:
-            if item.get_closest_marker("index") is not None:
-                item.add_marker(skip_index)
+    for marker, why in _OPT_IN.items():
+        if not _opted_in(config, marker):
+            skip = pytest.mark.skip(reason=f"{why}: run with --run-{marker} or KEEL_RUN_{marker.upper()}=1")
+            for item in items:
+                if item.get_closest_marker(marker) is not None:
+                    item.add_marker(skip)
+
+
+# The markers whose tests the default run skips, and why.
+_OPT_IN = {"slow": "slow (over a minute, or a variant)", "index": "needs the package index, which moves"}
+
+
+def _opted_in(config: pytest.Config, marker: str) -> bool:
+    """Whether this run includes the tests marked ``marker`` (``--run-<marker>`` or ``KEEL_RUN_<MARKER>=1``)."""
+    return bool(config.getoption(f"--run-{marker}")) or os.environ.get(f"KEEL_RUN_{marker.upper()}") == "1"
 
 
 # ---------------------------------------------------------------------------------- nothing written into the checkout
@@ -321,8 +322,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         config.workeroutput["keel_launches"] = launch.launches  # type: ignore[attr-defined]
         return
     launches = launch.launches + sum(config.stash.get(_WORKER_LAUNCHES, []))
-    extra = config.getoption("--run-slow") or config.getoption("--run-index") or os.environ.get("KEEL_RUN_SLOW") == "1"
-    if launches > LAUNCH_BUDGET and not extra:
+    if launches > LAUNCH_BUDGET and not any(_opted_in(config, marker) for marker in _OPT_IN):
         _fail_session(
             session,
             f"the tests launched {launches} processes, over the budget of {LAUNCH_BUDGET} (tests/conftest.py): share "
