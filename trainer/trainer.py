@@ -515,6 +515,8 @@ class Trainer(TrainerAttributes):
         try:
             lifecycle.teardown_stage(self, stage, failed=failed)
         finally:
+            if stage == "fit":  # after the callbacks' teardown: every save of the fit is committed
+                self.checkpointer.release()
             self._model = self._run_step = self._hooks = self._metrics.batch = None
             self.strategy.teardown()
             self.state_stage = None

@@ -1074,6 +1074,15 @@ def python(
     return _run([cmd], what="python", timeout=timeout, env=env, cwd=cwd, fail_fast=False, forkable=True)[0]
 
 
+def run_together(
+    *commands: tuple[str | os.PathLike, ...], timeout: float = 120, env: dict[str, str] | None = None
+) -> list[LaunchResult]:
+    """Several plain ``python script args...`` started in the same instant as one launch (runs that race for
+    something), each with its own output, under :func:`python`'s rules."""
+    cmds = [[sys.executable, *map(str, command)] for command in commands]
+    return _run(cmds, what="python (together)", timeout=timeout, env=env, cwd=None, fail_fast=False, forkable=True)
+
+
 def captured(
     args: list[str],
     *,

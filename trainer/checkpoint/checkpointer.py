@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -113,6 +114,7 @@ class Checkpointer:
         # (a restart or requeue is the same run), else this Trainer's own; ckpt_path="last" adopts the folder's.
         self.run_id = run_identity() or f"keel:{uuid.uuid4().hex[:12]}"
         self.claimed: list[str] = []  # the checkpoint folders this run holds (begin)
+        self._released: list[str] = []  # those it let go of when fit ended (a later save takes them again)
         self._initial_weights_of: torch.nn.Module | None = None  # the task Trainer(initial_weights=...) went into
 
     def track(
@@ -268,30 +270,34 @@ class Checkpointer:
         run, error = comm.broadcast_object(decided)
         if error:
             raise CheckpointError(error)
-        self.run_id, self.claimed = run, folders
+        self.run_id, self.claimed, self._released = run, folders, []
 
     def _claim(self, folder: str, ckpt_path: str | None, run: str) -> str:
         """Rank 0: the run this fit continues or starts (``run`` unless ``ckpt_path`` continues another), once
-        ``folder`` is claimed for it."""
+        ``folder`` is claimed for it. The read, the decision and the write are one exclusive exchange
+        (:func:`claim.exclusive`): of runs starting together, the first takes the folder and the rest find its
+        claim live."""
+        try:
+            with claim.exclusive(folder):
+                return self._claim_held(folder, ckpt_path, run)
+        except claim.Busy as exc:
+            raise CheckpointError(
+                f"Checkpoint folder {folder!r}: another process held its claim lock ({exc}) for "
+                f"{claim.LOCK_WAIT_S:g} s, which taking a claim never needs. Another run is starting on this folder "
+                "and is stuck: stop it, or give this run its own folder (ModelCheckpoint(dirpath=...))."
+            ) from None
+
+    def _claim_held(self, folder: str, ckpt_path: str | None, run: str) -> str:
         held, seen = claim.read_for_replacing(folder)
         saves = committed_runs(folder)
         if ckpt_path in ("last", "best"):  # a save of the folder's run, resumed: that run continues
             run = (held or {}).get("run") or next((r for _, r in saves if r), run)
         elif ckpt_path is not None:
             run = _run_of(ckpt_path) or run
-        if held is not None and not claim.same_launch(held):
-            live = claim.alive(held)
-            if live or (live is None and held.get("run") != run):
-                elsewhere = (
-                    f" If that run has stopped, delete {os.path.join(folder, claim.CLAIM_FILE)}."
-                    if live is None
-                    else ""
-                )
-                raise CheckpointError(
-                    f"Checkpoint folder {folder!r} is being written by {claim.describe(held)}: two runs "
-                    "may not write one folder. Stop the other run, or give this one its own folder "
-                    f"(ModelCheckpoint(dirpath=...), or another logger version).{elsewhere}"
-                )
+        if held is not None and not claim.same_launch(held) and not claim.released(held):
+            live = claim.alive(held)  # False: its process has ended, so the claim is stale and taken over
+            if live is not False:
+                refuse_held(folder, held, live)
         others = [(name, r) for name, r in saves if r and r != run]
         if others:  # as Lightning, a new run may write beside them; keel neither resumes nor deletes them
             name, other = others[0]
@@ -310,16 +316,38 @@ class Checkpointer:
         except claim.Taken:
             now = claim.read(folder)
             raise CheckpointError(
-                f"Checkpoint folder {folder!r} was claimed by {claim.describe(now) if now else 'another run'} while "
-                "this run was starting: two runs may not write one folder. Stop the other run, or give this one its "
-                "own folder (ModelCheckpoint(dirpath=...), or another logger version)."
+                f"Checkpoint folder {folder!r} was claimed by {claim.describe(now) if now else 'another process'} "
+                "while this run was starting: two processes may not write one folder. Stop the other run, or give "
+                "this one its own folder (ModelCheckpoint(dirpath=...), or another logger version)."
             ) from None
         return run
 
+    def release(self) -> None:
+        """Rank 0, when fit ends (however it ends, after its saves are committed): mark this run's claims released,
+        so that a rerun on any host may take the folder over. A failure to do so is logged, never raised: the
+        claim then stays, and names its (ended) process."""
+        folders, self.claimed = self.claimed, []
+        self._released = folders
+        if self.rank != 0:
+            return
+        for folder in folders:
+            try:
+                claim.release(folder, self.run_id)
+            except Exception as exc:
+                log.warning(
+                    "Could not mark the claim on checkpoint folder %r released (%s: %s): a rerun on this host "
+                    "takes it over; on another host delete %s once this run has stopped.",
+                    folder,
+                    type(exc).__name__,
+                    exc,
+                    os.path.join(folder, claim.CLAIM_FILE),
+                )
+
     def _claim_check(self, path: str | os.PathLike) -> Callable[[], None] | None:
-        """Rank 0, before a save into the claimed folder is committed: the claim is still this run's."""
+        """Rank 0, before a save into a folder this run claimed is committed: the claim is still this process's
+        (held, or released when fit ended and not taken over since: ``save_checkpoint`` after ``fit``)."""
         parent = os.path.dirname(os.fspath(path).rstrip("/"))
-        folder = next((f for f in self.claimed if f.rstrip("/") == parent), None)
+        folder = next((f for f in self.claimed + self._released if f.rstrip("/") == parent), None)
         if folder is None:
             return None
         run = self.run_id
@@ -327,10 +355,10 @@ class Checkpointer:
         def check() -> None:
             held = claim.read(folder)
             if not claim.mine(held, run):
-                who = claim.describe(held) if held is not None else "no run (its claim was removed)"
+                who = claim.describe(held) if held is not None else "no process (its claim was removed)"
                 raise CheckpointError(
-                    f"Checkpoint folder {folder!r} is now held by {who}, not by this run ({run!r}): {path} was not "
-                    "committed, and nothing another run wrote was touched."
+                    f"Checkpoint folder {folder!r} is now held by {who}, not by this process (pid {os.getpid()} on "
+                    f"{socket.gethostname()}): {path} was not committed, and nothing another run wrote was touched."
                 )
 
         return check
@@ -501,6 +529,24 @@ def _run_of(path: str | os.PathLike) -> str:
 
 
 _UNVERIFIED = "Checkpoint folder "
+
+
+def refuse_held(folder: str, held: dict[str, Any], live: bool | None) -> NoReturn:
+    """Refuse a fit on ``folder``, which ``held`` claims and has not released: a live process on this host
+    (``live``), or a process on another host (``live`` None), whose liveness cannot be told from here."""
+    if live:
+        raise CheckpointError(
+            f"Checkpoint folder {folder!r} is being written by {claim.describe(held)}, which is still running: two "
+            "processes may not write one folder. Stop that run, or give this one its own folder "
+            "(ModelCheckpoint(dirpath=...), or another logger version)."
+        )
+    raise CheckpointError(
+        f"Checkpoint folder {folder!r} is being written by {claim.describe(held)}, another host: whether that "
+        f"process still runs cannot be told from {socket.gethostname()!r}, so its claim is never taken over, "
+        "whatever ckpt_path says. If that run is really gone (its job ended or its machine died), delete "
+        f"{os.path.join(folder, claim.CLAIM_FILE)} and run again; otherwise stop it, or give this run its own folder "
+        "(ModelCheckpoint(dirpath=...), or another logger version)."
+    )
 
 
 def unverified(folder: str | os.PathLike, exc: BaseException) -> str:

@@ -2,17 +2,27 @@
 
 A claim is a small JSON file, ``keel.claim``, in the folder: the run's id and the process that holds it (host,
 pid and the pid's start time, so a recycled pid is not mistaken for the holder). On object storage it is an
-object. A claim is made exclusively: where the folder has none, it is created only if still absent (a hard link on
-disk, ``If-None-Match`` on S3-compatible stores), and a stale claim is replaced on object storage only if it is
-still the one read (``If-Match`` on its ETag), so of two runs that start in the same instant one gets the folder
-and the other is refused at fit start.
+object. A run marks its claim released when its fit ends (``"released": true``); a released claim, or on this host
+one whose process has ended, is stale and may be taken over.
+
+Reading a claim, deciding and writing the new one is exclusive. In a local (or network-mounted) folder the whole
+exchange runs under a lock on ``.keel.claim.lock`` (``flock``: the kernel drops it when its process dies, and NFS
+v4 and the usual parallel filesystems honour it between hosts); where the folder had no claim it is also created
+only if still absent (a hard link). On object storage every write is conditional on what was read
+(``If-None-Match`` / ``If-Match`` on its ETag). So of any number of runs that start or restart together on one
+folder, one takes it and every other reads the winner's live claim and is refused at fit start.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
+import logging
 import os
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +30,13 @@ from trainer.checkpoint.files import write_atomic
 from trainer.distributed.launcher import is_this_process, process_alive, run_identity, this_process
 from trainer.storage import AnyPath, RemotePath, as_path
 
+log = logging.getLogger(__name__)
+
 CLAIM_FILE = "keel.claim"
+LOCK_FILE = ".keel.claim.lock"
+LOCK_WAIT_S = 60.0  # the lock is held for one read, a folder listing and one small write: never this long
+# A filesystem that cannot lock (flock answers with one of these) still gets the exclusive create, with a warning.
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
 def holder() -> dict[str, Any]:
@@ -35,6 +51,10 @@ def read(folder: str | os.PathLike | AnyPath) -> dict[str, Any] | None:
 
 class Taken(Exception):
     """Another process claimed the folder between this one's read and its write."""
+
+
+class Busy(Exception):
+    """Another process held the folder's claim lock for longer than :data:`LOCK_WAIT_S`."""
 
 
 def read_for_replacing(folder: str | os.PathLike | AnyPath) -> tuple[dict[str, Any] | None, Seen]:
@@ -61,6 +81,69 @@ class Seen:
     tag: str | None
 
 
+@contextlib.contextmanager
+def exclusive(folder: str | os.PathLike | AnyPath) -> Iterator[None]:
+    """While this is held, no other keel process reads and replaces ``folder``'s claim: read, decide and write
+    inside it. A local folder is created and locked (``.keel.claim.lock``, removed again on release); on object
+    storage this holds nothing, the conditional writes of :func:`write` do the same.
+
+    Raises:
+        Busy: another process held the lock for :data:`LOCK_WAIT_S` seconds.
+    """
+    target = as_path(folder)
+    if isinstance(target, RemotePath):
+        yield
+        return
+    target.mkdir(parents=True, exist_ok=True)
+    path = os.path.join(os.fspath(target), LOCK_FILE)
+    fd = _lock(path)
+    try:
+        yield
+    finally:
+        if fd is not None:  # removed while held: the next process locks a new file (it checks which one it holds)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            os.close(fd)
+
+
+def _lock(path: str) -> int | None:
+    """An open descriptor of ``path`` holding its exclusive lock; None where the filesystem cannot lock."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise Busy(path) from None
+                    time.sleep(0.02)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in _NO_LOCKS:
+                raise
+            log.warning(
+                "The filesystem of %s cannot lock files (%s): two runs that start in the same instant on this "
+                "folder could both take a stale claim. Give each run its own checkpoint folder.",
+                os.path.dirname(path),
+                exc.strerror,
+            )
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:  # the process before this one removes the file as it lets go: a lock on a removed file excludes none
+            held = os.fstat(fd)
+            now = os.stat(path)
+            if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
 def alive(claim: dict[str, Any]) -> bool | None:
     """Whether the process that wrote ``claim`` still runs: True or False on this host, None on another (it
     cannot be told from here). This process is not alive in this sense: a claim it wrote is its own."""
@@ -73,22 +156,44 @@ def by_this_process(claim: dict[str, Any]) -> bool:
 
 
 def mine(claim: dict[str, Any] | None, run: str) -> bool:
-    """Whether ``claim`` is this process's claim for ``run``."""
+    """Whether ``claim`` is this process's claim for ``run`` (held, or released by it and not taken since)."""
     return claim is not None and claim.get("run") == run and by_this_process(claim)
+
+
+def released(claim: dict[str, Any]) -> bool:
+    """Whether the run that holds ``claim`` let go of it (its fit ended): anyone may take it over."""
+    return claim.get("released") is True
 
 
 def write(folder: str | os.PathLike | AnyPath, run: str, seen: Seen | None = None) -> None:
     """Claim ``folder`` for ``run`` (this process holds it). With ``seen`` (from :func:`read_for_replacing`): where
     no claim was there it is created only if still absent, and on object storage a claim that was there is
-    replaced only if it is still the one read. Without ``seen`` any claim there is replaced.
+    replaced only if it is still the one read. Without ``seen`` any claim there is replaced. Call it inside
+    :func:`exclusive`, having read ``seen`` there.
 
     Raises:
         Taken: another process claimed the folder since ``seen`` was read.
     """
-    target = as_path(folder)
-    target.mkdir(parents=True, exist_ok=True)
-    body = json.dumps({"run": run, "launch": run_identity(), **holder()}, sort_keys=True).encode()
-    path = target / CLAIM_FILE
+    as_path(folder).mkdir(parents=True, exist_ok=True)
+    _put(as_path(folder) / CLAIM_FILE, {"run": run, "launch": run_identity(), **holder()}, seen)
+
+
+def release(folder: str | os.PathLike | AnyPath, run: str) -> bool:
+    """Mark this process's claim on ``folder`` for ``run`` released (its fit ended); False when the folder holds
+    another claim (taken over since), or none. The claim keeps naming the run: ``ckpt_path="last"`` continues it."""
+    with exclusive(folder):
+        held, seen = read_for_replacing(folder)
+        if held is None or not mine(held, run) or released(held):
+            return False
+        try:
+            _put(as_path(folder) / CLAIM_FILE, {**held, "released": True}, seen)
+        except Taken:
+            return False
+    return True
+
+
+def _put(path: AnyPath, record: dict[str, Any], seen: Seen | None) -> None:
+    body = json.dumps(record, sort_keys=True).encode()
     try:
         if seen is not None and not seen.present:
             _create(path, body)

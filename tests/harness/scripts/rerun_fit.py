@@ -2,7 +2,8 @@
 and the default logger under ROOT, and writes each rank's final weights to OUT.rank<N>.pt. Nothing on the command
 line says "resume": a first launch that crashes is told so by the environment (``RERUN_CRASH_AT=S``: rank
 ``RERUN_CRASH_RANK`` raises at step S, every rank when it is -1; ``RERUN_HOLD=SECONDS``: every step sleeps, so another
-run can meet this one live). ``--fresh`` passes ``ckpt_path=None``; ``--dirpath D`` saves into D."""
+run can meet this one live; ``RERUN_WAIT_FOR=PATH``: every step waits until PATH exists, at most 120 s).
+``--fresh`` passes ``ckpt_path=None``; ``--dirpath D`` saves into D."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ class Crash(Callback):
         if trainer.optimizer_stepped and trainer.global_step == crash_at and rank in (-1, trainer.global_rank):
             raise RuntimeError(f"crash at step {crash_at}")
         time.sleep(float(os.environ.get("RERUN_HOLD", "0")))
+        wait_for, deadline = os.environ.get("RERUN_WAIT_FOR"), time.monotonic() + 120
+        while wait_for and not os.path.exists(wait_for) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def main() -> None:
