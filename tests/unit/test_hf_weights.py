@@ -4,9 +4,14 @@ and by keel; the errors; and that an export reads a keel save one output shard a
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import struct
 import sys
+import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +22,7 @@ from safetensors.torch import load_file, save_file
 import trainer
 from trainer import Trainer
 from trainer.checkpoint import hf, reader
-from trainer.checkpoint.files import CheckpointError
+from trainer.checkpoint.files import CheckpointError, CheckpointSaveError
 from trainer.checkpoint.hf import INDEX_FILE, SINGLE_FILE, export_weights, open_weights, write_safetensors
 
 # The tiny task's tensors: net.0.weight 512 bytes, net.0.bias 64, net.2.weight 64, net.2.bias 4 (644 in all).
@@ -50,7 +55,11 @@ def test_export_to_one_safetensors_file_is_bit_equal(save: tuple[Path, dict], tm
     export_weights(path, tmp_path / "x.safetensors")
     assert_same(load_file(tmp_path / "x.safetensors"), state)
     with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as handle:
-        assert handle.metadata() == {"format": "pt"}
+        metadata = handle.metadata()
+    # transformers' "format", and each tensor's CRC32 (of its bytes, 8 hex digits), which keel's reader checks
+    assert sorted(metadata) == ["format", "keel.crc32"] and metadata["format"] == "pt"
+    crcs = {name: f"{zlib.crc32(tensor.numpy().tobytes()):08x}" for name, tensor in state.items()}
+    assert json.loads(metadata["keel.crc32"]) == crcs
     assert [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]  # no temporary file left
 
 
@@ -250,3 +259,190 @@ def test_export_weights_of_the_last_pointer_follows_it(tmp_path: Path) -> None:
     export_weights(tmp_path / "ck" / "last", tmp_path / "via-pointer.safetensors")
     export_weights(tmp_path / "ck" / "epoch=0-step=2.ckpt", tmp_path / "direct.safetensors")
     assert (tmp_path / "via-pointer.safetensors").read_bytes() == (tmp_path / "direct.safetensors").read_bytes()
+
+
+# ---------------------------------------------------------------------- an export is whole or refused
+def library_file(path: Path, state: dict[str, torch.Tensor]) -> Path:
+    save_file(state, str(path))
+    return path
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def loaded(folder: Path) -> dict[str, torch.Tensor]:
+    with open_weights(folder) as source:
+        return source.state_dict()
+
+
+def fail_the_second_tensor(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The disk fills up while the second tensor is written (the first tensor of shard 2 at one tensor a shard)."""
+    written: list[str] = []
+    write_tensor = hf._write_tensor
+
+    def filling(handle: Any, tensor: torch.Tensor) -> int:
+        written.append(str(tuple(tensor.shape)))
+        if len(written) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_tensor(handle, tensor)
+
+    monkeypatch.setattr(hf, "_write_tensor", filling)
+    return written
+
+
+@pytest.mark.parametrize("shards", [1, SMALL_SHARDS], ids=["same-shard-names", "other-shard-names"])
+def test_an_export_that_fails_part_way_leaves_the_previous_export_loadable_and_unchanged(
+    save: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shards: int
+) -> None:
+    """Export A (4 shards), then B into the same folder with the disk full at B's second shard: the folder still
+    loads exactly A (it used to load B's first shard with A's others, under A's index), byte for byte as it was,
+    and the error says so."""
+    state_a = save[1]
+    state_b = {k: v + 1 for k, v in state_a.items()}
+    out = tmp_path / "hf"
+    export_weights(library_file(tmp_path / "a.safetensors", state_a), out, max_shard_size=1)  # one tensor a shard
+    assert len(json.loads((out / INDEX_FILE).read_text())["weight_map"]) == 4 and len(list(out.iterdir())) == 5
+    before = contents(out)
+    fail_the_second_tensor(monkeypatch)
+    with pytest.raises(CheckpointSaveError) as info:
+        export_weights(library_file(tmp_path / "b.safetensors", state_b), out, max_shard_size=shards)
+    assert_same(loaded(out), state_a)  # not B's first shard with A's others
+    assert contents(out) == before  # the same files, byte for byte, and no temporary one left
+    text = str(info.value)
+    assert "No space left on device (ENOSPC)" in text and str(out) in text, text
+    assert f"previous export in {str(out)!r} is intact and unchanged" in text, text
+    assert "temporary files were removed" in text and "Free space" in text, text
+    assert info.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    export_weights(tmp_path / "b.safetensors", out, max_shard_size=shards)  # and the export works once there is room
+    assert_same(loaded(out), state_b)
+
+
+@pytest.mark.parametrize("shards", [1, SMALL_SHARDS], ids=["same-shard-names", "other-shard-names"])
+def test_an_export_whose_swap_fails_leaves_the_previous_export_or_nothing_that_loads(
+    save: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shards: int
+) -> None:
+    """The renames that put a written export in place fail after the first. Shards of new names: the previous
+    export still loads, unchanged. Shards of the previous export's names: its index went first, so the folder
+    refuses to load (never a mix), and the error says that."""
+    state_a = save[1]
+    out = tmp_path / "hf"
+    export_weights(library_file(tmp_path / "a.safetensors", state_a), out, max_shard_size=1)
+    before = contents(out)
+    renames: list[str] = []
+    replace = os.replace
+
+    def failing(src: Any, dst: Any) -> None:
+        if str(src).endswith(".export"):
+            renames.append(str(dst))
+            if len(renames) == 2:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(CheckpointSaveError) as info:
+        export_weights(
+            library_file(tmp_path / "b.safetensors", {k: -v for k, v in state_a.items()}), out, max_shard_size=shards
+        )
+    monkeypatch.undo()
+    text = str(info.value)
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left
+    if shards == SMALL_SHARDS:
+        assert f"previous export in {str(out)!r} is intact and unchanged" in text, text
+        assert contents(out) == before
+        assert_same(loaded(out), state_a)
+    else:
+        assert f"{str(out)!r} now holds no complete export" in text and "Export again" in text, text
+        assert INDEX_FILE not in contents(out)
+        with pytest.raises(CheckpointError, match="is neither a Hugging Face weights folder"):
+            open_weights(out)
+
+
+def test_an_export_to_object_storage_leaves_the_previous_export_or_nothing_that_loads(
+    save: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Object storage has no rename: shards of new names are uploaded beside the previous export (which keeps
+    loading until the new index replaces its index); shards of its names only after its index was removed."""
+    import fsspec
+
+    state_a = save[1]
+    fs = fsspec.filesystem("memory")
+    url = f"memory://keel-test/{tmp_path.name}/hf"
+
+    def download() -> Path:
+        local = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
+        local.mkdir()
+        for key in fs.find(url):
+            (local / key.rsplit("/", 1)[-1]).write_bytes(fs.cat_file(key))
+        return local
+
+    try:
+        export_weights(library_file(tmp_path / "a.safetensors", state_a), url, max_shard_size=1)
+        before = contents(download())
+        assert len(before) == 5
+        library_file(tmp_path / "b.safetensors", {k: v + 1 for k, v in state_a.items()})
+        fail_the_second_tensor(monkeypatch)
+        with pytest.raises(CheckpointSaveError) as info:
+            export_weights(tmp_path / "b.safetensors", url, max_shard_size=SMALL_SHARDS)  # other shard names
+        assert f"previous export in {url!r} is intact and unchanged" in str(info.value), info.value
+        assert contents(download()) == before
+        monkeypatch.undo()
+        fail_the_second_tensor(monkeypatch)
+        with pytest.raises(CheckpointSaveError) as info:
+            export_weights(tmp_path / "b.safetensors", url, max_shard_size=1)  # the same shard names
+        assert f"{url!r} now holds no complete export" in str(info.value), info.value
+        with pytest.raises(CheckpointError, match="is neither a Hugging Face weights folder"):
+            open_weights(download())
+        monkeypatch.undo()
+        export_weights(tmp_path / "b.safetensors", url, max_shard_size=1)
+        assert_same(loaded(download()), {k: v + 1 for k, v in state_a.items()})
+    finally:
+        if fs.exists(url):
+            fs.rm(url, recursive=True)
+
+
+def test_a_failed_one_file_export_leaves_the_existing_file(
+    save: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    export_weights(save[0], tmp_path / "x.safetensors")
+    before = contents(tmp_path)
+    fail_the_second_tensor(monkeypatch)
+    with pytest.raises(CheckpointSaveError) as info:
+        export_weights(
+            library_file(tmp_path / "b.safetensors", {k: v + 1 for k, v in save[1].items()}), tmp_path / "x.safetensors"
+        )
+    assert f"existing {str(tmp_path / 'x.safetensors')!r} is unchanged" in str(info.value), info.value
+    assert "ModelCheckpoint" not in str(info.value)  # the hint of a training checkpoint, not of an export
+    assert contents(tmp_path) == before | {"b.safetensors": (tmp_path / "b.safetensors").read_bytes()}
+
+
+# ---------------------------------------------------------------------- checksums
+def flip_a_byte(path: Path, tensor: str) -> None:
+    """Flip one bit in the middle of ``tensor``'s bytes in a safetensors file."""
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    begin, end = json.loads(data[8 : 8 + length])[tensor]["data_offsets"]
+    data[8 + length + (begin + end) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("form", ["file", "folder"])
+def test_a_flipped_byte_in_an_exported_tensor_is_named_whole_or_sliced(
+    save: tuple[Path, dict], tmp_path: Path, form: str
+) -> None:
+    out = tmp_path / ("x.safetensors" if form == "file" else "hf")
+    export_weights(save[0], out, max_shard_size=SMALL_SHARDS)
+    damaged = out if form == "file" else out / "model-00002-of-00003.safetensors"  # net.0.bias's shard
+    flip_a_byte(damaged, "net.0.bias")
+    for index in [(), (slice(2, 5),)]:  # read whole (checked as read), or a slice (its tensor checked first)
+        with open_weights(out) as source:
+            assert torch.equal(source.read("net.0.weight"), save[1]["net.0.weight"])  # the others are intact
+            with pytest.raises(CheckpointError) as info:
+                source.read("net.0.bias", index)
+        text = str(info.value)
+        assert f"{str(damaged)!r} is damaged: the bytes of tensor 'net.0.bias' do not match the CRC32" in text, text
+    assert load_file(damaged)["net.0.bias"].shape == (16,)  # the safetensors library itself does not notice
+    with pytest.raises(CheckpointError, match="'net.0.bias'"):
+        export_weights(out, tmp_path / "again.safetensors")  # keel refuses to pass the damage on
+    assert not (tmp_path / "again.safetensors").exists()

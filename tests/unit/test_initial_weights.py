@@ -5,6 +5,7 @@ case (each of 4 ranks reading its slices) is tests/integration/test_sharded.py."
 
 from __future__ import annotations
 
+import json
 import logging
 import struct
 import zipfile
@@ -196,3 +197,56 @@ def test_a_flipped_bit_in_a_weights_file_is_named_not_loaded(tmp_path: Path, rea
             Trainer(**quiet(max_steps=1, initial_weights=str(tmp_path / "w.ckpt"))).fit(
                 Regression(), loader(regression_data(16), batch_size=4)
             )
+
+
+def flip_a_byte(path: Path, tensor: str) -> None:
+    """Flip one bit in the middle of ``tensor``'s bytes in a safetensors file."""
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    begin, end = json.loads(data[8 : 8 + length])[tensor]["data_offsets"]
+    data[8 + length + (begin + end) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("form", ["model.safetensors", "hf"])
+def test_a_flipped_byte_in_an_exported_tensor_is_named_not_loaded(
+    pretrained: tuple[Path, dict], tmp_path: Path, form: str
+) -> None:
+    """keel's safetensors carry each tensor's CRC32 in their header; initial_weights checks them. A file the
+    safetensors library wrote (no checksums) loads as before."""
+    save, state = pretrained
+    export_weights(save, tmp_path / form, max_shard_size=100)  # hf: 3 shards, net.0.bias alone in the second
+    damaged = tmp_path / form if form.endswith(".safetensors") else tmp_path / form / "model-00002-of-00003.safetensors"
+    assert_weights(validated(tmp_path / form), state)  # intact: it loads, checked
+    flip_a_byte(damaged, "net.0.bias")
+    task = Regression(seed=0)
+    before = weights(task)
+    with pytest.raises(CheckpointError) as info:
+        Trainer(**quiet(initial_weights=str(tmp_path / form))).validate(
+            task, loader(regression_data(), 16), verbose=False
+        )
+    text = str(info.value)
+    assert f"{str(damaged)!r} is damaged: the bytes of tensor 'net.0.bias' do not match the CRC32" in text, text
+    assert torch.equal(weights(task)["net.0.bias"], before["net.0.bias"])
+    unchecked = tmp_path / "library.safetensors"
+    safetensors.save_file(state, unchecked)
+    flip_a_byte(unchecked, "net.0.bias")  # no checksum to catch it: loads as it did before keel had them
+    assert torch.equal(weights(validated(unchecked))["net.0.weight"], state["net.0.weight"])
+
+
+def test_an_index_naming_a_5000_character_shard_is_refused_by_name(
+    pretrained: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """It used to raise a bare OSError: [Errno 36] File name too long."""
+    save, _ = pretrained
+    export_weights(save, tmp_path / "hf", max_shard_size=100)
+    index = tmp_path / "hf" / "model.safetensors.index.json"
+    body = json.loads(index.read_text())
+    body["weight_map"]["net.0.bias"] = "a" * 5000 + ".safetensors"
+    index.write_text(json.dumps(body))
+    with pytest.raises(CheckpointError) as info:
+        validated(tmp_path / "hf")
+    text = str(info.value)
+    assert f"Index {str(index)!r} names the shard 'aaaa" in text and "a.safetensors' (5,012 characters)" in text, text
+    assert "for 'net.0.bias'" in text and "download the folder again" in text, text
+    assert len(text) < 800, text  # the name is shortened

@@ -5,7 +5,9 @@
 (verified first, then read with DCP a few keys at a time). :func:`write_safetensors` writes one safetensors file from
 a stream of tensors whose layout is known up front, so that each tensor is written and dropped before the next is
 read. :func:`export_weights` joins the two: a checkpoint becomes one safetensors file, a folder of shards, or one
-plain ``torch.save`` file, reading the source at most one output shard at a time.
+plain ``torch.save`` file, reading the source at most one output shard at a time, and whole or refused (a failed
+export leaves the previous one, or nothing that loads; never a mix). keel's safetensors record each tensor's CRC32 in
+their header (``keel.crc32``), computed as it is written and checked as it is read.
 
 The ``safetensors`` library (the ``hf`` extra) is needed only to read safetensors files, and is imported then;
 writing needs nothing beyond torch. Neither it nor DCP is imported when this module is.
@@ -14,15 +16,20 @@ writing needs nothing beyond torch. Neither it nor DCP is imported when this mod
 from __future__ import annotations
 
 import ctypes
+import errno
 import io
 import json
 import logging
 import os
 import re
+import shutil
 import struct
 import sys
+import tempfile
+import uuid
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -35,8 +42,14 @@ from trainer.checkpoint.files import (
     K_FORMAT,
     K_STATE_DICT,
     CheckpointError,
+    CheckpointSaveError,
     CorruptCheckpointError,
+    fsync_dir,
+    human_bytes,
+    os_error,
+    remove_quietly,
     save_file,
+    tensor_bytes,
     unreadable,
     verify_records,
     write_atomic,
@@ -54,6 +67,8 @@ SHARD_FILE = "model-{:05d}-of-{:05d}.safetensors"
 _HF_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 INSTALL = "pip install 'keel-trainer[hf]'"
 FORMAT_METADATA = {"format": "pt"}  # what transformers expects in a safetensors header's __metadata__
+CRC_KEY = "keel.crc32"  # __metadata__ key of keel's safetensors: JSON {tensor name: CRC32 of its bytes, 8 hex digits}
+_CHUNK = 16 << 20  # bytes per read when a tensor's bytes are checked from the file, or a staged file is uploaded
 
 # safetensors' dtype names
 DTYPES: dict[str, torch.dtype] = {
@@ -153,15 +168,23 @@ def _open_shard(safe_open: Any, path: Path) -> Any:
 
 
 class _Safetensors(WeightSource):
-    """One safetensors file, or the shards of a Hugging Face folder (``weight_map``: name -> shard path)."""
+    """One safetensors file, or the shards of a Hugging Face folder (``weight_map``: name -> shard path).
+
+    A file keel wrote carries each tensor's CRC32 (:data:`CRC_KEY`); a tensor read whole is checked against it from
+    the bytes just read, and a tensor read in slices is checked once, the first time, by reading its bytes from the
+    file in chunks. A file without the key (written by anything else) is read unchecked.
+    """
 
     def __init__(self, path: str, shards: Sequence[Path], weight_map: dict[str, str] | None = None) -> None:
         super().__init__(path)
         safe_open = _safe_open()
         self._handles: dict[str, Any] = {}
+        self._crcs: dict[str, dict[str, int]] = {}  # file -> tensor -> CRC32 it was written with
+        self._checked: set[str] = set()  # tensors whose bytes matched their CRC32 (read in slices)
         try:
             for shard in shards:
-                self._handles[str(shard)] = _open_shard(safe_open, shard)
+                handle = self._handles[str(shard)] = _open_shard(safe_open, shard)
+                self._crcs[str(shard)] = _recorded_crcs(shard, handle.metadata())
             if weight_map is None:
                 (handle,) = self._handles.values()
                 names = getattr(handle, "offset_keys", handle.keys)()  # the file's order (safetensors >= 0.5)
@@ -198,13 +221,69 @@ class _Safetensors(WeightSource):
 
     def read(self, key: str, index: Index = ()) -> torch.Tensor:
         handle = self._handle(key)
-        tensor = handle.get_slice(key)[index] if index else handle.get_tensor(key)
-        return tensor.contiguous()
+        file = self._where[key]
+        want = self._crcs[file].get(key)
+        if index:
+            if want is not None and key not in self._checked:
+                _check_crc(file, key, _file_crc(Path(file), key), want)
+                self._checked.add(key)
+            return handle.get_slice(key)[index].contiguous()
+        tensor = handle.get_tensor(key).contiguous()
+        if want is not None:  # the bytes just read: checked without reading them again
+            _check_crc(file, key, _crc32(tensor), want)
+        return tensor
 
     def close(self) -> None:
         for handle in self._handles.values():
             handle.__exit__(None, None, None)
         self._handles = {}
+
+
+def _recorded_crcs(path: Path, metadata: dict[str, str] | None) -> dict[str, int]:
+    """The CRC32s a keel-written file records in its header (:data:`CRC_KEY`); none for a file from elsewhere."""
+    text = (metadata or {}).get(CRC_KEY)
+    if text is None:
+        return {}
+    try:
+        sums = json.loads(text)
+        if not isinstance(sums, dict):
+            raise TypeError("not a JSON object")
+        return {str(name): int(value, 16) for name, value in sums.items() if len(value) == 8}
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(
+            f"Safetensors file {str(path)!r} has a damaged {CRC_KEY} entry in its header ({type(exc).__name__}: "
+            f"{exc}); write or download the file again."
+        ) from exc
+
+
+def _check_crc(file: str, key: str, actual: int, want: int) -> None:
+    if actual != want:
+        raise CorruptCheckpointError(
+            f"Safetensors file {file!r} is damaged: the bytes of tensor {key!r} do not match the CRC32 they were "
+            f"written with (crc32 {actual:08x}, the header records {want:08x}; a flipped bit or a torn copy), so it is "
+            "refused rather than loaded. Export or download the file again."
+        )
+
+
+def _file_crc(path: Path, key: str) -> int:
+    """The CRC32 of tensor ``key``'s bytes, read from the file in chunks (its offsets from the header)."""
+    try:
+        with path.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            begin, end = json.loads(handle.read(length))[key]["data_offsets"]
+            handle.seek(8 + length + begin)
+            crc, left = 0, end - begin
+            while left > 0:
+                chunk = handle.read(min(left, _CHUNK))
+                if not chunk:
+                    raise EOFError(f"{left} bytes of {key!r} missing at the end of the file")
+                crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+    except (OSError, ValueError, KeyError, TypeError, EOFError, struct.error) as exc:
+        raise CorruptCheckpointError(
+            f"Safetensors file {str(path)!r} is truncated or corrupt ({type(exc).__name__}: {exc}); write or "
+            "download it again."
+        ) from exc
+    return crc
 
 
 def _by_shard(weight_map: dict[str, str]) -> dict[str, list[str]]:
@@ -229,13 +308,41 @@ def _read_index(folder: Path) -> tuple[list[Path], dict[str, str]]:
     outside = [n for n in names if not n or n.startswith(".") or "/" in n or "\\" in n]
     if outside:
         raise CorruptCheckpointError(f"Index {str(index)!r} names {outside[0]!r}, which is not a file in its folder.")
-    missing = [n for n in names if not (folder / n).is_file()]
+    limit = _name_max(folder)
+    for name in names:
+        if "\0" in name or len(os.fsencode(name)) > limit:
+            raise CorruptCheckpointError(
+                f"Index {str(index)!r} names the shard {_shorten(name)!r} ({len(name):,} characters) for "
+                f"{next(k for k, v in weight_map.items() if v == name)!r}, which cannot be "
+                f"a file name (a file name holds at most {limit} bytes and no NUL). The index is damaged or was not "
+                f"written for this folder: download the folder again, or correct that entry of its weight_map."
+            )
+    try:
+        missing = [n for n in names if not (folder / n).is_file()]
+    except OSError as exc:  # a name this filesystem refuses in some other way
+        raise CorruptCheckpointError(
+            f"Index {str(index)!r} names a shard that cannot be looked up in {str(folder)!r} ({exc.strerror or exc}, "
+            f"{_shorten(exc.filename or '')!r}): download the folder again, or correct its weight_map."
+        ) from exc
     if missing:
         raise CheckpointError(
             f"Index {str(index)!r} names shards that are not in {str(folder)!r}: {missing}. The download or copy "
             "is incomplete; fetch the missing files."
         )
     return [folder / n for n in names], {k: str(folder / v) for k, v in weight_map.items()}
+
+
+def _name_max(folder: Path) -> int:
+    """The longest file name (in bytes) the folder's filesystem takes: 255 on every common one."""
+    try:
+        return int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (AttributeError, OSError, ValueError):  # pragma: no cover - platforms without pathconf
+        return 255
+
+
+def _shorten(text: str, keep: int = 60) -> str:
+    """``text`` cut to its first and last characters for a message (an index may name a 5000-character file)."""
+    return text if len(text) <= keep else f"{text[: keep - 20]}...{text[-16:]}"
 
 
 def _load_torch(path: AnyPath) -> Any:
@@ -391,20 +498,51 @@ def open_weights(path: str | os.PathLike[str], *, collective: bool = False) -> W
         CorruptCheckpointError: a truncated or garbled file (naming it).
         ImportError: a safetensors file, and the safetensors package is not installed.
     """
+    return locate_weights(path).open(collective=collective)
+
+
+@dataclass(frozen=True)
+class Located:
+    """What :func:`locate_weights` found: the source's form (``kind``) and how to open it."""
+
+    kind: str  # "keel", "hf-index", "safetensors" or "torch"
+    target: AnyPath
+    shards: tuple[Any, ...] = ()  # the index's (files, weight map) of a Hugging Face folder
+
+    def open(self, *, collective: bool = False) -> WeightSource:
+        """The source (for a keel checkpoint verified first, by the ranks together when ``collective``)."""
+        if self.kind == "keel":
+            return KeelSource(self.target, collective=collective)
+        if self.kind == "hf-index":
+            return _Safetensors(str(self.target), *self.shards)
+        if self.kind == "safetensors":
+            assert isinstance(self.target, Path)  # safetensors are read from local paths
+            single = self.target / SINGLE_FILE if self.target.is_dir() else self.target
+            return _Safetensors(str(self.target), [single])
+        return _TorchFile(self.target)
+
+
+def locate_weights(path: str | os.PathLike[str]) -> Located:
+    """Where the weights of ``path`` are and in which form (:func:`open_weights`), from this process's view of the
+    filesystem and without a collective: ranks that will open a source together first agree on what each found.
+
+    Raises:
+        CheckpointError: as :func:`open_weights`, for a path that does not exist or holds no known layout.
+    """
     target = reader.save_folder(location(path, "open_weights(path)"))
     if isinstance(target, RemotePath):
         if not target.is_file():
-            return KeelSource(target, collective=collective)
+            return Located("keel", target)
         if target.suffix == ".safetensors":
             raise CheckpointError(f"{str(target)!r}: safetensors files are read from local paths; download it first.")
-        return _TorchFile(target)
+        return Located("torch", target)
     if target.is_dir():
         if (target / INDEX_FILE).is_file():
-            return _Safetensors(str(target), *_read_index(target))
+            return Located("hf-index", target, tuple(_read_index(target)))
         if (target / SINGLE_FILE).is_file():
-            return _Safetensors(str(target), [target / SINGLE_FILE])
+            return Located("safetensors", target)
         if any((target / name).exists() for name in (MANIFEST_FILE, KEEL_FILE, METADATA_FILE)):
-            return KeelSource(target, collective=collective)
+            return Located("keel", target)
         raise CheckpointError(
             f"{str(target)!r} is neither a Hugging Face weights folder ({INDEX_FILE} with its shards, or "
             f"{SINGLE_FILE}) nor a keel checkpoint ({MANIFEST_FILE}); pass such a folder, or a weights file."
@@ -412,18 +550,30 @@ def open_weights(path: str | os.PathLike[str], *, collective: bool = False) -> W
     if not target.is_file():
         raise CheckpointError(f"Checkpoint {str(target)!r} does not exist.")
     if _is_safetensors(target):
-        return _Safetensors(str(target), [target])
-    return _TorchFile(target)
+        return Located("safetensors", target)
+    return Located("torch", target)
 
 
 # ---------------------------------------------------------------------- writing
-def _header(layout: Layout, metadata: dict[str, str] | None, target: AnyPath) -> tuple[bytes, int]:
-    """The header bytes (length, JSON padded to 8 bytes) of ``layout``, and the bytes of its tensors."""
+def _header(
+    layout: Layout, metadata: dict[str, str] | None, target: AnyPath, crcs: dict[str, int] | None = None
+) -> tuple[bytes, int]:
+    """The header bytes (length, JSON padded to 8 bytes) of ``layout``, and the bytes of its tensors.
+
+    With ``crcs`` the ``__metadata__`` also holds :data:`CRC_KEY`: every tensor's CRC32 as 8 hex digits. Every value
+    has the same width, so the header written before the tensors (with zeros) and the one written over it after them
+    (with their CRCs) are the same length, and the tensors' offsets hold.
+    """
     header: dict[str, Any] = {}
     if metadata:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise ValueError(f"{str(target)!r}: safetensors metadata maps str to str; got {metadata!r}.")
+        if CRC_KEY in metadata:
+            raise ValueError(f"{str(target)!r}: the metadata key {CRC_KEY!r} is keel's own (each tensor's CRC32).")
         header["__metadata__"] = dict(metadata)
+    if crcs is not None:
+        sums = json.dumps({name: f"{crcs.get(name, 0):08x}" for name, _, _ in layout}, separators=(",", ":"))
+        header["__metadata__"] = {**header.get("__metadata__", {}), CRC_KEY: sums}
     offset = 0
     for name, shape, dtype in layout:
         if name in header:
@@ -441,15 +591,28 @@ def _header(layout: Layout, metadata: dict[str, str] | None, target: AnyPath) ->
     return struct.pack("<Q", len(text)) + text, offset
 
 
-def _write_tensor(handle: Any, tensor: torch.Tensor) -> None:
-    """The raw bytes of ``tensor`` (C order, this machine's byte order: little-endian, checked by the caller)."""
+def _crc32(tensor: torch.Tensor, crc: int = 0) -> int:
+    """The CRC32 of a CPU tensor's raw bytes (C order), read in place."""
+    data = tensor.contiguous()
+    size = data.numel() * data.element_size()
+    return zlib.crc32(memoryview((ctypes.c_ubyte * size).from_address(data.data_ptr())), crc) if size else crc
+
+
+def _write_tensor(handle: Any, tensor: torch.Tensor) -> int:
+    """The raw bytes of ``tensor`` (C order, this machine's byte order: little-endian, checked by the caller);
+    returns their CRC32, computed from the same buffer as it is written (no copy)."""
     data = tensor.detach().to("cpu").contiguous()
     size = data.numel() * data.element_size()
-    if size:
-        handle.write(memoryview((ctypes.c_ubyte * size).from_address(data.data_ptr())).cast("B"))
+    if not size:
+        return 0
+    view = memoryview((ctypes.c_ubyte * size).from_address(data.data_ptr())).cast("B")
+    handle.write(view)
+    return zlib.crc32(view)
 
 
-def _write_tensors(handle: Any, layout: Layout, tensors: Iterable[tuple[str, torch.Tensor]], target: AnyPath) -> None:
+def _write_tensors(
+    handle: Any, layout: Layout, tensors: Iterable[tuple[str, torch.Tensor]], target: AnyPath, crcs: dict[str, int]
+) -> None:
     expected = iter(layout)
     for name, tensor in tensors:
         entry = next(expected, None)
@@ -461,7 +624,7 @@ def _write_tensors(handle: Any, layout: Layout, tensors: Iterable[tuple[str, tor
                 f"{str(target)!r}: got tensor {name!r} {tuple(tensor.shape)} {tensor.dtype} where the layout has "
                 f"{want!r} {tuple(shape)} {dtype}; yield the tensors in the layout's order, as it describes them."
             )
-        _write_tensor(handle, tensor)
+        crcs[name] = _write_tensor(handle, tensor)
         del tensor
     left = [name for name, _, _ in expected]
     if left:
@@ -480,28 +643,56 @@ def write_safetensors(
     Written to a temporary file beside ``path``, fsynced and renamed over it: a failure leaves ``path`` as it was.
     Needs no safetensors package.
 
+    The header's ``__metadata__`` also holds ``keel.crc32``: a JSON object of every tensor's name and the CRC32 of
+    its bytes (8 hex digits), which keel's reader checks. Each CRC is computed from the buffer being written, and
+    the header is written again over its first copy once the tensors are in the file (same length: the values are
+    fixed-width), so nothing is held beyond the tensor being written. On object storage, which cannot rewrite the
+    start of an object, the file is assembled in a local temporary file (one file's bytes of local disk) and then
+    uploaded: the object appears whole or not at all.
+
     Args:
         path: The file to write.
         layout: ``(name, shape, dtype)`` of every tensor, in the order ``tensors`` yields them (the header is
             written first).
         tensors: ``(name, tensor)`` pairs in the layout's order.
-        metadata: The header's ``__metadata__`` (str to str), e.g. ``{"format": "pt"}``.
+        metadata: The header's ``__metadata__`` (str to str), e.g. ``{"format": "pt"}``; ``keel.crc32`` is keel's.
 
     Raises:
         ValueError: a tensor that is not the layout's next entry (name, shape or dtype), too many or too few
-            tensors, a dtype safetensors cannot hold, a name twice.
+            tensors, a dtype safetensors cannot hold, a name twice, the metadata key ``keel.crc32``.
         CheckpointSaveError: the file could not be written (disk full, no permission, ...).
     """
     if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
         raise ValueError("write_safetensors writes little-endian bytes and runs on little-endian machines only.")
     target = as_path(location(path, "write_safetensors(path)"))
-    header, size = _header(layout, metadata, target)
+    crcs: dict[str, int] = {}
+    header, size = _header(layout, metadata, target, crcs)
 
     def write(handle: Any) -> None:
         handle.write(header)
-        _write_tensors(handle, layout, tensors, target)
+        _write_tensors(handle, layout, tensors, target, crcs)
+        final, _ = _header(layout, metadata, target, crcs)
+        if len(final) != len(header):  # pragma: no cover - the CRCs are fixed-width
+            raise AssertionError(f"{str(target)!r}: the header changed length ({len(header)} -> {len(final)}).")
+        handle.seek(0)
+        handle.write(final)
+        handle.seek(0, os.SEEK_END)
 
-    write_atomic(target, write, state=len(header) + size)
+    if not isinstance(target, RemotePath):
+        write_atomic(target, write, state=len(header) + size)
+        return
+    try:
+        staging = tempfile.TemporaryFile(prefix="keel-export-", suffix=".safetensors")
+    except OSError as exc:
+        raise CheckpointSaveError.for_file(target, len(header) + size, exc) from exc
+    with staging:
+        try:
+            write(staging)
+            staging.flush()
+            staging.seek(0)
+        except OSError as exc:
+            raise CheckpointSaveError.for_file(target, len(header) + size, exc) from exc
+        write_atomic(target, lambda handle: shutil.copyfileobj(staging, handle, _CHUNK), state=len(header) + size)
 
 
 # ---------------------------------------------------------------------- export
@@ -573,25 +764,203 @@ def _layout(entries: list[_Entry]) -> list[tuple[str, Sequence[int], torch.dtype
     return [(e.name, e.shape, e.dtype) for e in entries]
 
 
+def _shard_writer(source: WeightSource, shard: list[_Entry]) -> Callable[[AnyPath], None]:
+    def write(path: AnyPath) -> None:
+        write_safetensors(path, _layout(shard), _stream(source, [shard]), metadata=FORMAT_METADATA)
+
+    return write
+
+
+def _bytes_writer(body: bytes) -> Callable[[AnyPath], None]:
+    def write(path: AnyPath) -> None:
+        write_atomic(path, lambda handle: handle.write(body), state=len(body))
+
+    return write
+
+
+@dataclass
+class _Commit:
+    """How far a folder export got: what its error says the folder holds now comes from here."""
+
+    before: set[str]  # the files the folder loaded from before this export (the previous export's)
+    retired: bool = False  # the previous export's index was removed before its shards were replaced
+    switched: bool = False  # the folder loads the new export
+    installed: list[str] = field(default_factory=list)  # the new files in place under their own names
+
+
+def _live_files(folder: AnyPath) -> set[str]:
+    """The files ``folder`` loads from now: the index and the shards it names (it wins), or ``model.safetensors``."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (OSError, ValueError, AttributeError):
+            weight_map = None  # an unreadable index loads nothing; writing over its shards harms nothing
+        names = weight_map.values() if isinstance(weight_map, dict) else ()
+        return {INDEX_FILE, *(name for name in names if isinstance(name, str))}
+    return {SINGLE_FILE} if (folder / SINGLE_FILE).is_file() else set()
+
+
+def _overwrites(files: list[tuple[str, Callable[[AnyPath], None]]], commit: _Commit) -> bool:
+    """Whether a new file takes the name of a file the previous export loads from, other than its entry point (the
+    index, or a lone ``model.safetensors``), which one rename (one upload) replaces whole: the same shard names."""
+    entry = INDEX_FILE if INDEX_FILE in commit.before else SINGLE_FILE
+    return any(name in commit.before and name != entry for name, _ in files)
+
+
+def _retire(folder: AnyPath, commit: _Commit) -> None:
+    """Remove the previous export's entry points (its index, and a ``model.safetensors`` the folder would load once
+    the index is gone) before a new shard replaces one of its shards: until the new index is in place the folder
+    then loads nothing, never a mix of the two exports."""
+    for name in (INDEX_FILE, SINGLE_FILE):
+        if (folder / name).is_file():
+            (folder / name).unlink()
+            commit.retired = True
+    if isinstance(folder, Path):
+        fsync_dir(folder)
+
+
+def _stage_and_swap(folder: Path, files: list[tuple[str, Callable[[AnyPath], None]]], commit: _Commit) -> None:
+    """Write every file under a hidden temporary name in ``folder`` (same filesystem, so a rename moves it), then
+    rename them into place, the index (or ``model.safetensors``) last. A failure while writing (the long part: disk
+    full, no permission) leaves what the folder loads untouched."""
+    token = uuid.uuid4().hex[:8]
+    staged: dict[str, Path] = {}
+    try:
+        for name, write in files:
+            staged[name] = folder / f".{name}.{token}.export"
+            write(staged[name])
+            log.info("export_weights: wrote %s (to be renamed %s)", staged[name], name)
+        if _overwrites(files, commit):
+            _retire(folder, commit)
+        for name, _ in files:
+            os.replace(staged[name], folder / name)
+            del staged[name]
+            commit.installed.append(name)
+        fsync_dir(folder)
+        if files[-1][0] == SINGLE_FILE and (folder / INDEX_FILE).is_file():  # the index wins over model.safetensors
+            (folder / INDEX_FILE).unlink()
+            fsync_dir(folder)
+        commit.switched = True
+    finally:
+        for path in staged.values():
+            remove_quietly(path)
+
+
+def _write_objects(folder: RemotePath, files: list[tuple[str, Callable[[AnyPath], None]]], commit: _Commit) -> None:
+    """Object storage has no rename: each object is uploaded under its own name (it appears whole or not at all),
+    the index (or ``model.safetensors``) last. Shards whose names the previous export's index holds are written only
+    after that index was removed, so a failure part-way leaves either the previous export or nothing that loads."""
+    if _overwrites(files, commit):
+        _retire(folder, commit)
+    assert commit.installed is not None
+    for name, write in files:
+        write(folder / name)
+        commit.installed.append(name)
+        log.info("export_weights: wrote %s", folder / name)
+    if files[-1][0] == SINGLE_FILE and (folder / INDEX_FILE).is_file():
+        (folder / INDEX_FILE).unlink()
+    commit.switched = True
+
+
+def _undo(folder: AnyPath, commit: _Commit) -> str:
+    """Remove the new files already in place (the export failed before the folder loaded it) and say what the
+    folder holds now."""
+    for name in reversed(commit.installed):
+        try:
+            (folder / name).unlink()
+        except Exception as exc:  # the store's client raises its own classes
+            log.warning("export_weights: could not remove %s after the failed export: %s", folder / name, exc)
+    if commit.retired:
+        return (
+            f"the previous export's {INDEX_FILE} had been removed before its shards were replaced (the new export "
+            f"reuses their names), so {str(folder)!r} now holds no complete export: open_weights and initial_weights "
+            "refuse the folder instead of loading a mix of the two. Export again"
+        )
+    temporary = "" if isinstance(folder, RemotePath) else "; the new export's temporary files were removed"
+    if commit.before:
+        return f"the previous export in {str(folder)!r} is intact and unchanged (it loads as before){temporary}"
+    return f"{str(folder)!r} held no export before and holds none now{temporary}"
+
+
+def _export_error(target: AnyPath, cause: BaseException, needed: int, kept: str) -> CheckpointSaveError:
+    """The error of a failed export: the cause, the size, the free space, and what ``target`` holds now."""
+    number = getattr(cause, "errno", None)
+    code = errno.errorcode.get(number or 0, "")
+    reason = f"{getattr(cause, 'strerror', None) or cause}" + (f" ({code})" if code else "")
+    free = ""
+    if not isinstance(target, RemotePath):
+        folder = target
+        while not folder.is_dir() and folder != folder.parent:
+            folder = folder.parent
+        try:
+            free = f"; {human_bytes(shutil.disk_usage(folder).free)} free in {str(folder)!r}"
+        except OSError:
+            pass
+    if number in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) and isinstance(target, RemotePath):
+        hint = f" Free space in {tempfile.gettempdir()!r} (each file is assembled there before its upload)."
+    elif number in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        hint = (
+            " Free space (the new files are written beside the previous ones before they replace them), or export "
+            "to a larger disk."
+        )
+    elif number in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = " Make the folder writable by this user, or export elsewhere."
+    else:
+        hint = ""
+    error = CheckpointSaveError(
+        f"Could not export weights to {str(target)!r}: {reason}. The export holds about {human_bytes(needed)} "
+        f"({needed:,} bytes) of tensors{free}. {kept[:1].upper()}{kept[1:]}.{hint}"
+    )
+    error.errno, error.strerror, error.filename = number, getattr(cause, "strerror", None) or str(cause), str(target)
+    return error
+
+
+def _failed_write(exc: BaseException) -> BaseException | None:
+    """The cause to report for a failed write, None for an error that is not one (a damaged source, a bug)."""
+    return os_error(exc) or (exc if isinstance(exc, CheckpointSaveError) else None)
+
+
 def _export_folder(source: WeightSource, folder: AnyPath, entries: list[_Entry], max_shard_size: int) -> None:
+    """Hugging Face's layout in ``folder``, whole or refused: a failure leaves the previous export loadable and
+    unchanged, or (only when the swap itself fails after the previous index was removed) nothing that loads; the
+    error says which."""
     shards = _batches(entries, max_shard_size)
     count = len(shards)
     names = [SINGLE_FILE] if count == 1 else [SHARD_FILE.format(i + 1, count) for i in range(count)]
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, shard in zip(names, shards):
-        write_safetensors(folder / name, _layout(shard), _stream(source, [shard]), metadata=FORMAT_METADATA)
-        log.info("export_weights: wrote %s (%d tensors)", folder / name, len(shard))
+    files = [(name, _shard_writer(source, shard)) for name, shard in zip(names, shards)]
+    needed = sum(e.nbytes for e in entries)
     if count > 1:
         index = {
-            "metadata": {"total_size": sum(e.nbytes for e in entries)},
+            "metadata": {"total_size": needed},
             "weight_map": {e.name: name for name, shard in zip(names, shards) for e in shard},
         }
-        body = json.dumps(index, indent=2).encode()
-        write_atomic(folder / INDEX_FILE, lambda handle: handle.write(body), state=len(body))
+        files.append((INDEX_FILE, _bytes_writer(json.dumps(index, indent=2).encode())))
         names.append(INDEX_FILE)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        commit = _Commit(_live_files(folder))
+    except OSError as exc:
+        raise _export_error(folder, exc, needed, f"nothing was written in {str(folder)!r}") from exc
+    try:
+        if isinstance(folder, RemotePath):
+            _write_objects(folder, files, commit)
+        else:
+            _stage_and_swap(folder, files, commit)
+    except BaseException as exc:
+        kept = _undo(folder, commit)
+        cause = _failed_write(exc)
+        if cause is None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            if commit.retired:
+                log.error("export_weights: %s failed: %s.", folder, kept)
+            raise
+        raise _export_error(folder, cause, needed, kept) from exc
     for stale in [p for p in folder.iterdir() if _HF_FILE.fullmatch(p.name) and p.name not in names]:
         log.info("export_weights: removing %s, left by an earlier export to %s", stale, folder)
-        stale.unlink()
+        try:
+            stale.unlink()
+        except Exception as exc:  # the export is in place and loads; a leftover the index does not name is harmless
+            log.warning("export_weights: could not remove %s, left by an earlier export: %s", stale, exc)
 
 
 def _export_plain(
@@ -606,7 +975,21 @@ def _export_plain(
         if dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
             value = value.to(dtype)
         state[name] = value
-    save_file(state, target)
+    try:
+        save_file(state, target)
+    except CheckpointSaveError as exc:
+        raise _file_refused(target, exc, tensor_bytes(state)) from exc
+
+
+def _file_refused(target: AnyPath, exc: CheckpointSaveError, needed: int) -> CheckpointSaveError:
+    """The error of a one-file export that failed: the file is written under a temporary name and renamed (an
+    object is uploaded whole), so whatever ``target`` held before it still holds."""
+    if isinstance(target, RemotePath):
+        kept = f"an object appears whole or not at all: {str(target)!r} is as it was"
+    else:
+        was = f"the existing {str(target)!r} is unchanged" if target.exists() else f"{str(target)!r} was not created"
+        kept = f"{was}; the temporary file was removed"
+    return _export_error(target, _failed_write(exc) or exc, needed, kept)
 
 
 def export_weights(
@@ -635,6 +1018,15 @@ def export_weights(
     The safetensors forms read the source at most one output shard (``max_shard_size`` bytes) at a time (for a
     keel checkpoint: one DCP load per shard) and write each tensor before the next is read; they hold tensors only
     (other entries are left out, with a warning). Tied or duplicate tensors are written each under its own key.
+    Each safetensors file records every tensor's CRC32 in its header (``keel.crc32``), which keel's reader checks.
+
+    An export is whole or refused. A folder's files are written under hidden temporary names in the folder (room
+    for the new export beside the previous one is needed), then renamed into place, the index last: a failure
+    while writing leaves the previous export loadable and unchanged. When the new shards reuse the previous ones'
+    names, the previous index is removed just before the renames, so a failure during them leaves a folder that
+    loads nothing (refused), never a mix of two exports. On object storage, which has no rename, each object is
+    uploaded under its own name (whole or not at all) with the same order and the same two outcomes. The one-file
+    forms are written to a temporary name and renamed (uploaded whole).
 
     Args:
         ckpt_path: The checkpoint or weights to export (local, or a keel checkpoint on object storage).
@@ -646,7 +1038,10 @@ def export_weights(
     Raises:
         CheckpointError: the checkpoint is missing, damaged or unsafe (naming the file).
         ValueError: ``rename`` gives a name twice or a non-string, or an argument is out of range.
-        CheckpointSaveError: the output could not be written; nothing was replaced.
+        CheckpointSaveError: the output could not be written (naming the cause, the size and the free space). The
+            message says what ``out_path`` holds now: the previous file or export, intact and unchanged (the
+            temporary files removed); or, for a folder whose swap failed after its previous index was removed, no
+            export that loads.
     """
     source_path = location(ckpt_path, "export_weights(ckpt_path)")
     target = as_path(location(out_path, "export_weights(out_path)"))
@@ -660,7 +1055,10 @@ def export_weights(
         elif target.suffix == ".safetensors":
             entries = _plan(source, rename, dtype)
             batches = _batches(entries, max_shard_size)
-            write_safetensors(target, _layout(entries), _stream(source, batches), metadata=FORMAT_METADATA)
+            try:
+                write_safetensors(target, _layout(entries), _stream(source, batches), metadata=FORMAT_METADATA)
+            except CheckpointSaveError as exc:
+                raise _file_refused(target, exc, sum(e.nbytes for e in entries)) from exc
         else:
             _export_plain(source, target, rename, dtype)
     log.info("export_weights: wrote %s from %s", target, source_path)
