@@ -386,3 +386,45 @@ def test_a_claim_on_a_bucket_prefix_is_exclusive_on_the_server(s3) -> None:
     with pytest.raises(claim.Taken):  # the other reader of that same claim loses
         claim.write(folder, "fourth-run", stale)
     assert claim.read(folder)["run"] == "third-run"
+
+
+def test_the_store_killed_between_verification_and_read_stops_the_resume_and_never_falls_back(
+    own_server, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As the campaign did it: the newest save's manifest and checksums verify, then the server is killed before
+    .metadata and keel.pt are read. That is the store's failure, not damage: the resume stops with keel's error
+    naming the step-10 save (never the step-8 save, never a bare botocore traceback), and once the store is back
+    `last` still resumes step 10."""
+    from trainer.checkpoint import reader
+    from trainer.checkpoint.files import CorruptCheckpointError
+
+    ck = own_server.url(own_server.bucket("verified"), "ck")
+    _fit(ck, 10)
+    verify = reader.verify
+
+    def killed_after(*args, **kwargs):
+        problems = verify(*args, **kwargs)
+        own_server.kill()  # verified; the reads that follow find no server
+        return problems
+
+    monkeypatch.setattr(reader, "verify", killed_after)
+    trainer = Trainer(**quiet(max_steps=12, callbacks=[ModelCheckpoint(dirpath=ck, every_n_train_steps=2)]))
+    with caplog.at_level("WARNING"), pytest.raises(CheckpointError) as info:
+        trainer.fit(Regression(optimizer="adamw"), loader(regression_data(), 16), ckpt_path="last")
+    text = str(info.value)
+    assert not isinstance(info.value, CorruptCheckpointError), text
+    assert (
+        "-step=10.ckpt' could not be verified: " in text and ck in text and "run again once the store answers" in text
+    )
+    assert "Could not connect to the endpoint URL" in text, text
+    assert "Falling back" not in caplog.text and trainer.global_step == 0
+    monkeypatch.setattr(reader, "verify", verify)
+    restarted = type(own_server).start(own_server.data_dir)
+    try:
+        for name, value in restarted.env().items():
+            os.environ[name] = value
+        storage._filesystem.cache_clear()
+        resumed = _fit(ck, 12, ckpt_path="last")
+        assert resumed.ckpt_path is not None and resumed.ckpt_path.endswith("-step=10.ckpt")
+    finally:
+        restarted.kill()

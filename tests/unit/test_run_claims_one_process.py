@@ -124,3 +124,46 @@ def test_a_failed_pointer_swap_names_the_committed_save_which_last_then_resumes(
     monkeypatch.setattr(model_checkpoint, "write_pointer", write_pointer)
     resumed = fit(tmp_path / "ck", max_steps=6, ckpt_path="last")
     assert resumed.ckpt_path is not None and resumed.ckpt_path.endswith("epoch=0-step=4.ckpt")
+
+
+def test_a_failed_pointer_swap_says_so_and_what_it_left_is_pruned_once_a_later_swap_succeeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills up as the pointer is swapped to the step-4 save: the error names the pointer swap and its
+    cause (not a save that "needs about 0 B"), the pointer still names step 2, which is kept; the run resumed from
+    step 4 prunes step 2 (and step 4) once its own swap succeeds, leaving save_top_k=1 save."""
+    import errno
+    import os
+
+    from trainer.checkpoint import files
+    from trainer.checkpoint.files import CheckpointSaveError, read_pointer
+
+    write_atomic, swaps = files.write_atomic, []
+
+    def full_at_the_second_swap(target, write, **kwargs):
+        if target.name == files.POINTER_NAME:
+            swaps.append(target)
+            if len(swaps) == 2:  # the step-4 save's swap: the real write path, on a disk that is full
+
+                def full(handle):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+                return write_atomic(target, full, **kwargs)
+        return write_atomic(target, write, **kwargs)
+
+    monkeypatch.setattr(files, "write_atomic", full_at_the_second_swap)
+    with pytest.raises(CheckpointSaveError) as info:
+        fit(tmp_path / "ck", max_steps=6)
+    text = str(info.value)
+    assert "epoch=0-step=4.ckpt' was committed, but the `last` pointer" in text, text
+    assert "could not be swapped to 'epoch=0-step=4.ckpt': No space left on device (ENOSPC)" in text, text
+    assert "needs about" not in text and "nothing was written" not in text, text
+    assert info.value.errno == errno.ENOSPC
+    saves = sorted(p.name for p in (tmp_path / "ck").glob("*.ckpt"))
+    assert saves == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]  # the pointer's save is never pruned by the failure
+    assert read_pointer(tmp_path / "ck") == ["epoch=0-step=2.ckpt"]
+    monkeypatch.setattr(files, "write_atomic", write_atomic)
+    resumed = fit(tmp_path / "ck", max_steps=8, ckpt_path="last")
+    assert resumed.ckpt_path is not None and resumed.ckpt_path.endswith("epoch=0-step=4.ckpt")
+    assert sorted(p.name for p in (tmp_path / "ck").glob("*.ckpt")) == ["epoch=0-step=8.ckpt"]
+    assert read_pointer(tmp_path / "ck")[0] == "epoch=0-step=8.ckpt"

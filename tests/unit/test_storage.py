@@ -275,3 +275,94 @@ def test_a_store_failing_while_a_save_is_verified_is_an_error_never_a_fallback_t
     ) as info:
         fit(bucket, 6, ckpt_path="last")
     assert not isinstance(info.value, CorruptCheckpointError)
+
+
+class StoreDown:
+    """The in-memory store stops answering once the newest save was verified: every request for an object of
+    ``bucket`` fails as botocore's does when the endpoint is gone, from the first read of an object whose name ends
+    with ``at`` (None: right after the verification) onward, as when the campaign killed the server between the
+    verification and the reads."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, bucket: str, at: str | None) -> None:
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        from trainer.checkpoint import reader
+
+        botocore = pytest.importorskip("botocore.exceptions")
+        self.error, self.at, self.verified, self.down = botocore.EndpointConnectionError, at, False, False
+        self.key = MemoryFileSystem._strip_protocol(bucket)
+        verify = reader.verify
+
+        def verifying(*args, **kwargs):
+            problems = verify(*args, **kwargs)
+            self.verified, self.down = True, self.down or at is None
+            return problems
+
+        monkeypatch.setattr(reader, "verify", verifying)
+        for name in ("cat_file", "_open", "info", "ls"):
+            monkeypatch.setattr(MemoryFileSystem, name, self.failing(getattr(MemoryFileSystem, name)))
+
+    def failing(self, method):
+        def call(fs, path, *args, **kwargs):
+            key = fs._strip_protocol(path)
+            if self.verified and key.startswith(self.key):
+                self.down = self.down or (self.at is not None and key.endswith(self.at))
+                if self.down:
+                    raise self.error(endpoint_url="http://127.0.0.1:8333")
+            return method(fs, path, *args, **kwargs)
+
+        return call
+
+
+def assert_stopped_for_the_store(exc: BaseException, save: str, caplog: pytest.LogCaptureFixture) -> None:
+    from trainer.checkpoint.files import CheckpointError
+
+    assert isinstance(exc, CheckpointError) and not isinstance(exc, CorruptCheckpointError), repr(exc)
+    text = str(exc)
+    assert f"{save}' could not be verified: " in text and "Could not connect to the endpoint URL" in text, text
+    assert "run again once the store answers" in text, text
+    assert "Falling back" not in caplog.text  # never an older save
+
+
+@pytest.mark.parametrize("at", [None, "keel.pt", ".distcp"], ids=["metadata", "keel.pt", "data"])
+def test_the_store_failing_after_a_save_is_verified_stops_the_resume_and_never_falls_back(
+    bucket: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, at: str | None
+) -> None:
+    """Verified, then the store stops answering at the read of .metadata, of keel.pt, or of the data under DCP: that
+    is not damage, so `last` neither falls back to the step-2 save (nor meets the store down again there, with a
+    bare botocore traceback); the resume stops with keel's error naming the newest save."""
+    fit(bucket, 4)
+    StoreDown(monkeypatch, bucket, at)
+    with caplog.at_level(logging.WARNING), pytest.raises(Exception) as info:
+        fit(bucket, 6, ckpt_path="last")
+    assert_stopped_for_the_store(info.value, f"{bucket}/epoch=0-step=4.ckpt", caplog)
+
+
+def test_the_store_failing_during_a_fallback_from_a_damaged_save_stops_the_resume(
+    bucket: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The newest save is damaged (a flipped bit): `last` falls back, and the store stops answering as the older save
+    is read: keel's error naming that save, never a bare botocore traceback, never a fallback further back."""
+    from trainer.checkpoint import reader
+
+    fit(bucket, 6, save_top_k=3)
+    fs = fsspec.filesystem("memory")
+    data = next(p for p in fs.find(f"{bucket}/epoch=1-step=6.ckpt") if p.endswith(".distcp"))
+    blob = bytearray(fs.cat_file(data))
+    blob[len(blob) // 2] ^= 0xFF
+    fs.pipe_file(data, bytes(blob))
+    down = StoreDown(monkeypatch, bucket, None)
+    down.verified = True  # the store answers until the fallback begins
+    locate, located = reader.save_folder, []
+
+    def second_candidate_finds_the_store_down(path):
+        located.append(path)
+        down.down = len(located) > 1
+        return locate(path)
+
+    monkeypatch.setattr(reader, "save_folder", second_candidate_finds_the_store_down)
+    with caplog.at_level(logging.WARNING), pytest.raises(Exception) as info:
+        fit(bucket, 8, ckpt_path="last")
+    assert "Falling back to the next candidate" in caplog.text  # from the damaged save, as before
+    caplog.clear()
+    assert_stopped_for_the_store(info.value, f"{bucket}/epoch=0-step=4.ckpt", caplog)

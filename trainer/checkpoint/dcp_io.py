@@ -13,7 +13,7 @@ import os
 import pickle
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from trainer.checkpoint.files import CorruptCheckpointError, HashingWriter
+from trainer.checkpoint.files import CorruptCheckpointError, HashingWriter, StoreReadError, store_failed
 from trainer.data.transfer import tensors_in
 from trainer.storage import AnyPath, RemotePath
 
@@ -90,16 +90,77 @@ class _SafeReader(_SafeMetadata, FileSystemReader):
     """DCP's file reader with the safe ``.metadata``."""
 
 
+class _StoreStream:
+    """A stream of an object being read: an error the store's client raises from it (a refused connection, a
+    timeout, a 5xx answer) is a :class:`StoreReadError`, so that a load that fails because the store does is never
+    taken for a damaged save (which ``ckpt_path="last"`` would fall back past). What is made of the bytes read
+    (``torch.load``, the unpickler) raises its own errors, outside this stream."""
+
+    def __init__(self, raw: Any, path: str) -> None:
+        self._raw, self._path = raw, path
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._raw, name)
+        if not callable(attribute):
+            return attribute
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attribute(*args, **kwargs)
+            except Exception as exc:
+                if store_failed(self._path, exc):
+                    raise StoreReadError.reading(self._path, exc) from exc
+                raise
+
+        return guarded
+
+    def __enter__(self) -> _StoreStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _store_reading(base: type) -> type:
+    """``base`` (DCP's fsspec file system) whose read streams are :class:`_StoreStream`: the store's failure while a
+    save's data is read raises :class:`StoreReadError` on the rank that saw it (DCP gathers every rank's)."""
+
+    class _StoreReading(base):  # type: ignore[misc]
+        @contextmanager
+        def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+            if "r" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            url = os.fspath(path)
+            with ExitStack() as stack:
+                try:
+                    raw = stack.enter_context(super().create_stream(path, mode))
+                except Exception as exc:
+                    if store_failed(url, exc):
+                        raise StoreReadError.reading(url, exc) from exc
+                    raise
+                yield _StoreStream(raw, url)
+
+    return _StoreReading
+
+
 def reader(root: AnyPath) -> FileSystemReader:
-    """The safe DCP reader of the folder (or object storage prefix) that holds a save's data files."""
+    """The safe DCP reader of the folder (or object storage prefix) that holds a save's data files; on object
+    storage its streams raise :class:`StoreReadError` when the store fails."""
     if not isinstance(root, RemotePath):
         return _SafeReader(os.fspath(root))
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     class _SafeFsspecReader(_SafeMetadata, FsspecReader):
         pass
 
-    return _SafeFsspecReader(str(root), use_listings_cache=False, skip_instance_cache=True)
+    safe = _SafeFsspecReader(str(root), use_listings_cache=False, skip_instance_cache=True)
+    fs = _store_reading(FsspecFileSystem)()
+    fs.init_path(str(root), use_listings_cache=False, skip_instance_cache=True)
+    safe.fs = fs
+    return safe
 
 
 def _load_bytes_safely(planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from trainer.storage import AnyPath, RemotePath, as_path, describe_error
+from trainer.storage import AnyPath, RemotePath, as_path, describe_error, is_url
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,60 @@ class CorruptCheckpointError(CheckpointError):
     or foreign (a part of another save). ``ckpt_path="last"`` falls back to the previous committed save."""
 
 
+class StoreReadError(CheckpointError):
+    """A save on object storage that could not be read because the store failed (a refused connection, a timeout,
+    a 5xx answer, a refused permission): not damage, so ``ckpt_path="last"`` never falls back past it to an older
+    save (that would silently lose progress); the resume stops and is run again once the store answers."""
+
+    objects: tuple[tuple[str, str], ...] = ()  # (URL, the store's error) of each object that could not be read
+
+    @classmethod
+    def of(cls, folder: Any, failed: list[str]) -> StoreReadError:
+        """The error for ``folder``, whose parts ``failed`` ("NAME could not be read from the store (...)")."""
+        return cls(
+            f"Checkpoint {str(folder)!r} could not be verified: {'; '.join(failed)}. Nothing was loaded; run again "
+            "once the store answers."
+        )
+
+    @classmethod
+    def reading(cls, path: Any, exc: BaseException) -> StoreReadError:
+        """The error for the object ``path`` of a save, whose read failed with ``exc`` (the store's own error)."""
+        path = as_path(path)
+        error = cls.of(path.parent, [f"{path.name} could not be read from the store ({describe_error(exc)})"])
+        error.objects = ((str(path), describe_error(exc)),)
+        return error
+
+    def naming(self, save: Any) -> StoreReadError:
+        """This error, naming the save ``save`` and each object that failed by its name inside it."""
+        inside = [(url[len(str(save)) + 1 :], cause) for url, cause in self.objects if url.startswith(f"{save}/")]
+        if not inside or len(inside) != len(self.objects):
+            return self
+        error = StoreReadError.of(
+            save, [f"{name} could not be read from the store ({cause})" for name, cause in inside]
+        )
+        error.objects = self.objects
+        return error
+
+
+def store_failed(path: Any, exc: BaseException) -> bool:
+    """Whether ``exc``, raised while ``path`` was read, is the store's failure rather than the object's absence or
+    damage: on object storage, anything its client raises but ``FileNotFoundError`` (keel's own refusals aside)."""
+    return is_url(path) and not isinstance(exc, (FileNotFoundError, CheckpointError))
+
+
+def read_object(path: AnyPath) -> bytes | None:
+    """The bytes of ``path`` (None when it is absent), read in one request on object storage. Raises
+    :class:`StoreReadError` when the store fails, so that what the bytes hold is judged only on bytes read."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except Exception as exc:
+        if store_failed(path, exc):
+            raise StoreReadError.reading(path, exc) from exc
+        raise
+
+
 class CheckpointSaveError(OSError):
     """A checkpoint that could not be written (disk full, no permission, ...). An ``OSError`` with the
     cause's ``errno``; the message names the file, the bytes needed and free, and the previous
@@ -79,8 +133,19 @@ class CheckpointSaveError(OSError):
         return str(self.args[0]) if self.args else ""
 
     @classmethod
-    def for_file(cls, target: AnyPath, state: Any, cause: OSError, *, temporary: bool = True) -> CheckpointSaveError:
-        """The error for ``target`` (a file or a folder) whose write of ``state`` failed with ``cause``."""
+    def for_file(
+        cls,
+        target: AnyPath,
+        state: Any,
+        cause: OSError,
+        *,
+        temporary: bool = True,
+        files: list[int] | None = None,
+    ) -> CheckpointSaveError:
+        """The error for ``target`` (a file or a folder) whose write of ``state`` (its tensors, or their bytes) failed
+        with ``cause``. ``files``: the sizes of the files the write makes (default: one file holding ``state``);
+        each takes whole blocks of the filesystem, so the space named is what the files take on the disk, never
+        less (a save of small files needs several times its tensors' bytes)."""
         needed = state if isinstance(state, int) else tensor_bytes(state)
         if isinstance(target, RemotePath):
             return cls.for_object(target, needed, cause)
@@ -91,6 +156,9 @@ class CheckpointSaveError(OSError):
             free = human_bytes(shutil.disk_usage(folder).free)
         except OSError:
             free = "unknown"
+        sizes = files if files is not None else [needed if isinstance(state, int) else plain_file_bytes(state)]
+        block = block_size(folder)
+        taken = on_disk(sizes, block)
         try:
             previous = read_pointer(target.parent) or []
         except CheckpointError:
@@ -113,8 +181,9 @@ class CheckpointSaveError(OSError):
         else:
             hint = ""
         error = cls(
-            f"Could not write checkpoint {str(target)!r}: {reason}. It needs about {human_bytes(needed)} "
-            f"({needed:,} bytes of tensors); {free} free in {str(folder)!r}. Nothing was replaced: "
+            f"Could not write checkpoint {str(target)!r}: {reason}. It needs about {human_bytes(taken)} on disk "
+            f"({needed:,} bytes of tensors, in {len(sizes)} file{'s' if len(sizes) != 1 else ''} of whole "
+            f"{block:,}-byte blocks, with their metadata); {free} free in {str(folder)!r}. Nothing was replaced: "
             f"{'the temporary files were removed' if temporary else 'nothing was written'} and {kept}.{hint}"
         )
         error.errno, error.strerror, error.filename = cause.errno, cause.strerror, str(target)
@@ -169,6 +238,60 @@ def tensor_bytes(obj: Any, *, whole: bool = False) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(tensor_bytes(v, whole=whole) for v in obj)
     return 0
+
+
+ITEM_BYTES = 1664  # what one DCP item adds to a data file beside its tensor's bytes (a torch.save record of its own)
+METADATA_ITEM_BYTES = 256  # what one DCP item adds to .metadata
+
+
+def leaves(obj: Any) -> int:
+    """The values of a (nested) state: at most the items DCP writes, each a record of its own."""
+    if isinstance(obj, dict):
+        return sum(leaves(v) for v in obj.values())
+    if isinstance(obj, list):
+        return sum(leaves(v) for v in obj)
+    return 1
+
+
+class _Counter:
+    """A file that keeps only the count of the bytes written to it."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        count = memoryview(data).nbytes
+        self.size += count
+        return count
+
+    def flush(self) -> None:
+        """Nothing to flush."""
+
+
+def plain_file_bytes(state: Any) -> int:
+    """The size of ``state`` written as one plain ``torch.save`` file: serialized into a counter (a failed write's
+    message; a weights file of a large model takes a few seconds), else its tensors' bytes."""
+    counter = _Counter()
+    try:
+        torch.save(state, counter)  # type: ignore[arg-type]  # a file: what torch.save calls is write()
+    except Exception:  # an unpicklable value: the write itself failed on it
+        return tensor_bytes(state, whole=True)
+    return counter.size
+
+
+def block_size(folder: str | os.PathLike) -> int:
+    """The block of the filesystem that holds ``folder`` (``f_frsize``, else ``f_bsize``): the unit a file's
+    bytes take on it. 4096 where it cannot be read."""
+    try:
+        stat = os.statvfs(folder)
+    except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
+        return 4096
+    return int(stat.f_frsize or stat.f_bsize or 4096)
+
+
+def on_disk(sizes: list[int], block: int) -> int:
+    """What files of ``sizes`` take on a filesystem of ``block``-byte blocks: each a whole number of blocks."""
+    return sum(-(-max(int(size), 0) // block) * block for size in sizes)
 
 
 def human_bytes(n: int) -> str:
@@ -342,10 +465,15 @@ def load_file(path: str | os.PathLike, *, required: tuple[str, ...] = REQUIRED_K
     """A plain file with ``torch.load(weights_only=True)``: nothing in it can run code. Raises
     :class:`CheckpointError` naming the file and the cause. ``required``: the top-level keys it must hold."""
     path = as_path(path)
-    if not path.is_file():
+    source: Any = path
+    if isinstance(path, RemotePath):  # read first: what the store fails to give is not a damaged file
+        data = read_object(path)
+        if data is None:
+            raise CheckpointError(f"Checkpoint {str(path)!r} does not exist.")
+        source = io.BytesIO(data)
+    elif not path.is_file():
         raise CheckpointError(f"Checkpoint {str(path)!r} does not exist.")
     try:
-        source = io.BytesIO(path.read_bytes()) if isinstance(path, RemotePath) else path
         verify_records(path, source)
         state = torch.load(source, map_location="cpu", weights_only=True)
     except CheckpointError:
@@ -398,12 +526,18 @@ def read_pointer(directory: str | os.PathLike) -> list[str] | None:
     Raises:
         CheckpointError: the pointer exists but cannot be read, is not keel's JSON, or names anything but
             a plain name inside ``directory``.
+        StoreReadError: on object storage, the store failed (not a damaged pointer: never replaced or skipped).
     """
     pointer = as_path(directory) / POINTER_NAME
-    if not pointer.exists() and not pointer.is_symlink():
+    read: bytes | None = None
+    if isinstance(pointer, RemotePath):  # one read: fsspec's exists() answers False when the store fails
+        read = read_object(pointer)
+        if read is None:
+            return None
+    elif not pointer.exists() and not pointer.is_symlink():
         return None
     try:
-        data = json.loads(pointer.read_text())
+        data = json.loads(read if read is not None else pointer.read_text())
         names = data.get("history", [data["last"]]) if isinstance(data, dict) else None
         if not isinstance(names, list) or not names:
             raise ValueError("no 'last' entry")
@@ -417,13 +551,15 @@ def write_pointer(path: str | os.PathLike) -> None:
     20). Swapped atomically (temporary file, fsync, rename): a crash leaves the old pointer. A pointer
     that cannot be read is replaced (with a warning): the saves in the folder are the record."""
     directory, name = as_path(path).parent, as_path(path).name
+    pointer = directory / POINTER_NAME
     try:
         previous = read_pointer(directory) or []
+    except StoreReadError as exc:  # the store failed: the pointer is not replaced by one that lost its history
+        raise _pointer_error(pointer, name, [], exc) from exc
     except CheckpointError as exc:
         log.warning("%s It is replaced by a pointer to %s.", exc, name)
         previous = []
     history = [name] + [n for n in previous if n != name]
-    pointer = directory / POINTER_NAME
     if (
         isinstance(pointer, Path) and pointer.is_dir() and not pointer.is_symlink()
     ):  # not a pointer: moved aside (kept for a look), not deleted
@@ -431,4 +567,25 @@ def write_pointer(path: str | os.PathLike) -> None:
         log.warning("%s is a folder, not keel's pointer; it is moved to %s.", pointer, aside)
         os.replace(pointer, aside)
     body = json.dumps({"last": history[0], "history": history[:20]}).encode()
-    write_atomic(pointer, lambda handle: handle.write(body))
+    try:
+        write_atomic(pointer, lambda handle: handle.write(body))
+    except CheckpointSaveError as exc:  # its message is a save's ("needs about ..."): say what failed instead
+        raise _pointer_error(pointer, name, previous, exc.__cause__ or exc) from exc
+
+
+def _pointer_error(pointer: AnyPath, name: str, previous: list[str], cause: BaseException) -> CheckpointSaveError:
+    """The error for a swap of the ``last`` pointer to ``name`` that failed with ``cause``."""
+    code = errno.errorcode.get(getattr(cause, "errno", None) or 0, "")
+    reason = (
+        f"{cause.strerror or cause}" + (f" ({code})" if code else "")
+        if isinstance(cause, OSError) and not isinstance(cause, CheckpointSaveError)
+        else describe_error(cause)
+    )
+    still = f"it still names {previous[0]!r}" if previous else "it was not changed"
+    error = CheckpointSaveError(
+        f"The `last` pointer {str(pointer)!r} could not be swapped to {name!r}: {reason}. The old pointer is intact "
+        f"({still})."
+    )
+    error.errno = getattr(cause, "errno", None)
+    error.strerror, error.filename = reason, str(pointer)
+    return error

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from trainer.callback import Callback
 from trainer.checkpoint.async_save import AsyncCheckpointer
 from trainer.checkpoint.files import CheckpointSaveError, write_pointer
-from trainer.checkpoint.reader import committed
+from trainer.checkpoint.reader import committed, read_manifest
 from trainer.checkpoint.store import LIGHTNING_FILE, LIGHTNING_FILE_NAMES, remove_save
 from trainer.storage import as_path, check_writable, describe_error, is_url, join, location, sync_mirrors
 
@@ -230,6 +230,11 @@ class ModelCheckpoint(Callback):
         self._last_time = time.monotonic()
         self._names_in_store: set[str] | None = None  # a dirpath on object storage: its committed saves (setup)
         self._leftovers: list[str] = []  # uncommitted saves found there at setup: removed after the next commit
+        # Saves the next commit prunes (what its save replaces, and what an earlier commit could not prune because its
+        # pointer swap failed): pruned only once a pointer swap succeeds, so never the save `last` still names. Saved
+        # in each save's state: a run resumed after a failed swap prunes them at its first commit (_restored).
+        self._unpruned: list[str] = []
+        self._restored_unpruned: dict[str, int] = {}  # -> the step of the save whose state named it
 
     @property
     def best_model_path(self) -> str:
@@ -365,6 +370,7 @@ class ModelCheckpoint(Callback):
             "monitor": self.monitor,
             "mode": self.mode,
             "last_saved_step": self._last_saved_step,
+            "unpruned": list(dict.fromkeys([*self._unpruned, *self._restored_unpruned])),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -378,6 +384,7 @@ class ModelCheckpoint(Callback):
         self.best_model_score = state.get("best_model_score")
         self._last_path = self._here(state.get("last_model_path", ""))
         self._last_saved_step = int(state.get("last_saved_step", -1))
+        self._restored_unpruned = {self._here(p): self._last_saved_step for p in state.get("unpruned", [])}
 
     def _here(self, path: str) -> str:
         """A save named in a saved state, as a path in this run's ``dirpath`` (by its name)."""
@@ -457,6 +464,7 @@ class ModelCheckpoint(Callback):
             self.best_k_models[path] = score if score is not None else float(trainer.global_step)
             removed = self._prune_top_k()
         victims = removed + ([old_last] if old_last and old_last != path else [])
+        self._unpruned = list(dict.fromkeys([*self._unpruned, *victims]))  # in this save's state too
         background = self.async_save and not force  # forced saves (preemption, exception) are synchronous
         self._last_saved_step = trainer.global_step  # before the save: its own callback state records it
         if self._names_in_store is not None:
@@ -465,18 +473,20 @@ class ModelCheckpoint(Callback):
             path,
             weights_only=self.save_weights_only,
             background=self._checkpointer if background else None,
-            on_commit=lambda: self._commit(trainer, path, victims),
+            on_commit=lambda: self._commit(trainer, path),
             lightning_file=self.lightning_file,
         )
         self._last_time = time.monotonic()
         return path
 
-    def _commit(self, trainer: Trainer, path: str, victims: list[str]) -> None:
-        """Rank 0, only after ``path`` is committed: point `last` at it, then prune what it replaces.
+    def _commit(self, trainer: Trainer, path: str) -> None:
+        """Rank 0, only after ``path`` is committed: point `last` at it, then prune what it replaces (and what an
+        earlier commit left unpruned because its pointer swap failed).
 
         Raises:
             CheckpointSaveError: the pointer could not be swapped; the message says the save itself is committed
-                (``ckpt_path="last"`` resumes it: a committed save newer than the pointer's wins).
+                (``ckpt_path="last"`` resumes it: a committed save newer than the pointer's wins) and that nothing
+                was pruned (the pointer may still name what would have been): the next commit prunes it.
         """
         try:
             write_pointer(path)
@@ -484,11 +494,15 @@ class ModelCheckpoint(Callback):
             error = CheckpointSaveError(
                 f"Checkpoint {path!r} was committed, but the `last` pointer beside it could not be updated "
                 f"({describe_error(exc)}). The save is complete: ckpt_path='last' resumes it (a committed save newer "
-                "than the one the pointer names is preferred), and the next save rewrites the pointer and prunes as "
-                "usual. Nothing older was removed."
+                "than the one the pointer names is preferred). Nothing older was removed: the saves it replaces are "
+                "pruned once a later pointer update succeeds (the next save's, in this run or in the run resumed "
+                "from it)."
             )
             error.errno = exc.errno
             raise error from exc
+        victims, self._unpruned = self._unpruned, []
+        restored, self._restored_unpruned = self._restored_unpruned, {}
+        victims += [v for v, step in restored.items() if v not in victims and self._superseded(v, step, trainer)]
         if self.verbose:
             score = self.best_k_models.get(path)
             why = (
@@ -509,6 +523,16 @@ class ModelCheckpoint(Callback):
         if self.save_last and not is_url(path):  # object stores have no links: `last` and ckpt_path="last" remain
             link_last(path, lightning_file=self.lightning_file)
         sync_mirrors()  # a run directory on object storage: the logs up to this checkpoint go with it
+
+    def _superseded(self, victim: str, step: int, trainer: Trainer) -> bool:
+        """A save that the commit of the resumed save (of step ``step``) would have pruned, named in its state: still
+        one of this run's, committed before that step. Anything else of that name (another run's save, a newer save
+        that reused the name, a damaged one) is left alone."""
+        try:
+            identity = read_manifest(as_path(victim))["identity"]
+        except Exception:  # gone (pruned already), damaged, a plain file, or the store failed: left alone
+            return False
+        return identity.get("run") == trainer.checkpointer.run_id and int(identity.get("step", -1)) < step
 
     def _versioned(self, path: str) -> str:
         """``enable_version_counter``: ``name-vN.ckpt`` when ``path`` exists from another save."""

@@ -14,6 +14,7 @@ freely).
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -33,8 +34,11 @@ from trainer.checkpoint.files import (
     POINTER_NAME,
     CheckpointError,
     CorruptCheckpointError,
+    StoreReadError,
     load_file,
+    read_object,
     read_pointer,
+    store_failed,
 )
 from trainer.checkpoint.stateful import check_classes
 from trainer.checkpoint.store import (
@@ -47,7 +51,7 @@ from trainer.checkpoint.store import (
     quiet_dcp,
 )
 from trainer.distributed import comm
-from trainer.storage import AnyPath, RemotePath, as_path, describe_error
+from trainer.storage import AnyPath, RemotePath, as_path, describe_error, is_url
 
 log = logging.getLogger(__name__)
 
@@ -133,45 +137,106 @@ def _verified(
     """(manifest, keel.pt) of an intact save, or a CheckpointError naming every bad part. ``collective``: the
     ranks share the checks and agree. ``keys``: filled with the DCP entries the save holds."""
     problems: list[str] = []
+    refused = ""  # a CheckpointError that is not damage (a newer format): raised, never skipped
     manifest = None
     try:
         manifest = read_manifest(folder)
         rank, world = (comm.get_rank(), comm.get_world_size()) if collective else (0, 1)
         problems = verify(folder, manifest, rank=rank, world_size=world)
-    except CorruptCheckpointError as exc:  # a newer format is a CheckpointError: raised, never skipped
+    except CorruptCheckpointError as exc:
         problems = [str(exc)]
-    except Exception as exc:  # the store failed: agreed on by every rank (one raising alone would hang the rest)
-        if not isinstance(folder, RemotePath) or isinstance(exc, CheckpointError):
+    except CheckpointError as exc:
+        if not collective:
             raise
-        problems = [f"{STORE_FAILED}{MANIFEST_FILE} could not be read from the store ({describe_error(exc)})"]
-    if collective:
-        problems = [p for rank_problems in comm.all_gather_object(problems) for p in rank_problems]
+        refused = str(exc)
+    except Exception as exc:  # the store failed: agreed on by every rank (one raising alone would hang the rest)
+        if isinstance(folder, RemotePath) and not isinstance(exc, CheckpointError):
+            problems = [f"{STORE_FAILED}{MANIFEST_FILE} could not be read from the store ({describe_error(exc)})"]
+        elif not collective:
+            raise
+        else:
+            refused = f"{type(exc).__name__}: {exc}"
+    if collective:  # every rank reaches this gather, whatever failed: the others' findings name their rank
+        me = comm.get_rank()
+        found = comm.all_gather_object((problems, refused))
+        refused = next((_on(r, me, text) for r, (_, text) in enumerate(found) if text), "")
+        problems = [p if p.startswith(STORE_FAILED) else _on(r, me, p) for r, (ps, _) in enumerate(found) for p in ps]
+        if refused:
+            raise CheckpointError(refused)
     failed = [p[len(STORE_FAILED) :] for p in problems if p.startswith(STORE_FAILED)]
     if failed:  # not damage: falling back to an older save would silently lose progress
-        raise CheckpointError(
-            f"Checkpoint {str(folder)!r} could not be verified: {'; '.join(failed)}. Nothing was loaded; run again "
-            "once the store answers."
-        )
+        raise StoreReadError.of(folder, failed)
     if problems:
         raise CorruptCheckpointError(f"Checkpoint {str(folder)!r} is damaged: {'; '.join(problems)}.")
     assert manifest is not None  # read, or a problem raised above
-    rest = _read_keel(data_root(folder, manifest), keys)
-    if rest.get(K_IDENTITY) != manifest["identity"]:
-        raise CorruptCheckpointError(
-            f"Checkpoint {str(folder / KEEL_FILE)!r} belongs to another save than its folder's manifest "
-            f"({rest.get(K_IDENTITY)} vs {manifest['identity']})."
-        )
+    rest: dict[str, Any] = {}
+
+    def read() -> None:  # every rank reads keel.pt: the ranks agree on the outcome, as on the checks above
+        rest.update(_read_keel(data_root(folder, manifest), keys))
+        if rest.get(K_IDENTITY) != manifest["identity"]:
+            raise CorruptCheckpointError(
+                f"Checkpoint {str(folder / KEEL_FILE)!r} belongs to another save than its folder's manifest "
+                f"({rest.get(K_IDENTITY)} vs {manifest['identity']})."
+            )
+
+    agreed(folder, read, collective=collective)
     return manifest, rest
 
 
+def _on(rank: int, me: int, text: str) -> str:
+    """A finding of ``rank``, as rank ``me`` reports it: another rank's names that rank."""
+    return text if rank == me else f"rank {rank}: {text}"
+
+
+def agreed(folder: AnyPath, read: Callable[[], None], *, collective: bool) -> None:
+    """Run ``read`` (reads of the save ``folder``) on every rank and raise the same error on every rank when it
+    failed on one (one rank raising alone would hang the others at the next collective): the store's failure
+    first (:class:`StoreReadError`: never a fallback), else the first rank's damage or refusal. On object storage
+    any error of the store's client that is not an absent object is the store's failure, never damage."""
+    outcome: tuple[str, str] = ("", "")
+    try:
+        read()
+    except StoreReadError as exc:
+        outcome = ("store", str(exc.naming(folder)))
+    except CorruptCheckpointError as exc:
+        outcome = ("damage", str(exc))
+    except CheckpointError as exc:
+        outcome = ("refused", str(exc))
+    except Exception as exc:
+        if store_failed(folder, exc):
+            outcome = ("store", str(StoreReadError.of(folder, [f"it could not be read ({describe_error(exc)})"])))
+        elif not collective:
+            raise
+        else:  # raised on every rank, never on this one alone
+            outcome = ("refused", f"{str(folder)!r} could not be read ({type(exc).__name__}: {exc})")
+    if collective:
+        me = comm.get_rank()
+        outcomes = [(k, _on(r, me, text)) for r, (k, text) in enumerate(comm.all_gather_object(outcome))]
+    else:
+        outcomes = [outcome]
+    for kind, error in (("store", StoreReadError), ("damage", CorruptCheckpointError), ("refused", CheckpointError)):
+        text = next((text for k, text in outcomes if k == kind), None)
+        if text is not None:
+            raise error(text)
+
+
 def _read_keel(folder: AnyPath, keys: set[str] | None = None) -> dict[str, Any]:
+    """keel.pt of a save whose files are in ``folder``, after the DCP entries of its .metadata are put in
+    ``keys``. On object storage each file is read whole first (:func:`read_object`): the store failing is a
+    :class:`StoreReadError`, and only bytes that were read can be judged damaged."""
     metadata = folder / METADATA_FILE
-    if not metadata.is_file():
+    source: Any = None
+    if isinstance(metadata, RemotePath):
+        data = read_object(metadata)
+        source = io.BytesIO(data) if data is not None else None
+    elif metadata.is_file():
+        source = metadata
+    if source is None:
         raise CheckpointError(f"Checkpoint {str(folder)!r} has no {METADATA_FILE}: it was never committed.")
     try:
         from trainer.checkpoint.dcp_io import MetadataUnpickler
 
-        with metadata.open("rb") as handle:
+        with source if isinstance(source, io.BytesIO) else metadata.open("rb") as handle:
             entries = MetadataUnpickler(handle, str(metadata)).load().state_dict_metadata
         if keys is not None:
             keys.update(entries)
@@ -217,8 +282,18 @@ def load(
     Raises:
         CheckpointError: naming the damaged or unsafe part, a missing key, or the mismatched classes.
     """
-    folder = save_folder(path)
-    if _is_save_folder(folder):
+    found: list[Any] = []
+
+    def locate() -> None:  # reads the store (the pointer, the manifest): agreed on, as the reads that follow
+        folder = save_folder(path)
+        found[:] = [folder, _is_save_folder(folder)]
+
+    if is_url(os.fspath(path)):
+        agreed(as_path(path), locate, collective=True)
+    else:
+        locate()
+    folder, is_folder = found
+    if is_folder:
         saved: set[str] = set()
         manifest, checkpoint = _verified(folder, collective=True, keys=saved)
         _check(str(folder), checkpoint, state, tuple(k for k in required if k not in DCP_KEYS))
@@ -275,10 +350,12 @@ def _load_error(folder: AnyPath, exc: BaseException, what: str) -> BaseException
     collects every rank's failures) as it is, anything else as a CheckpointError naming the folder."""
     if isinstance(exc, (KeyboardInterrupt, SystemExit, CheckpointError)):
         return exc
-    for failure in getattr(exc, "failures", {}).values():
-        cause = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(cause, CheckpointError):
-            return cause
+    failures = getattr(exc, "failures", {}).values()
+    causes = [failure[0] if isinstance(failure, tuple) else failure for failure in failures]
+    refusals: list[CheckpointError] = [c for c in causes if isinstance(c, StoreReadError)]
+    refusals = refusals or [c for c in causes if isinstance(c, CheckpointError)]  # the store's failure first
+    if refusals:
+        return refusals[0].naming(folder) if isinstance(refusals[0], StoreReadError) else refusals[0]
     text = str(exc).splitlines()[0] if str(exc) else ""
     return CheckpointError(f"Checkpoint {str(folder)!r} {what} ({type(exc).__name__}: {text}).")
 
@@ -383,7 +460,9 @@ def committed_runs(directory: str | os.PathLike) -> list[tuple[str, str]]:
 def _step_of(directory: str | os.PathLike, name: str) -> int:
     try:
         return int(read_manifest(as_path(directory) / name)["identity"].get("step", -1))
-    except (CheckpointError, OSError, ValueError):
+    except (CheckpointError, OSError, ValueError) as exc:
+        if store_failed(directory, exc):  # the store failed: it cannot decide which save is newer
+            raise
         return -1
 
 
@@ -401,6 +480,8 @@ def resolve_last(directory: str | os.PathLike) -> list[str]:
     try:
         names = read_pointer(directory)
         problem = None
+    except StoreReadError:  # the store failed, not the pointer: never a guess at which save is the run's last
+        raise
     except CheckpointError as exc:
         names, problem = [], str(exc)
     if names is None:
@@ -455,7 +536,11 @@ def resolve_best(
             states = _read_keel(data_root(folder, read_manifest(folder))).get(K_CALLBACKS, {})
             key = state_key(list(states))
             saved = states.get(key, {}) if key is not None else {}
+        except StoreReadError:
+            raise
         except (CheckpointError, OSError) as exc:
+            if store_failed(directory, exc):  # the store failed: the next save's state is not what 'best' means
+                raise
             log.warning("ckpt_path='best': skipping %s for the callback's state: %s", name, exc)
             continue
         best_k = dict(saved.get("best_k_models") or {})

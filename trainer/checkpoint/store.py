@@ -55,6 +55,7 @@ import torch
 from trainer.checkpoint.async_save import AsyncCheckpointer, cpu_copy
 from trainer.checkpoint.files import (
     FORMAT_VERSION,
+    ITEM_BYTES,
     K_AVERAGED_MODEL,
     K_CLASSES,
     K_CURRENT_MODEL,
@@ -66,9 +67,12 @@ from trainer.checkpoint.files import (
     K_OPTIMIZERS,
     K_STATE_DICT,
     KEEL_VERSION,
+    METADATA_ITEM_BYTES,
     CheckpointSaveError,
     fsync_dir,
+    leaves,
     os_error,
+    plain_file_bytes,
     refuse_non_finite,
     tensor_bytes,
     write_atomic,
@@ -197,9 +201,26 @@ class _Save:
         self.target, self.tmp, self.tensors, self.rest, self.extras = target, tmp, tensors, rest, extras
         self.check = check
         self.nbytes = tensor_bytes(tensors, whole=True)  # the whole save (every rank's part), for a failure's message
+        self.items = leaves(tensors)  # DCP items of this rank, each a record of its own in its data file
         from trainer.checkpoint import dcp_io  # on the first save: importing DCP takes 0.6 s (dcp_io's docstring)
 
         self.writer, self.fs = dcp_io.writer(tmp)
+
+
+def _file_sizes(job: _Save) -> list[int]:
+    """The size of every file of a save, for a failure's message (trainer/checkpoint/files.py rounds each up to the
+    filesystem's blocks), at most what they take: a DCP data file per rank (its share of the tensors, and a record of
+    its own for each item), .metadata, rank 0's keel.pt and lightning.pt (rank 0's message counts them), the
+    manifest."""
+    world = comm.get_world_size()
+    sizes = [job.nbytes // world + ITEM_BYTES * job.items for _ in range(world)]
+    sizes.append(METADATA_ITEM_BYTES * (job.items + 2))
+    if job.rest is not None:
+        sizes.append(plain_file_bytes(job.rest))
+    if job.extras is not None:
+        sizes.append(plain_file_bytes(job.extras))
+    sizes.append(1024 + 128 * len(sizes))  # keel.json: a line per file
+    return sizes
 
 
 def _lightning_extras(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -300,7 +321,7 @@ def _save_error(job: _Save, error: BaseException | None, text: str) -> BaseExcep
     if isinstance(job.target, RemotePath):
         return CheckpointSaveError.for_object(job.target, job.nbytes, cause if cause is not None else text)
     if cause is not None:
-        return CheckpointSaveError.for_file(job.target, job.nbytes, cause)
+        return CheckpointSaveError.for_file(job.target, job.nbytes, cause, files=_file_sizes(job))
     return RuntimeError(
         f"Writing checkpoint {str(job.target)!r} failed ({text}); nothing was committed and the previous "
         "checkpoint is intact."
