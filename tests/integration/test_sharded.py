@@ -4,6 +4,7 @@ allocates counted (tests/harness/scripts/sharded_fit.py), and equal to one proce
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -187,3 +188,38 @@ def test_a_rank_without_a_validation_batch_is_refused_on_every_rank_under_fsdp(t
             in (failed.stdout)
         ), failed.stdout[-3000:]
     assert "Give the loader at least 2 samples" in failed.stdout
+
+
+def test_initial_weights_failing_on_one_rank_first_is_named_on_every_rank_at_every_step(tmp_path: Path) -> None:
+    """One rank alone fails at each step of an initial_weights load (its path missing, its copy without the
+    manifest, its task of another shape, another kind of source): both ranks raise, the other naming the failed
+    rank and its error, never gloo's "Connection closed by peer" or a TypeError of collectives paired wrongly; and
+    the good load after them works."""
+    from models import Regression, loader, quiet, regression_data
+
+    from trainer import Trainer, export_weights
+
+    trainer = Trainer(**quiet(max_steps=2))
+    task = Regression()
+    trainer.fit(task, loader(regression_data(), 16))
+    trainer.save_checkpoint(tmp_path / "save.ckpt")
+    export_weights(tmp_path / "save.ckpt", tmp_path / "w.safetensors")
+    script = REPO_ROOT / "tests" / "harness" / "scripts" / "initial_weights_faults.py"
+    spawn_ranks(script, str(tmp_path / "save.ckpt"), str(tmp_path / "w.safetensors"), str(tmp_path / "out"), nproc=2)
+    out = [json.loads((tmp_path / f"out.rank{rank}.json").read_text()) for rank in (0, 1)]
+    failed = {"missing on rank 0": 0, "another shape on rank 0": 0}  # a local step failed: agreed after it
+    for case, rank in failed.items():
+        own, other = out[rank]["errors"][case], out[1 - rank]["errors"][case]
+        assert own is not None and other is not None, case
+        assert other.startswith("CheckpointError: initial_weights=") and f": rank {rank} failed: " in other, other
+        assert own.split(": ", 1)[1] in other, (own, other)  # the failed rank's own error, word for word
+    zero, one = (out[rank]["errors"]["no manifest on rank 1"] for rank in (0, 1))  # found by the ranks' joint check
+    assert zero is not None and one is not None and "no-manifest' has no keel.json" in one, (zero, one)
+    assert f"rank 1: {one.split('is damaged: ', 1)[1]}" in zero, (zero, one)  # rank 0 names rank 1's finding
+    kinds = [out[rank]["errors"]["another kind on rank 1"] for rank in (0, 1)]
+    assert all(
+        k is not None and "is not the same source on every rank (rank 0: keel, rank 1: safetensors)" in k for k in kinds
+    ), kinds
+    assert out[0]["errors"]["good"] is None and out[1]["errors"]["good"] is None
+    for rank in (0, 1):
+        assert out[rank]["weights"] == {k: v.tolist() for k, v in task.state_dict().items()}

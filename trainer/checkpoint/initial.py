@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ __all__ = ["Rename", "load_initial_weights", "rename_function"]
 log = logging.getLogger(__name__)
 
 _SHOWN = 8  # names listed per kind of problem
+T = TypeVar("T")
 
 
 def load_initial_weights(
@@ -39,43 +40,72 @@ def load_initial_weights(
 ) -> None:
     """Copy the weights of ``path`` into ``task`` (already placed by its strategy), this rank's slices only.
 
-    A collective when a process group is up: every rank calls it, and every rank raises when any rank fails.
+    A collective when a process group is up: every rank calls it, and every rank raises when any rank fails. The
+    load runs in steps (find the source, open it, match the names, read), and the ranks agree after each before any
+    enters the next step's collectives: a rank that fails early (its node lacks the file) never leaves the others
+    paired with the wrong collective.
 
     Raises:
         CheckpointError: the source cannot be read, or names do not match (missing, unexpected, other shapes;
-            naming each), or another rank failed.
+            naming each), or another rank failed (naming it and its error).
     """
-    error: BaseException | None = None
+    from trainer.checkpoint import hf
+
+    where = os.fspath(path)
+    together = comm.is_initialized() and comm.get_world_size() > 1
+    located = _agreed(lambda: hf.locate_weights(path), where, together, kind=lambda found: found.kind)
+    source = _agreed(lambda: located.open(collective=together), where, together)
     try:
-        _load(task, path, rename_function(rename), strict)
+        targets, aliases = _targets(task)
+        pairs = _agreed(
+            lambda: _match(source, targets, aliases, rename_function(rename), strict, where), where, together
+        )
+        with torch.no_grad():
+            if isinstance(source, hf.KeelSource):  # DCP's load: a collective that agrees on failures itself
+                source.load_into({src: targets[key] for key, src in pairs.items()})
+            else:
+                _agreed(lambda: _copy_all(source, pairs, targets), where, together)
+    finally:
+        source.close()
+    log.info("Initial weights: %d tensors from %s.", len(pairs), where)
+
+
+def _agreed(step: Callable[[], T], path: str, together: bool, *, kind: Callable[[T], str] | None = None) -> T:
+    """``step()`` on every rank, then (``together``) the ranks agree before going on: when a rank failed every rank
+    raises (a failed rank its own error, the others one naming the first failed rank and its error). ``kind``: what
+    each rank found must also be the same everywhere (the next step's collectives depend on it)."""
+    error: Exception | None = None
+    result: T | None = None
+    try:
+        result = step()
     except Exception as exc:  # raised below, once the ranks agree
         error = exc
-    if comm.is_initialized() and comm.get_world_size() > 1:
-        failures = [(rank, text) for rank, text in enumerate(comm.all_gather_object(_describe(error))) if text]
+    if together:
+        found = kind(result) if kind is not None and result is not None else None
+        outcomes = comm.all_gather_object((_describe(error), found))
+        failures = [(rank, text) for rank, (text, _) in enumerate(outcomes) if text]
         if error is None and failures:
             rank, text = failures[0]
-            raise CheckpointError(f"initial_weights={os.fspath(path)!r}: rank {rank} failed: {text}")
+            raise CheckpointError(f"initial_weights={path!r}: rank {rank} failed: {text}")
+        kinds = {f for _, f in outcomes}
+        if error is None and kind is not None and len(kinds) > 1:
+            seen = ", ".join(f"rank {rank}: {f}" for rank, (_, f) in enumerate(outcomes))
+            raise CheckpointError(
+                f"initial_weights={path!r} is not the same source on every rank ({seen}): give every rank the same "
+                "weights (a path on a shared filesystem, or the same copy on each node)."
+            )
     if error is not None:
         raise error
+    return result  # type: ignore[return-value]  # set when step() returned
 
 
 def _describe(error: BaseException | None) -> str | None:
     return None if error is None else f"{type(error).__name__}: {error}"
 
 
-def _load(task: nn.Module, path: str | os.PathLike[str], rename: Callable[[str], str | None], strict: bool) -> None:
-    from trainer.checkpoint import hf
-
-    with hf.open_weights(path, collective=True) as source:
-        targets, aliases = _targets(task)
-        pairs = _match(source, targets, aliases, rename, strict, os.fspath(path))
-        with torch.no_grad():
-            if isinstance(source, hf.KeelSource):
-                source.load_into({src: targets[key] for key, src in pairs.items()})
-            else:
-                for key, src in pairs.items():
-                    _copy_slice(source, src, targets[key])
-    log.info("Initial weights: %d tensors from %s.", len(pairs), os.fspath(path))
+def _copy_all(source: Any, pairs: dict[str, str], targets: dict[str, torch.Tensor]) -> None:
+    for key, src in pairs.items():
+        _copy_slice(source, src, targets[key])
 
 
 def _targets(task: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -1,6 +1,6 @@
 """One of several runs restarted together on one checkpoint folder: ``python claim_race.py FOLDER BARRIER N``
-fits with ``ckpt_path="last"`` into FOLDER, held between reading the folder's claim and writing its own until N
-runs have read it (a file per run in BARRIER) or 3 s have passed: the race of runs that all read the same stale
+fits with ``ckpt_path="last"`` into FOLDER, held between reading the folder's stale claim and writing its own until
+N runs have read it (a file per run in BARRIER) or 3 s have passed: the race of runs that all read the same stale
 claim. The run that trains waits at its start until every run has read the claim, so that each meets it live.
 Prints ``pid <pid>`` first and ``trained <steps>`` once fit returns."""
 
@@ -42,7 +42,8 @@ def main() -> None:
         found = read(where)
         claim.read_for_replacing = read  # only the claim taken at fit start is held
         (barrier / str(os.getpid())).touch()
-        wait_for(barrier, runs, 3)
+        if found[0] is not None and claim.alive(found[0]) is False:  # a stale claim: wait for the others to read it
+            wait_for(barrier, runs, 3)
         return found
 
     claim.read_for_replacing = read_then_wait
