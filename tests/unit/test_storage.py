@@ -366,3 +366,31 @@ def test_the_store_failing_during_a_fallback_from_a_damaged_save_stops_the_resum
     assert "Falling back to the next candidate" in caplog.text  # from the damaged save, as before
     caplog.clear()
     assert_stopped_for_the_store(info.value, f"{bucket}/epoch=0-step=4.ckpt", caplog)
+
+
+def test_the_store_failing_as_an_explicit_save_is_claimed_refuses_the_fit_and_keeps_the_folders_claim(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fit(ckpt_path=<a save>) reads the folder's manifests (its saves, and the run that wrote the save it
+    continues). A connection refused there (an OSError, as aiohttp's are) is the store's failure: the fit stops
+    with keel's error (a bare ConnectionRefusedError before), and the folder's claim is untouched."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from trainer.checkpoint import claim
+    from trainer.checkpoint.files import CheckpointError
+
+    fit(bucket, 4)
+    before = claim.read(bucket)
+    cat = MemoryFileSystem.cat_file
+
+    def refused(fs, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if path.endswith("keel.json"):
+            raise ConnectionRefusedError(111, "Connection refused")
+        return cat(fs, path, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", refused)
+    with pytest.raises(CheckpointError, match="Connection refused") as info:
+        fit(bucket, 6, ckpt_path=f"{bucket}/epoch=0-step=4.ckpt")
+    assert not isinstance(info.value, CorruptCheckpointError)
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", cat)
+    assert claim.read(bucket) == before

@@ -39,8 +39,10 @@ from trainer.checkpoint.files import (
     KEEL_VERSION,
     CheckpointError,
     CorruptCheckpointError,
+    StoreReadError,
     refuse_non_finite,
     save_file,
+    store_failed,
 )
 from trainer.checkpoint.reader import committed_runs, load, read_manifest, resolve_best, resolve_last, save_folder
 from trainer.checkpoint.stateful import (
@@ -521,10 +523,15 @@ def resume_seed(options: TrainerOptions, saved_options: Any, sampler: Any, *, an
 
 
 def _run_of(path: str | os.PathLike) -> str:
-    """The run that wrote the save ``path`` (its manifest), "" when it names none or cannot be read."""
+    """The run that wrote the save ``path`` (its manifest), "" when it names none or cannot be read (the load
+    then says why). The store failing is raised: the run's identity is never guessed past it."""
     try:
         return str(read_manifest(save_folder(location(path, "ckpt_path")))["identity"].get("run") or "")
-    except (CheckpointError, OSError, ValueError, KeyError):
+    except StoreReadError:
+        raise
+    except (CheckpointError, OSError, ValueError, KeyError) as exc:
+        if store_failed(os.fspath(path), exc):
+            raise
         return ""
 
 

@@ -446,12 +446,16 @@ def committed_runs(directory: str | os.PathLike) -> list[tuple[str, str]]:
                 found.append((step, (entry / MANIFEST_FILE).stat().st_mtime, entry.name, run))
             elif entry.suffix == ".ckpt" and entry.is_file():
                 found.append((-1, entry.stat().st_mtime, entry.name, ""))
+        except StoreReadError:
+            raise
         except (CorruptCheckpointError, ValueError):
             continue  # not committed, or damaged: never a candidate (the pointer's newest is reported)
         except CheckpointError:  # a newer format: the newest candidate, refused when loaded ("upgrade keel")
             found.append((1 << 62, entry.stat().st_mtime, entry.name, ""))
-        except OSError:
-            if isinstance(entry, RemotePath):  # the store failed, not the save: it cannot be judged now
+        except Exception as exc:
+            if store_failed(entry, exc):  # the store failed, not the save: it cannot be judged now
+                raise StoreReadError.reading(entry / MANIFEST_FILE, exc) from exc
+            if not isinstance(exc, OSError):
                 raise
             continue  # an unreadable local file: never a candidate
     return [(name, run) for _, _, name, run in sorted(found, reverse=True)]
