@@ -518,6 +518,7 @@ class Trainer(TrainerAttributes):
             if stage == "fit":  # after the callbacks' teardown: every save of the fit is committed
                 self.checkpointer.release()
             self._model = self._run_step = self._hooks = self._metrics.batch = None
+            self.__dict__.pop("_beat", None)  # the method again (fit bound the phase clock's mark)
             self.strategy.teardown()
             self.state_stage = None
 
@@ -590,6 +591,8 @@ class Trainer(TrainerAttributes):
             load_s=load_s,
         )
         self._phases = self._efficiency.clock
+        if self._watchdog is None and not self.profiler.enabled:  # only the clock listens: a beat is its mark
+            self._beat = self._phases.enter  # type: ignore[method-assign]  # removed when the stage ends
         if self.is_global_zero:
             own_summary = any(getattr(cb, "is_model_summary", False) for cb in self.callbacks)
             self._log_fit_start(summary=opts.enable_model_summary and not own_summary)
@@ -757,7 +760,7 @@ class Trainer(TrainerAttributes):
             if micro.is_step_end:
                 stepped = self._end_unusual_window(micro, normaliser) if unusual else self._optimizer_step(normaliser)
             self.optimizer_stepped = self._step_open = stepped
-            if stepped and self.global_step % log_every == 0:
+            if stepped and state.global_step % log_every == 0:
                 self._log_step_metrics()  # a logging step: the only place step metrics are read
             self._beat(wd.PHASE_CALLBACKS)
             for hook in batch_end_hooks:
@@ -779,14 +782,14 @@ class Trainer(TrainerAttributes):
                     self._save_and_exit()
             elif (
                 stepped
-                and (preemption.requested or (multi_rank and self.global_step % preempt_every == 0))
+                and (preemption.requested or (multi_rank and state.global_step % preempt_every == 0))
                 and preemption.due(
-                    self.global_step, device=self.device, world_size=self.world_size, interval=preempt_every
+                    state.global_step, device=self.device, world_size=self.world_size, interval=preempt_every
                 )
             ):
                 self._save_and_exit()
             # should_stop (callbacks) takes effect at an optimizer-step boundary, never inside a window.
-            if (self._stop_requested and self.should_stop) or (max_steps != -1 and self.global_step >= max_steps):
+            if (self._stop_requested and self.should_stop) or (max_steps != -1 and state.global_step >= max_steps):
                 completed = micro.is_epoch_end
                 break
             self._beat(wd.PHASE_DATA)  # next: fetching the next batch (validation and the preemption check are not)
@@ -944,11 +947,12 @@ class Trainer(TrainerAttributes):
             for hook in hooks.on_before_zero_grad:
                 hook(optimizer)
             optimizer.zero_grad(set_to_none=True)
-        self.state.global_step += 1
+        state = self.state
+        state.global_step += 1
         if self.lr_scheduler_configs:
-            step_schedulers(self.lr_scheduler_configs, "step", self.global_step, self.callback_metrics)
+            step_schedulers(self.lr_scheduler_configs, "step", state.global_step, self.callback_metrics)
         self._step_loss = step_loss
-        self._nonfinite.record(self.global_step, step_loss)  # a list append: read on logging steps, epoch ends, saves
+        self._nonfinite.record(state.global_step, step_loss)  # a list append: read on logging steps, epoch ends, saves
         return True
 
     def _skip_step(self, step_loss: torch.Tensor | None, no_items: bool) -> bool:

@@ -5,7 +5,11 @@ inferred; torch's own backward/step under the precision plugin; the batch copier
 
 from __future__ import annotations
 
+import collections
 import math
+import os
+import sys
+import types
 
 import pytest
 import torch
@@ -252,3 +256,69 @@ def test_read_to_host_keeps_every_value_exact_in_one_read() -> None:
         1.0,
     ]
     assert all(type(v) is float for v in read_to_host([torch.tensor(3), torch.tensor(4)]))
+
+
+# The calls keel's own code makes in one ordinary training step of the default loop (one process, a plain fp32
+# task, no logger, checkpointing or bar, not a logging step): its own functions, and what they call (the task's
+# training_step, backward, optimizer.step, the loader's next batch, builtins such as time.perf_counter). A change
+# that adds a per-step duty changes this number: decide whether the step may pay for it (docs/performance.md, "The
+# per-step budget"), then set the new number here.
+CALLS_PER_STEP = 39
+_KEEL_CODE = (os.sep + "trainer" + os.sep, os.sep + "callbacks" + os.sep)
+
+
+class CountCalls(Callback):
+    """Counts, between the ends of steps ``start`` and ``stop``, every call made from keel's code."""
+
+    def __init__(self, start: int, stop: int) -> None:
+        self.start, self.stop = start, stop
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def _profile(self, frame: types.FrameType, event: str, arg: object) -> None:
+        if event == "call" and frame.f_back is not None and frame.f_back.f_code.co_filename.endswith(".py"):
+            caller, name = frame.f_back.f_code, frame.f_code.co_qualname
+        elif event == "c_call":
+            caller, name = frame.f_code, getattr(arg, "__qualname__", repr(arg))
+        else:
+            return
+        if any(part in caller.co_filename for part in _KEEL_CODE):
+            self.calls[f"{caller.co_qualname} -> {name}"] += 1
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.start:
+            sys.setprofile(self._profile)
+        elif trainer.global_step == self.stop:
+            sys.setprofile(None)
+
+
+class Plain(TaskModule):
+    """The tiny config: a linear model, mean-squared error, SGD, and nothing logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_an_ordinary_training_step_makes_the_budgeted_number_of_calls() -> None:
+    counter = CountCalls(start=20, stop=40)
+    trainer = Trainer(**quiet(max_steps=50, log_every_n_steps=1000, callbacks=[counter]))
+    try:
+        trainer.fit(Plain(), DataLoader(regression_data(1024), batch_size=8))
+    finally:
+        sys.setprofile(None)
+    steps = counter.stop - counter.start
+    per_step = sum(counter.calls.values()) / steps
+    listing = "\n".join(f"{n / steps:6.2f}  {call}" for call, n in counter.calls.most_common())
+    assert per_step == CALLS_PER_STEP, (
+        f"keel's code makes {per_step:g} calls per ordinary training step; the budget is {CALLS_PER_STEP} "
+        f"(tests/unit/test_hot_path.py). A per-step duty is a decision: make it free on ordinary steps, or "
+        f"measure it (python benchmarks/overhead.py), say why it is worth it in docs/performance.md and set the "
+        f"budget. The calls:\n{listing}"
+    )

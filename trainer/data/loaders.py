@@ -206,6 +206,10 @@ class ResumableDistributedSampler(Sampler[int]):
         return remaining[self.rank :: replicas]
 
     def __iter__(self) -> Iterator[int]:
+        if not self.shuffle and (self.dataset_len - self._cursor) % self.num_replicas == 0:
+            # In order and without padding: the same indices as _local_indices, counted lazily (no list of n ints
+            # built at each epoch start).
+            return iter(range(self._cursor + self.rank, self.dataset_len, self.num_replicas))
         # Every rank builds the whole permutation (O(n), like DistributedSampler).
         return iter(self._local_indices().tolist())
 

@@ -191,7 +191,7 @@ class StepNormaliser:
             detached = output.detach()
             self.mode, self.ran = "mean", 1
             self.loss_sum = detached.float() if detached.dtype in _HALF else detached
-            return self._divide(output, micro), {"loss": detached}
+            return (output if micro.window_len == 1 else self._divide(output, micro)), {"loss": detached}
         loss, outputs, num_items = split_step_output(output)
         return self.scale(loss, num_items, micro, detached=outputs["loss"]), outputs
 
