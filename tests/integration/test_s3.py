@@ -388,6 +388,7 @@ def test_a_claim_on_a_bucket_prefix_is_exclusive_on_the_server(s3) -> None:
     assert claim.read(folder)["run"] == "third-run"
 
 
+@pytest.mark.slow  # two server starts (20 s); the same reads failing is in the default tier: tests/unit/test_storage.py
 def test_the_store_killed_between_verification_and_read_stops_the_resume_and_never_falls_back(
     own_server, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
