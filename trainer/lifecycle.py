@@ -76,10 +76,11 @@ def setup_stage(trainer: Trainer, stage: str) -> None:
     """Seed (``seed + global_rank`` per rank; :func:`stage_seed`), agree on the run directory's version (a
     collective), set up the profiler (it knows the run directory then), prepare and set up the data
     (``prepare_data`` on local rank 0, the others wait at a barrier), then ``task.setup`` and the callbacks'
-    ``setup``, in that order; last, the previous stage's ``callback_metrics``, ``logged_metrics`` and
-    ``progress_bar_metrics`` are emptied (Lightning's reset, at the same point). The Trainer then has the strategy
+    ``setup``, in that order; last, ``callback_metrics``, ``logged_metrics`` and ``progress_bar_metrics`` start
+    empty, as new dicts (Lightning's reset, at the same point). The Trainer then has the strategy
     prepare the task (``configure_model``, its device and dtype, sharded and materialised:
-    :meth:`~trainer.distributed.strategy.Strategy.prepare_model`). Reads the Trainer's public attributes only."""
+    :meth:`~trainer.distributed.strategy.Strategy.prepare_model`). Reads the Trainer's public attributes, and gives its
+    metric collector the new ``callback_metrics``."""
     task, datamodule, callbacks, profiler = trainer.task, trainer.datamodule, trainer.callbacks, trainer.profiler
     assert task is not None
     seed, deterministic = stage_seed(trainer, stage), trainer.options.deterministic
@@ -108,9 +109,10 @@ def setup_stage(trainer: Trainer, stage: str) -> None:
     task.setup(stage)
     for cb in callbacks:
         cb.setup(trainer, task, stage)
-    # Each stage's metrics only, as in Lightning (after fit: fit's; after test: test's; after predict: none).
-    for metrics in (trainer.callback_metrics, trainer.logged_metrics, trainer.progress_bar_metrics):
-        metrics.clear()
+    # Each stage's metrics only, as in Lightning (after fit: fit's; after test: test's; after predict: none), in new
+    # dicts as Lightning's reset makes them: a reference a program kept to the last stage's keeps its values.
+    trainer.callback_metrics = trainer._metrics.live = {}
+    trainer.logged_metrics, trainer.progress_bar_metrics = {}, {}
 
 
 def seed_at_construction(seed: int | None, rank: int) -> None:

@@ -338,6 +338,30 @@ def test_callback_metrics_hold_the_last_stages_metrics_only() -> None:
     assert trainer.callback_metrics == {} and trainer.logged_metrics == {}  # nothing at all, "epoch" included
 
 
+def test_a_reference_kept_to_one_stages_metrics_keeps_them_after_the_next_stage_starts() -> None:
+    """lightning-hydra-template's src/train.py, as written there: ``train_metrics = trainer.callback_metrics``,
+    then ``trainer.test(...)``, then ``{**train_metrics, **test_metrics}`` is the dict its sweeps optimise. Lightning
+    starts each stage with new dicts, so the training values survive the test."""
+    torch.manual_seed(0)
+    task = Logs()
+    trainer = Trainer(**quiet(max_epochs=1, log_every_n_steps=1))
+    trainer.fit(task, seeded_data(), seeded_data())
+    train_metrics = trainer.callback_metrics
+    kept = {
+        name: dict(getattr(trainer, name)) for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics")
+    }
+    references = {name: getattr(trainer, name) for name in kept}
+    trainer.test(task, seeded_data(), verbose=False)
+    test_metrics = trainer.callback_metrics
+    metric_dict = {**train_metrics, **test_metrics}
+    assert {k: round(float(v), 4) for k, v in metric_dict.items() if not k.startswith("perf/")} == {
+        **LIGHTNING["fit"]["callback_metrics"],
+        **LIGHTNING["test"]["callback_metrics"],
+    }
+    assert references == kept  # every dict of fit, as fit left it
+    assert keel_view(trainer) == LIGHTNING["test"]
+
+
 def test_test_first_then_fit_holds_fits_metrics_only() -> None:
     torch.manual_seed(0)
     task = Logs()
