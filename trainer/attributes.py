@@ -45,6 +45,7 @@ class TrainerAttributes:
     profiler: Profiler  # the profiler option resolved (TrainerOptions.__post_init__)
     state_stage: str | None
     sanity_checking: bool
+    _fit_evaluating: bool
     state: TrainState
     checkpointer: Checkpointer
     accumulation_schedule: AccumulationSchedule
@@ -211,11 +212,15 @@ class TrainerAttributes:
     # ------------------------------------------------------------------ state
     @property
     def training(self) -> bool:
-        return self.state_stage == "fit" and not self.sanity_checking
+        """Lightning's: the training loop runs (not fit's sanity check, not the validation fit runs)."""
+        return self.state_stage == "fit" and not self.sanity_checking and not self._fit_evaluating
 
     @property
     def validating(self) -> bool:
-        return self.state_stage == "validate" or (self.state_stage == "fit" and self.sanity_checking)
+        """Lightning's: a validation loop runs (``validate``, or fit's own; its sanity check is ``sanity_checking``)."""
+        return self.state_stage == "validate" or (
+            self.state_stage == "fit" and self._fit_evaluating and not self.sanity_checking
+        )
 
     @property
     def testing(self) -> bool:

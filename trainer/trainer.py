@@ -200,6 +200,7 @@ class Trainer(TrainerAttributes):
             on_load=self._on_load_checkpoint,
         )
         self.optimizer_stepped = False  # True during on_train_batch_end right after an optimizer step
+        self._fit_evaluating = False  # fit runs its validation loop (or its sanity check)
         self._step_open = False  # from an optimizer step to the end of its batch, validation included (log_metrics)
         self._step_loss: torch.Tensor | None = None  # optimised loss of the last step (on device)
         self.should_stop = False
@@ -1068,9 +1069,20 @@ class Trainer(TrainerAttributes):
         else:
             self.num_test_batches = counts
         publish, sanity = (None if self.sanity_checking else self._publish), self.sanity_checking
-        return self._eval_loop.run(
-            self, cast(TaskModule, self.task), self.callbacks, stage, loaders, limits, publish=publish, sanity=sanity
-        )
+        self._fit_evaluating = self.state_stage == "fit"  # training is False while fit validates (Lightning's flags)
+        try:
+            return self._eval_loop.run(
+                self,
+                cast(TaskModule, self.task),
+                self.callbacks,
+                stage,
+                loaders,
+                limits,
+                publish=publish,
+                sanity=sanity,
+            )
+        finally:
+            self._fit_evaluating = False
 
     def _predict(self, dataloaders: Any, ckpt_path: str | None, keep: bool | None) -> list[Any] | None:
         loaders = self._stage_loaders("predict", dataloaders, ckpt_path)

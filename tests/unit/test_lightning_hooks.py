@@ -13,6 +13,7 @@ starts them empty, as Lightning 2.6.6 does (measured contents below).
 
 from __future__ import annotations
 
+import collections
 import inspect
 from typing import Any
 
@@ -452,3 +453,54 @@ def test_automatic_optimization_hooks_are_warned_only_under_automatic_optimizati
         "optimizer_zero_grad",
     ]
     assert named == (["backward"] if manual else automatic)
+
+
+# ---------------------------------------------------------------------- stage flags while fit validates
+class Augments(Logs):
+    """The public tutorial's pattern: augment in on_after_batch_transfer only ``if self.trainer.training``; and the
+    flags each step hook sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.augmented = 0
+        self.seen: dict[str, set[tuple[bool, bool, bool, bool]]] = collections.defaultdict(set)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self.trainer.training:
+            self.augmented += 1
+        return batch
+
+    def _flags(self, hook: str) -> None:
+        t = self.trainer
+        self.seen[f"{t.state_stage}:{hook}"].add((t.training, t.validating, t.sanity_checking, t.testing))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self._flags("training_step")
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._flags("validation_step (sanity)" if self.trainer.sanity_checking else "validation_step")
+        super().validation_step(batch, batch_idx)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._flags("test_step")
+        super().test_step(batch, batch_idx)
+
+
+def test_training_is_false_while_fit_validates_so_only_training_batches_are_augmented() -> None:
+    """Lightning's flags: ``training`` only in the training loop; ``validating`` in a validation loop, fit's
+    included; fit's sanity check is ``sanity_checking`` alone (RunningStage.SANITY_CHECKING)."""
+    task = Augments()
+    trainer = Trainer(**quiet(max_epochs=2, num_sanity_val_steps=1))
+    trainer.fit(task, seeded_data(16), seeded_data(8))
+    assert task.augmented == trainer.global_step == 8  # 2 epochs of 4 batches; none of the validation batches
+    trainer.validate(task, seeded_data(8), verbose=False)
+    trainer.test(task, seeded_data(8), verbose=False)
+    #                         (training, validating, sanity_checking, testing)
+    assert dict(task.seen) == {
+        "fit:training_step": {(True, False, False, False)},
+        "fit:validation_step (sanity)": {(False, False, True, False)},
+        "fit:validation_step": {(False, True, False, False)},
+        "validate:validation_step": {(False, True, False, False)},
+        "test:test_step": {(False, False, False, True)},
+    }
