@@ -2,7 +2,8 @@
 
 ``from trainer import Trainer, TaskModule, DataModule, Callback, seed_everything`` is the user-facing core, with the
 strategy objects ``DDPStrategy`` and ``FSDPStrategy`` (``Trainer(strategy=FSDPStrategy(units=["Block"]))``), and
-``export_weights`` (a checkpoint as safetensors or one plain weights file, :mod:`trainer.checkpoint.hf`).
+``export_weights`` (a checkpoint as safetensors or one plain weights file, :mod:`trainer.checkpoint.hf`), and the
+rank-zero helpers ``rank_zero_only``, ``rank_zero_info``, ``rank_zero_warn`` and ``rank_zero_debug``.
 
 The core sits at the top of this package: ``trainer.py`` (the fit loop, the optimizer step and the loop's
 decisions), ``attributes.py`` (the Trainer's Lightning-named attributes), ``module.py`` (TaskModule, DataModule),
@@ -22,6 +23,7 @@ from trainer.distributed.fsdp import FSDPStrategy
 from trainer.distributed.strategy import DDPStrategy
 from trainer.lifecycle import seed_everything
 from trainer.module import DataModule, TaskModule
+from trainer.observability.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_only, rank_zero_warn
 from trainer.trainer import Trainer
 
 __all__ = [
@@ -32,6 +34,10 @@ __all__ = [
     "TaskModule",
     "Trainer",
     "export_weights",
+    "rank_zero_debug",
+    "rank_zero_info",
+    "rank_zero_only",
+    "rank_zero_warn",
     "seed_everything",
 ]
 __version__ = "0.1.0"

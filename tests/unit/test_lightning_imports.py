@@ -299,3 +299,28 @@ def test_the_porting_page_lists_every_name_keel_lacks() -> None:
         ):
             missing.append(f"{module} {name}")
     assert not missing, missing
+
+
+def test_the_rank_zero_helpers_are_public_in_trainer_and_the_earlier_path_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The seed guide's rank-aware logging imports them from keel itself; before the regroup they lived in
+    ``trainer.rank_zero``, which still imports, with one warning naming the new home."""
+    import importlib
+    import sys
+    import warnings
+
+    import trainer
+    from trainer.observability import rank_zero
+
+    names = ("rank_zero_only", "rank_zero_info", "rank_zero_warn", "rank_zero_debug")
+    assert all(getattr(trainer, n) is getattr(rank_zero, n) and n in trainer.__all__ for n in names)
+    monkeypatch.delitem(sys.modules, "trainer.rank_zero", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        earlier = importlib.import_module("trainer.rank_zero")
+    assert [str(w.message) for w in caught] == [
+        "trainer.rank_zero moved: import the rank-zero helpers from trainer (from trainer import rank_zero_only, "
+        "rank_zero_info, rank_zero_warn, rank_zero_debug)."
+    ]
+    assert all(getattr(earlier, n) is getattr(rank_zero, n) for n in names)
