@@ -26,6 +26,7 @@ from trainer.data.loaders import (
     AdaptedLoader,
     EvalShardSampler,
     ResumableDistributedSampler,
+    _derive_seed,
     adapt_eval_loader,
     adapt_train_loader,
 )
@@ -132,7 +133,7 @@ def test_shuffle_per_epoch_repeatable_and_same_on_all_ranks() -> None:
     assert list(b) == e0
     b.set_epoch(1)
     assert list(b) == e1
-    expected = torch.randperm(50, generator=torch.Generator().manual_seed(7 + 1)).tolist()
+    expected = torch.randperm(50, generator=torch.Generator().manual_seed(_derive_seed("order", 7, 1))).tolist()
     assert e1 == expected
     ranks = _ranks(50, 2, shuffle=True, seed=7)
     for s in ranks:
@@ -193,12 +194,12 @@ def test_state_dict_round_trip_and_strict_load() -> None:
     s.set_epoch(3)
     s.set_cursor(8)
     state = s.state_dict()
-    assert state == {"epoch": 3, "cursor": 8, "seed": 11}
+    assert state == {"epoch": 3, "cursor": 8, "seed": 11, "order": 2}
     t = ResumableDistributedSampler(30, num_replicas=3, rank=0, shuffle=True, seed=0)
     t.load_state_dict(state)
     t.set_epoch(3)  # loaded for exactly this epoch: the cursor survives
     assert t.state_dict() == state
-    perm = torch.randperm(30, generator=torch.Generator().manual_seed(14)).tolist()
+    perm = torch.randperm(30, generator=torch.Generator().manual_seed(_derive_seed("order", 11, 3))).tolist()
     assert list(t) == perm[8:][0::3]
     t.set_epoch(4)
     assert t.cursor == 0
@@ -206,6 +207,30 @@ def test_state_dict_round_trip_and_strict_load() -> None:
         t.load_state_dict({"epoch": 0, "cursor": 0, "bogus": 1})
     with pytest.raises(ValueError):
         t.load_state_dict({"epoch": 0, "cursor": -1, "seed": 0})
+
+
+def test_a_save_from_before_mixed_orders_resumes_on_the_order_it_had() -> None:
+    """A sampler state without "order" was written when epoch e's order came from seed + e: it resumes there (the
+    rest of that epoch, and the epochs after), never on a new order that would re-read or skip samples."""
+    t = ResumableDistributedSampler(30, num_replicas=2, rank=1, shuffle=True, seed=0)
+    t.load_state_dict({"epoch": 3, "cursor": 8, "seed": 11})
+    t.set_epoch(3)
+    perm = torch.randperm(30, generator=torch.Generator().manual_seed(11 + 3)).tolist()
+    assert list(t) == perm[8:][1::2] and t.state_dict()["order"] == 1
+    with pytest.raises(ValueError, match="order 3 is from a newer keel"):
+        t.load_state_dict({"epoch": 0, "cursor": 0, "seed": 0, "order": 3})
+
+
+def test_seeds_of_a_sweep_share_no_epoch_order() -> None:
+    """Seeds 0..9 over epochs 0..9: a hundred different orders. With seed + epoch, seed n + 1 read seed n's order
+    one epoch earlier, and a seed sweep trained on correlated orders."""
+    orders = set()
+    for seed in range(10):
+        sampler = ResumableDistributedSampler(64, shuffle=True, seed=seed)
+        for epoch in range(10):
+            sampler.set_epoch(epoch)
+            orders.add(tuple(sampler))
+    assert len(orders) == 100
 
 
 def test_invalid_arguments() -> None:

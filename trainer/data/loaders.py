@@ -37,6 +37,9 @@ from trainer.distributed import comm
 logger = logging.getLogger(__name__)
 
 _STATE_KEYS = frozenset({"epoch", "cursor", "seed"})
+# How an epoch's order follows from (seed, epoch): 2 mixes them (no two pairs share an order); 1, ``seed + epoch``
+# (seed n's orders were seed n+1's one epoch later), is kept for the saves written before 2, so they resume exactly.
+ORDER = 2
 _PLAIN_LOADER = (
     "pass a plain torch.utils.data.DataLoader(dataset, batch_size=..., shuffle=...) "
     "and keel adds the distributed sampler"
@@ -62,9 +65,10 @@ class ResumableDistributedSampler(Sampler[int]):
     """Shuffles by (seed, epoch), shards by rank, and resumes at a global sample cursor.
 
     Every rank computes the same epoch permutation:
-    ``torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))`` when
-    ``shuffle`` else ``range(n)``. It differs from epoch to epoch and is identical on a
-    repeated run.
+    ``torch.randperm(n, generator=torch.Generator().manual_seed(mix(seed, epoch)))`` when
+    ``shuffle`` else ``range(n)``, ``mix`` a hash of the pair: it differs from epoch to epoch and
+    from seed to seed (no two (seed, epoch) pairs share an order, so the runs of a seed sweep read
+    independent orders), and is identical on a repeated run.
 
     The permutation is sliced at the global cursor, ``remaining = perm[cursor:]``, and
     made divisible by ``num_replicas``: ``drop_last=False`` pads with the last samples of
@@ -113,6 +117,7 @@ class ResumableDistributedSampler(Sampler[int]):
         self.drop_last = drop_last
         self.worker_generator = worker_generator
         self._seed = int(seed)
+        self._order = ORDER  # a save's: how its orders were drawn
         self._epoch = 0
         self._cursor = 0
         self._cursor_epoch = 0  # the epoch self._cursor belongs to
@@ -154,8 +159,8 @@ class ResumableDistributedSampler(Sampler[int]):
         self._cursor_epoch = self._epoch
 
     def state_dict(self) -> dict[str, int]:
-        """Returns ``{"epoch", "cursor", "seed"}``; the cursor counts global samples."""
-        return {"epoch": self._epoch, "cursor": self._cursor, "seed": self._seed}
+        """Returns ``{"epoch", "cursor", "seed", "order"}``; the cursor counts global samples."""
+        return {"epoch": self._epoch, "cursor": self._cursor, "seed": self._seed, "order": self._order}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore epoch, cursor and seed; the cursor then applies to that epoch only.
@@ -167,7 +172,7 @@ class ResumableDistributedSampler(Sampler[int]):
             KeyError: If keys are missing or unknown; the message names them.
             ValueError: If the epoch or cursor is negative.
         """
-        missing, unknown = _STATE_KEYS - state.keys(), state.keys() - _STATE_KEYS
+        missing, unknown = _STATE_KEYS - state.keys(), state.keys() - _STATE_KEYS - {"order"}
         if missing or unknown:
             raise KeyError(
                 f"{type(self).__name__}.load_state_dict: missing keys {sorted(missing)}, "
@@ -178,7 +183,10 @@ class ResumableDistributedSampler(Sampler[int]):
             raise ValueError(f"epoch and cursor must be >= 0, got epoch={epoch}, cursor={cursor}")
         if seed != self._seed:  # the checkpoint's seed wins: resume needs its permutation
             logger.info("sampler seed %d restored from checkpoint (was %d)", seed, self._seed)
-        self._seed, self._epoch = seed, epoch
+        order = int(state.get("order", 1))  # a save without it was written with seed + epoch
+        if order not in (1, ORDER):
+            raise ValueError(f"order {order} is from a newer keel; this one draws orders 1 and {ORDER}")
+        self._seed, self._epoch, self._order = seed, epoch, order
         self._cursor, self._cursor_epoch = cursor, epoch
         self._reseed_workers()
 
@@ -189,7 +197,8 @@ class ResumableDistributedSampler(Sampler[int]):
     def _local_indices(self) -> torch.Tensor:
         n, replicas = self.dataset_len, self.num_replicas
         if self.shuffle:
-            generator = torch.Generator().manual_seed(self._seed + self._epoch)
+            mixed = self._seed + self._epoch if self._order == 1 else _derive_seed("order", self._seed, self._epoch)
+            generator = torch.Generator().manual_seed(mixed)
             perm = torch.randperm(n, generator=generator)
         else:
             perm = torch.arange(n)
