@@ -201,6 +201,7 @@ class Trainer(TrainerAttributes):
         )
         self.optimizer_stepped = False  # True during on_train_batch_end right after an optimizer step
         self._fit_evaluating = False  # fit runs its validation loop (or its sanity check)
+        self._resumes_last = False  # the fit was given ckpt_path="last"
         self._step_open = False  # from an optimizer step to the end of its batch, validation included (log_metrics)
         self._step_loss: torch.Tensor | None = None  # optimised loss of the last step (on device)
         self.should_stop = False
@@ -332,6 +333,7 @@ class Trainer(TrainerAttributes):
         may come second, as in Lightning. ``ckpt_path`` resumes from a checkpoint file, or ``"last"`` / ``"best"``."""
         # The loggers continue the newest run directory (a rerun of the same command), unless told not to.
         self._continues_run = ckpt_path == "last" and self.continue_run_directory
+        self._resumes_last = ckpt_path == "last"  # what Ctrl-C's message tells to run again
         start = time.monotonic()
         self._run(
             "fit",
@@ -662,7 +664,7 @@ class Trainer(TrainerAttributes):
         name, value = ("max_steps", steps) if steps != -1 and self.global_step >= steps else ("max_epochs", max_epochs)
         log.info(
             "Nothing left to train: the run already reached %s=%s at step %d. Raise %s to train on, or pass "
-            "ckpt_path=None (or a new default_root_dir) for a fresh run.",
+            "ckpt_path=None (ckpt_path=null on a Hydra command line) or a new default_root_dir for a fresh run.",
             name,
             value,
             self.global_step,
@@ -833,9 +835,17 @@ class Trainer(TrainerAttributes):
             self.save_checkpoint(path)
         if self.is_global_zero:
             what = "Stopped by Ctrl-C" if watcher.interrupted else f"Preempted ({watcher.signal_name or 'a signal'})"
-            then = "run the same command again" if watcher.interrupted else "the launcher restarts the job"
+            if not watcher.interrupted:
+                then = "the launcher restarts the job: ckpt_path='last' resumes it"
+            elif self._resumes_last:
+                then = "run the same command again: its ckpt_path='last' resumes it"
+            else:  # this fit started a new run: the same command would start another one
+                then = (
+                    "to continue it, run with ckpt_path='last' (ckpt_path=last on a Hydra command line); the same "
+                    "command starts a new run"
+                )
             log.warning(
-                "%s at step %d: saved %s; exiting with code %d (%s: ckpt_path='last' resumes it).",
+                "%s at step %d: saved %s; exiting with code %d (%s).",
                 what,
                 self.global_step,
                 path,

@@ -81,7 +81,7 @@ def test_the_page_on_one_process_then_resumed_then_longer_then_fresh(tmp_path: P
         "Continuing the run in outputs/keel_logs/version_0 (fit with ckpt_path='last').",
         "Resumed at global step 84, epoch 3, from outputs/keel_logs/version_0/checkpoints/epoch=2-step=84.ckpt.",
         "Nothing left to train: the run already reached max_epochs=3 at step 84. Raise max_epochs to train on, or "
-        "pass ckpt_path=None (or a new default_root_dir) for a fresh run.",
+        "pass ckpt_path=None (ckpt_path=null on a Hydra command line) or a new default_root_dir for a fresh run.",
     ):
         shown(fragment, again)
 

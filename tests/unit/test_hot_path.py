@@ -322,3 +322,14 @@ def test_an_ordinary_training_step_makes_the_budgeted_number_of_calls() -> None:
         f"measure it (python benchmarks/overhead.py), say why it is worth it in docs/performance.md and set the "
         f"budget. The calls:\n{listing}"
     )
+
+
+def test_a_loss_with_one_value_per_sample_is_refused_with_the_fix() -> None:
+    class PerSample(Plain):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            return F.mse_loss(self.net(x), y, reduction="none").reshape(-1)
+
+    trainer = Trainer(**quiet(max_steps=1))
+    with pytest.raises(ValueError, match=r"got a tensor of shape \(8,\) .* Return its mean \(loss.mean\(\)\)"):
+        trainer.fit(PerSample(), DataLoader(regression_data(16), batch_size=8))

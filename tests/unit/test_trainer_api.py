@@ -495,3 +495,33 @@ def test_third_party_info_lines_stay_off_the_console_unless_the_program_asks() -
     finally:
         for name, level in saved.items():
             logging.getLogger(name).setLevel(level)
+
+
+class CtrlC(Callback):
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        import signal
+
+        if trainer.global_step == 2:
+            trainer._preemption._handle(signal.SIGINT, None)
+
+
+@pytest.mark.parametrize("ckpt_path", [None, "last"])
+def test_ctrl_c_says_how_to_continue_the_run_the_command_started(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, ckpt_path: str | None
+) -> None:
+    """A fit given ckpt_path=None started a new run: the same command would start another, so Ctrl-C's line says
+    to run with ckpt_path='last' (null / last on a Hydra command line); with "last" the same command continues."""
+    trainer = Trainer(
+        **quiet(max_steps=6, default_root_dir=str(tmp_path), enable_checkpointing=True), callbacks=[CtrlC()]
+    )
+    with caplog.at_level("WARNING"), pytest.raises(SystemExit) as stopped:
+        trainer.fit(Regression(), loader(regression_data(64), batch_size=4), ckpt_path=ckpt_path)
+    assert stopped.value.code == 130
+    line = next(r.getMessage() for r in caplog.records if "Stopped by Ctrl-C at step" in r.getMessage())
+    if ckpt_path is None:
+        assert line.endswith(
+            "(to continue it, run with ckpt_path='last' (ckpt_path=last on a Hydra command line); the same command "
+            "starts a new run)."
+        ), line
+    else:
+        assert line.endswith("(run the same command again: its ckpt_path='last' resumes it)."), line

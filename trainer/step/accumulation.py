@@ -326,8 +326,16 @@ def split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any], Any]:
             f"training_step returned {type(output).__name__}; return a scalar loss tensor or a dict with 'loss'."
         )
     if not isinstance(loss, torch.Tensor) or (loss.ndim and loss.numel() != 1):
-        shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
-        raise ValueError(f"training_step's loss must be a scalar tensor; got {type(loss).__name__}{shape}.")
+        if isinstance(loss, torch.Tensor):
+            raise ValueError(
+                f"training_step's loss must be a scalar tensor; got a tensor of shape {tuple(loss.shape)} (one value "
+                "per sample, as from reduction='none'). Return its mean (loss.mean()), or its sum with "
+                "{'loss': loss.sum(), 'num_items': n} to average over every rank's items."
+            )
+        raise ValueError(
+            f"training_step's loss must be a scalar tensor; got {type(loss).__name__}. Return the loss tensor itself "
+            "(not loss.item(), which detaches it from the graph)."
+        )
     if not loss.requires_grad:
         raise ValueError(
             "training_step's loss does not require grad: it was computed without the task's parameters "
