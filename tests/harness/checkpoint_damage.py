@@ -1,11 +1,14 @@
 """Save names, weights and bit flips in a save's tensors, shared by the checkpoint integrity tests
 (tests/unit/test_checkpoint_safety.py) and the two-rank program of tests/integration/test_checkpoint_integrity.py,
-which imports them."""
+which imports them; and a bit flip in an exported safetensors file (tests/unit/test_hf_weights.py,
+tests/unit/test_initial_weights.py)."""
 
 from __future__ import annotations
 
 import io
+import json
 import pickle
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +85,12 @@ def flip_tensor_bit(folder: Path, fqn: str) -> str:
     after = stored_tensor(folder, fqn)
     assert int((before != after).sum()) == 1, "the flipped bit is not inside the tensor's data"
     return name
+
+
+def flip_a_byte(path: Path, tensor: str) -> None:
+    """Flip one bit in the middle of ``tensor``'s bytes in a safetensors file."""
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    begin, end = json.loads(data[8 : 8 + length])[tensor]["data_offsets"]
+    data[8 + length + (begin + end) // 2] ^= 0x10
+    path.write_bytes(bytes(data))

@@ -44,9 +44,9 @@ TINY_TASK = dict(
 )
 TINY_DATA = dict(block_size=32, batch_size=8, max_chars=60_000, split_seed=0)
 
-# The few-step run of test_few_steps_pinned (seed 0, CPU, bf16-mixed, torch 2.13, the sampler's order 2): the optimised loss of
-# each of the 4 optimizer steps (steps 3 and 4 accumulate 2 micro-batches) and val/loss over the first 2
-# validation batches afterwards.
+# The few-step run of test_few_steps_pinned (seed 0, CPU, bf16-mixed, torch 2.13, the sampler's order 2): the
+# optimised loss of each of the 4 optimizer steps (steps 3 and 4 accumulate 2 micro-batches) and val/loss over the
+# first 2 validation batches afterwards.
 PINNED_STEP_LOSSES = [4.738431, 4.713336, 4.560927, 4.450704]
 PINNED_VAL_LOSS = 4.599022
 TOLERANCE = 1e-3  # bf16 autocast; identical with 1 and 2 threads here, but other CPUs may pick other kernels

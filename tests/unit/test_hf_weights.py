@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import struct
 import sys
 import zlib
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from checkpoint_damage import flip_a_byte
 from models import Regression, loader, quiet, regression_data
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -418,15 +418,6 @@ def test_a_failed_one_file_export_leaves_the_existing_file(
 
 
 # ---------------------------------------------------------------------- checksums
-def flip_a_byte(path: Path, tensor: str) -> None:
-    """Flip one bit in the middle of ``tensor``'s bytes in a safetensors file."""
-    data = bytearray(path.read_bytes())
-    (length,) = struct.unpack("<Q", data[:8])
-    begin, end = json.loads(data[8 : 8 + length])[tensor]["data_offsets"]
-    data[8 + length + (begin + end) // 2] ^= 0x10
-    path.write_bytes(bytes(data))
-
-
 @pytest.mark.parametrize("form", ["file", "folder"])
 def test_a_flipped_byte_in_an_exported_tensor_is_named_whole_or_sliced(
     save: tuple[Path, dict], tmp_path: Path, form: str

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_damage import flip_a_byte
 from models import Regression, loader, quiet, regression_data
 from torch import nn
 
@@ -197,15 +198,6 @@ def test_a_flipped_bit_in_a_weights_file_is_named_not_loaded(tmp_path: Path, rea
             Trainer(**quiet(max_steps=1, initial_weights=str(tmp_path / "w.ckpt"))).fit(
                 Regression(), loader(regression_data(16), batch_size=4)
             )
-
-
-def flip_a_byte(path: Path, tensor: str) -> None:
-    """Flip one bit in the middle of ``tensor``'s bytes in a safetensors file."""
-    data = bytearray(path.read_bytes())
-    (length,) = struct.unpack("<Q", data[:8])
-    begin, end = json.loads(data[8 : 8 + length])[tensor]["data_offsets"]
-    data[8 + length + (begin + end) // 2] ^= 0x10
-    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("form", ["model.safetensors", "hf"])
