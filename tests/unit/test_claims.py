@@ -158,3 +158,8 @@ def test_a_save_refused_for_another_process_of_the_same_run_names_the_run_once(t
     message, run = str(refused.value), trainer.checkpointer.run_id
     assert f"is now held by run {run!r} (pid 1 on elsewhere), not by this process (pid {os.getpid()} on" in message
     assert message.count(run) == 1
+
+
+def test_releasing_a_claim_on_a_folder_removed_meanwhile_makes_nothing(tmp_path: Path) -> None:
+    assert claim.release(tmp_path / "gone", "keel:run") is False
+    assert not (tmp_path / "gone").exists()

@@ -180,7 +180,11 @@ def write(folder: str | os.PathLike | AnyPath, run: str, seen: Seen | None = Non
 
 def release(folder: str | os.PathLike | AnyPath, run: str) -> bool:
     """Mark this process's claim on ``folder`` for ``run`` released (its fit ended); False when the folder holds
-    another claim (taken over since), or none. The claim keeps naming the run: ``ckpt_path="last"`` continues it."""
+    another claim (taken over since), or none. The claim keeps naming the run: ``ckpt_path="last"`` continues it.
+    A local folder removed meanwhile is not made again for it."""
+    target = as_path(folder)
+    if not isinstance(target, RemotePath) and not target.is_dir():
+        return False
     with exclusive(folder):
         held, seen = read_for_replacing(folder)
         if held is None or not mine(held, run) or released(held):
