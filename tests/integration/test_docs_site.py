@@ -1,6 +1,6 @@
-"""The documentation site as built (``mkdocs build --strict``, what CI runs): the home page links every page, and
-the API reference shows user documentation only (no source paths, no maintainer notes, no private base
-classes)."""
+"""The documentation site as built (``mkdocs build --strict``, what CI runs): the home page links every page, no
+page shows a table's rows as a paragraph of text, and the API reference shows user documentation only (no source
+paths, no maintainer notes, no private base classes)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,11 @@ def test_the_built_site_links_every_page_from_home_and_its_api_pages_are_for_use
     missing = [page for page in pages if page.removesuffix(".md") + "/" not in hrefs]
     assert not missing, f"the built home page does not link {missing}"
     assert home_article.find("getting-started/") < home_article.find("concepts/")
+
+    for page in sorted(site.rglob("index.html")):  # a table split by a blank line renders its rows as text
+        paragraphs = re.findall(r"<p>(.*?)</p>", page.read_text(), re.S)
+        rows = [p for p in paragraphs if re.match(r"\s*\|", html.unescape(re.sub(r"<[^>]+>", "", p)))]
+        assert not rows, f"{page.relative_to(site)} shows table rows as text: {rows[0][:200]}"
 
     for page in sorted((site / "api").glob("*/index.html")):
         text = _text(page)

@@ -9,6 +9,7 @@ tests/fixtures/make_lightning_names.py from the reference install; Lightning is 
 from __future__ import annotations
 
 import importlib
+import itertools
 import re
 import sys
 from pathlib import Path
@@ -299,6 +300,33 @@ def test_the_porting_page_lists_every_name_keel_lacks() -> None:
         ):
             missing.append(f"{module} {name}")
     assert not missing, missing
+
+
+def test_the_porting_pages_table_is_one_table_naming_only_what_keel_lacks_once() -> None:
+    """The table is one block (a blank line inside it ends the table, and the rest renders as a paragraph of `|`),
+    and each row names only names keel does not have, each (module, name) once."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "porting.md").read_text()
+    section = page[page.index("## Not in keel: what to use instead") :]
+    section = section[: section.find("\n## ", 1) if "\n## " in section[1:] else len(section)]
+    lines = section.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    block = list(itertools.takewhile(lambda line: line.startswith("|"), lines[first:]))
+    assert not [line for line in lines[first + len(block) :] if line.startswith("|")], "a blank line splits the table"
+    seen, present = set(), []
+    for row in block[2:]:
+        module_cell, names_cell = row.split(" | ")[:2]
+        names = re.findall(r"`([^`]+)`", names_cell.split("(and the module")[0])
+        for module in re.findall(r"`([^`]+)`", module_cell):
+            keel = rewrites(module)[0]
+            for name in names:
+                assert (module, name) not in seen, f"{module} {name} is listed twice"
+                seen.add((module, name))
+                try:
+                    getattr(importlib.import_module(keel), name)
+                except (ImportError, AttributeError):
+                    continue
+                present.append(f"{module} {name}")
+    assert not present, f"the table lists names keel has: {present}"
 
 
 def test_the_rank_zero_helpers_are_public_in_trainer_and_the_earlier_path_names_it(
