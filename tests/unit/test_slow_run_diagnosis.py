@@ -381,3 +381,20 @@ def test_a_task_that_logs_a_perf_name_keeps_its_value_and_is_warned_once(caplog)
     assert "perf/data_wait_frac" in trainer.callback_metrics  # keel's others are still there
     warnings = [r.getMessage() for r in caplog.records if "a name keel uses" in r.getMessage()]
     assert len(warnings) == 1 and "perf/steps_per_s" in warnings[0], warnings
+
+
+def test_a_verdict_that_comes_and_goes_is_said_once_and_one_machine_gets_no_network_advice(caplog) -> None:
+    """Seen on 2 CPU ranks of one machine: communication-bound, then not, then again, seven warnings in 15 s with
+    advice about NCCL's network interface. Now once a run for each distinct verdict, and no network advice when
+    every rank is on one host."""
+    waiting, balanced = row(data=1, forward=5, backward=5, sync=40), row(data=1, forward=5, backward=5, sync=0)
+    one = Diagnosis(patience=2, backward_waits=False, hosts=["vm", "vm"])
+    two = Diagnosis(patience=2, backward_waits=False, hosts=["node-a", "node-b"])
+    with caplog.at_level(logging.WARNING, logger="trainer.observability.phases"):
+        for rows in [[waiting, waiting]] * 2 + ([[balanced, balanced]] * 2 + [[waiting, waiting]] * 2) * 3:
+            one.update(rows)
+            two.update(rows)
+    assert len(one.warnings) == len(two.warnings) == 1
+    assert len([r for r in caplog.records if "communication-bound" in r.getMessage()]) == 2  # one per Diagnosis
+    assert "the ranks share one machine, so no network is involved" in one.warnings[0]
+    assert "NCCL" not in one.warnings[0] and "GLOO_SOCKET_IFNAME under gloo" in two.warnings[0]

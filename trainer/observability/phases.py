@@ -9,8 +9,8 @@ split there into computing (``backward``) and waiting for the sync (``sync``). O
 since the last one ride on the collective the step already makes (:func:`trainer.metrics.exchange_step`'s small
 all-reduce, in one slot per rank), so every rank holds every rank's times; :class:`Diagnosis` turns them into
 metrics (``perf/...``) and, when one rank is slower than the others in a phase that waits for nobody for several
-intervals, or when the whole job is data-, checkpoint- or communication-bound, one WARNING that says so, repeated
-only when the diagnosis changes. See docs/slow-runs.md.
+intervals, or when the whole job is data-, checkpoint- or communication-bound, one WARNING that says so, once a
+run for each distinct diagnosis. See docs/slow-runs.md.
 
 On a GPU the step's kernels run after the Python that launches them: a phase's time is the host's (launches,
 waits in a collective or a sync), which is what a slow loader or a straggler costs the other ranks.
@@ -192,8 +192,8 @@ class Diagnosis:
     of its time waiting for data (or blocked by saves), and *communication-bound* when no rank is slow and every
     rank spends more than that waiting in the gradient sync; a job-wide verdict also needs the median wait above
     ``min_excess`` seconds a step (a balanced toy run waiting 1 ms a step is healthy). A verdict holds once it has
-    held for ``patience`` intervals in a row; the warning comes when the verdict changes (and again only when it
-    changes again)."""
+    held for ``patience`` intervals in a row; the warning comes when the verdict changes to one not warned about
+    before in the run (a verdict that comes and goes is said once)."""
 
     def __init__(
         self,
@@ -214,6 +214,7 @@ class Diagnosis:
         self.device_seconds: list[list[float]] = []  # the same on the device's stream (CUDA; zeros elsewhere)
         self.steps = 0.0
         self.said: str | None = None  # what the last warning was about
+        self.spoken: set[str] = set()  # every verdict warned about: each once a run, however often it comes back
         self.warnings: list[str] = []  # every warning given, in order
 
     @property
@@ -343,12 +344,18 @@ class Diagnosis:
                     worst = (excess, rank, phase, name)
         if worst is None:
             if not self.backward_waits and every_rank(_SYNC):
+                one_machine = self.hosts is not None and len(set(self.hosts)) == 1
+                check = (
+                    "the ranks share one machine, so no network is involved"
+                    if one_machine
+                    else "check the interconnect (python -m trainer.doctor measures its bandwidth; NCCL_SOCKET_IFNAME "
+                    "or NCCL_IB_* under NCCL, GLOO_SOCKET_IFNAME under gloo, on the wrong interface)"
+                )
                 return "communication-bound", (
                     f"every rank waits {median(_SYNC) * 1e3:.0f} ms a step for the gradient all-reduce to finish "
                     f"after its backward (median; the step takes {wall * 1e3:.0f} ms) and no rank is slower than "
-                    "the others: the job is communication-bound; check the interconnect (python -m trainer.doctor "
-                    "measures its bandwidth; NCCL_SOCKET_IFNAME or NCCL_IB_* on the wrong interface), sync less "
-                    "often (accumulate_grad_batches), or put more work on each rank (a larger micro-batch)"
+                    f"the others: the job is communication-bound; {check}; sync less often "
+                    "(accumulate_grad_batches), or put more work on each rank (a larger micro-batch)"
                 )
             return None
         _, rank, phase, name = worst
@@ -370,7 +377,8 @@ class Diagnosis:
         if len(recent) < self.patience or any(v != about for v in recent) or about == self.said:
             return
         self.said = about
-        if verdict is not None:
+        if verdict is not None and about not in self.spoken:
+            self.spoken.add(verdict[0])
             self.warnings.append(verdict[1])
             if speak:
                 log.warning("Slow run: %s.", verdict[1])
