@@ -180,11 +180,18 @@ def test_tensorboard_scalars_and_hparams_round_trip(tmp_path: Path) -> None:
     logger.log_metrics({"train/loss": 0.0625}, step=4)  # reopens after finalize
     logger.finalize("success")
 
-    acc = EventAccumulator(logger.log_dir)
-    acc.Reload()
-    events = acc.Scalars("train/loss")
+    # The reopened writer starts a second events file. Each file is read on its own, in the order they were written:
+    # a folder reader orders files by name, where the writer's counter ("...9" then "...10", in a process that made
+    # many writers) can sort the newer first, and the reader then skips the older as stale.
+    files = sorted(Path(logger.log_dir).glob("events.out.tfevents*"), key=lambda f: (f.stat().st_mtime_ns, f.name))
+    assert len(files) == 2
+    accs = [EventAccumulator(str(f)) for f in files]
+    for one in accs:
+        one.Reload()
+    events = [e for one in accs if "train/loss" in one.Tags()["scalars"] for e in one.Scalars("train/loss")]
     assert [e.step for e in events] == [1, 2, 3, 4]
     assert [e.value for e in events] == pytest.approx([*values.values(), 0.0625], rel=1e-6)
+    acc = accs[0]  # the hyperparameters went to the first file
     hparams_tags = acc.PluginTagToContent("hparams")
     assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= set(hparams_tags)
 
