@@ -36,7 +36,7 @@ from trainer.distributed import comm, launcher
 from trainer.distributed import watchdog as wd
 from trainer.distributed.preemption import CarriedFlags, PreemptionWatcher
 from trainer.distributed.selection import select_strategy
-from trainer.distributed.strategy import StepAdapter, Strategy
+from trainer.distributed.strategy import NO_CONTEXT, StepAdapter, Strategy
 from trainer.evaluation import EvaluationLoop, log_results
 from trainer.hooks import BatchTransfer, TrainHooks
 from trainer.loggers.local import default_loggers
@@ -52,6 +52,7 @@ from trainer.observability.rank_zero import configure_logging
 from trainer.options import TrainerOptions, check_lightning_keywords
 from trainer.state import TrainState
 from trainer.step.accumulation import (
+    HALF_DTYPES,
     AccumulationSchedule,
     MicroBatch,
     StepNormaliser,
@@ -217,6 +218,7 @@ class Trainer(TrainerAttributes):
         self._train: AdaptedLoader | None = None
         self._hooks: TrainHooks | None = None  # the epoch's overridden per-batch hooks (trainer/hooks.py)
         self._val_every_batches: int | None = None  # the epoch's fractional val_check_interval in batches, if any
+        self._cadence: _Cadence | None = None  # what every batch end checks, read once per epoch
         self._phases = PhaseClock()  # where each rank's time goes (observability); with its accounting in fit:
         self._efficiency: Efficiency
         self.num_training_batches: int | None = None
@@ -729,21 +731,144 @@ class Trainer(TrainerAttributes):
 
     def _train_epoch(self, val_loaders: list[AdaptedLoader]) -> None:
         """One epoch: micro-batches grouped into optimizer steps, validation and logging on the step clock."""
-        opts, train = self.options, self._train
+        train = self._train
         assert train is not None and self._model is not None
         plan, hooks = self._start_train_epoch(train)
+        opts = self.options
+        self._cadence = _Cadence(
+            log_every=1 if opts.fast_dev_run else opts.log_every_n_steps,
+            max_steps=opts.max_steps,
+            val_every=self._val_every_batches if val_loaders else None,  # a fractional val_check_interval
+            val_loaders=val_loaders,
+            preempt_every=opts.preemption_check_interval or opts.log_every_n_steps,
+            multi_rank=self.world_size > 1,
+            agrees=self.world_size > 1 or self._carried is not None,
+            ends=hooks.on_train_batch_end,
+        )
         normaliser = StepNormaliser(world_size=self.world_size, device=self.device)
-        completed = True  # False when training stops before the epoch's data is exhausted
-        # Read once: the per-step checks below are plain comparisons (a 0.2 ms step notices every call).
-        preemption, multi_rank = self._preemption, self.world_size > 1
-        preempt_every = opts.preemption_check_interval or opts.log_every_n_steps
-        carried = self._carried
-        log_every, max_steps = (1 if opts.fast_dev_run else opts.log_every_n_steps), opts.max_steps
+        self._beat(wd.PHASE_DATA)  # the first batch: its loader's workers start
+        if self._runs_plain(plan):
+            completed = self._plain_epoch(plan, normaliser)
+        else:
+            completed = self._general_epoch(plan, normaliser)
+        normaliser.report_zero_steps(self.current_epoch)  # device-decided zero-item steps: one read per epoch
+        self._epoch_end(val_loaders, completed=completed)
+
+    def _runs_plain(self, plan: EpochPlan) -> bool:
+        """Whether this epoch's steps are all plain, decided once: one batch a step (a constant
+        ``accumulate_grad_batches=1``, a known epoch length), automatic optimization with one optimizer and no
+        ``on_before_optimizer_step`` / ``on_before_zero_grad`` hooks, plain precision (no autocast, no scaler), no
+        clipping, ``on_nonfinite`` not ``"skip"``, nothing but the phase clock hearing the marks (no watchdog,
+        profiler or device timeline) and no sharding check pending. :meth:`_plain_epoch` runs such an epoch."""
+        schedule, precision, opts, hooks = self.accumulation_schedule, self._precision, self.options, self._hooks
+        if self.strategy.has_sync_context and self.strategy.gradient_sync(True) is not NO_CONTEXT:
+            return False  # every micro-batch syncs its gradients: a context to enter would cost every step
+        return (
+            type(schedule) is AccumulationSchedule
+            and schedule.constant == 1
+            and plan.num_batches is not None
+            and plan.agree is None
+            and not (self._manual_mode or self._skip_nonfinite or opts.drop_incomplete_accumulation)
+            and len(self.optimizers) == 1
+            and hooks is not None
+            and not (hooks.on_before_optimizer_step or hooks.on_before_zero_grad)
+            and opts.gradient_clip_val is None
+            and "_beat" in self.__dict__  # bound to the phase clock's mark: no watchdog or profiler listens
+            and self._phases.device is None
+            and precision.backward is torch.Tensor.backward
+            and not precision.autocasts
+            and precision.scaler is None
+            and not self._check_sharding
+        )
+
+    def _plain_epoch(self, plan: EpochPlan, normaliser: StepNormaliser) -> bool:
+        """The training epoch of :meth:`_runs_plain`: the same steps, hooks and checks as :meth:`_general_epoch` and
+        :meth:`_optimizer_step`, with what the step needs read once into locals, the phase clock marked inline, and
+        no micro-batch objects. A ``training_step`` that returns anything but a scalar loss (a dict, ``num_items``,
+        a half-precision loss) takes the general step's handling for that step. Returns whether the epoch's data
+        was exhausted."""
+        hooks, clock, state, metrics, nonfinite = self._hooks, self._phases, self.state, self._metrics, self._nonfinite
+        assert hooks is not None and plan.num_batches is not None
+        run_step, copy = self._run_step, self._copy_batch if self._moves_batches else None
+        assert run_step is not None
+        starts, before_backward, after_backward = (
+            hooks.on_train_batch_start,
+            hooks.on_before_backward,
+            hooks.on_after_backward,
+        )
+        (optimizer,), schedulers, sync = self.optimizers, self.lr_scheduler_configs, clock.sync
+        totals, now, last, per_batch = clock.totals, time.perf_counter, plan.num_batches - 1, plan.samples_per_batch
+        data, forward, backward, optimizing, other = (
+            clock.DATA,
+            clock.FORWARD,
+            clock.BACKWARD,
+            clock.OPTIMIZER,
+            clock.OTHER,
+        )
+        tensor, half = torch.Tensor, HALF_DTYPES
+        for batch_idx, batch in zip(range(plan.start, plan.num_batches), plan.batches):
+            t = now()  # the phase clock: the loader's time ends, the training step's begins
+            totals[clock.current] += t - clock.since
+            clock.since, clock.current = t, forward
+            self._step_open = False  # a new batch: Lightning's logging counter has moved on
+            if copy is not None:
+                batch = copy(batch)
+            metrics.batch = batch  # self.log reads its size only when it needs one
+            for hook in starts:
+                hook(batch, batch_idx)
+            try:
+                output = run_step(batch, batch_idx)
+            except RuntimeError as exc:
+                self.strategy.raise_explained(exc)  # a wrapper error it can explain, else re-raise as is
+                raise
+            if isinstance(output, tensor) and not output.ndim and output.requires_grad and output.dtype not in half:
+                step_loss = output.detach()
+                outputs: dict[str, Any] = {"loss": step_loss}
+                for hook in before_backward:
+                    hook(output)
+                t = now()
+                totals[forward] += t - clock.since
+                clock.since, clock.current = t, backward
+                output.backward()
+                for hook in after_backward:
+                    hook()
+                if sync is None:
+                    t = now()
+                    totals[backward] += t - clock.since
+                    clock.since, clock.current = t, optimizing
+                else:  # DDP: the backward is split where its last all-reduce was launched
+                    clock.enter(wd.PHASE_OPTIMIZER_STEP)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                state.global_step += 1
+                if schedulers:
+                    step_schedulers(schedulers, "step", state.global_step, self.callback_metrics)
+                self._step_loss = step_loss
+                nonfinite.record(state.global_step, step_loss)  # a list append: read on logging steps
+                stepped = True
+            else:  # a dict, num_items, a half-precision loss: what the general step does with it
+                micro = MicroBatch(batch_idx, batch, 1, 1, True, batch_idx == last)
+                outputs = self._backward_output(output, micro, normaliser)
+                stepped = self._optimizer_step(*normaliser.finish())
+            state.batches_done = batch_idx + 1
+            state.samples_done += per_batch
+            t = now()  # the optimizer step ends; the batch-end hooks begin
+            totals[clock.current] += t - clock.since
+            clock.since, clock.current = t, other
+            if self._end_batch(outputs, batch, batch_idx, stepped=stepped, step_end=True):
+                return batch_idx == last
+            t = now()  # next: fetching the next batch
+            totals[clock.current] += t - clock.since
+            clock.since, clock.current = t, data
+        return True
+
+    def _general_epoch(self, plan: EpochPlan, normaliser: StepNormaliser) -> bool:
+        """Any training epoch: accumulation windows, manual optimization, mixed precision, clipping, a loader of
+        unknown length, a watchdog or profiler listening. Returns whether the epoch's data was exhausted."""
+        opts, state = self.options, self.state
         drop_incomplete = opts.drop_incomplete_accumulation
         unusual = drop_incomplete or self._manual_mode  # a window may end without an automatic optimizer step
-        samples_per_batch, batch_end_hooks, state = plan.samples_per_batch, hooks.on_train_batch_end, self.state
-        val_every = self._val_every_batches if val_loaders else None  # a fractional val_check_interval, in batches
-        self._beat(wd.PHASE_DATA)  # the first batch: its loader's workers start
+        samples_per_batch = plan.samples_per_batch
         for micro in micro_batches(
             plan.batches,
             start_idx=plan.start,
@@ -755,49 +880,67 @@ class Trainer(TrainerAttributes):
             self._step_open = False  # a new batch: Lightning's logging counter has moved on
             if self._check_sharding:
                 self._check_sharding = False
-                warn_if_unsharded(micro.batch, train.loader)
+                warn_if_unsharded(micro.batch, self._train.loader if self._train else None)
             outputs = self._training_micro_batch(micro, normaliser)
             state.batches_done = micro.batch_idx + 1
             state.samples_done += samples_per_batch
             stepped = False
             if micro.is_step_end:
-                stepped = self._end_unusual_window(micro, normaliser) if unusual else self._optimizer_step(normaliser)
-            self.optimizer_stepped = self._step_open = stepped
-            if stepped and state.global_step % log_every == 0:
-                self._log_step_metrics()  # a logging step: the only place step metrics are read
+                if unusual:
+                    stepped = self._end_unusual_window(micro, normaliser)
+                else:
+                    stepped = self._optimizer_step(*normaliser.finish())
             self._beat(wd.PHASE_CALLBACKS)
-            for hook in batch_end_hooks:
-                hook(outputs, micro.batch, micro.batch_idx)
-            self.optimizer_stepped = False
-            if val_every is not None:  # a fraction of the epoch: by batch, inside an accumulation window too
-                if (micro.batch_idx + 1) % val_every == 0:
-                    self._evaluate("validate", val_loaders)
-            elif stepped and val_loaders and self.val_check_due:
-                self._evaluate("validate", val_loaders)
-            if not micro.is_step_end:
-                self._beat(wd.PHASE_DATA)  # next: fetching the next batch
-                continue
-            self._beat(wd.PHASE_PREEMPTION_CHECK)  # a signal seen here, or every preempt_every steps ranks agree
-            if preemption.requested and not preemption.announced:
-                preemption.announce(self.global_step, next_check=self._next_preemption_check(preempt_every))
-            if carried is not None:  # the flags rode on this step's gradient all-reduce: agreed at every step
-                if stepped and carried.decide():
-                    self._save_and_exit()
-            elif (
-                stepped
-                and (preemption.requested or (multi_rank and state.global_step % preempt_every == 0))
-                and preemption.due(
-                    state.global_step, device=self.device, world_size=self.world_size, interval=preempt_every
-                )
-            ):
-                self._save_and_exit()
-            # should_stop (callbacks) takes effect at an optimizer-step boundary, never inside a window.
-            if (self._stop_requested and self.should_stop) or (max_steps != -1 and state.global_step >= max_steps):
-                completed = micro.is_epoch_end
-                break
+            if self._end_batch(outputs, micro.batch, micro.batch_idx, stepped=stepped, step_end=micro.is_step_end):
+                return micro.is_epoch_end
             self._beat(wd.PHASE_DATA)  # next: fetching the next batch (validation and the preemption check are not)
-        normaliser.report_zero_steps(self.current_epoch)  # device-decided zero-item steps: one read per epoch
-        self._epoch_end(val_loaders, completed=completed)
+        return True
+
+    def _end_batch(self, outputs: Any, batch: Any, batch_idx: int, *, stepped: bool, step_end: bool) -> bool:
+        """After a batch's backward, and its optimizer step when ``stepped``: the logging step, the batch-end hooks,
+        validation on its schedule and, at a step's end, the preemption check and the stop conditions. True: the
+        epoch stops here. The caller marks the callbacks phase before and the data phase after."""
+        cadence, state = self._cadence, self.state
+        assert cadence is not None
+        self.optimizer_stepped = self._step_open = stepped
+        if stepped and state.global_step % cadence.log_every == 0:
+            self._log_step_metrics()  # a logging step: the only place step metrics are read
+        for hook in cadence.ends:
+            hook(outputs, batch, batch_idx)
+        self.optimizer_stepped = False
+        if cadence.val_every is not None:  # a fraction of the epoch: by batch, inside an accumulation window too
+            if (batch_idx + 1) % cadence.val_every == 0:
+                self._evaluate("validate", cadence.val_loaders)
+        elif stepped and cadence.val_loaders and self.val_check_due:
+            self._evaluate("validate", cadence.val_loaders)
+        if step_end:
+            if cadence.agrees or self._preemption.requested:  # several ranks, or a signal here
+                self._check_preemption(stepped)
+            # should_stop (callbacks) takes effect at an optimizer-step boundary, never inside a window.
+            if (self._stop_requested and self.should_stop) or (
+                cadence.max_steps != -1 and state.global_step >= cadence.max_steps
+            ):
+                return True
+        return False
+
+    def _check_preemption(self, stepped: bool) -> None:
+        """At a step's end: a signal seen here is announced, and where the ranks agree on one (every step when the
+        flags ride on the gradients, else every ``preemption_check_interval`` steps) every rank saves and exits."""
+        self._beat(wd.PHASE_PREEMPTION_CHECK)
+        preemption, cadence, step = self._preemption, self._cadence, self.state.global_step
+        assert cadence is not None
+        if preemption.requested and not preemption.announced:
+            preemption.announce(step, next_check=self._next_preemption_check(cadence.preempt_every))
+        carried = self._carried
+        if carried is not None:  # the flags rode on this step's gradient all-reduce: agreed at every step
+            if stepped and carried.decide():
+                self._save_and_exit()
+        elif (
+            stepped
+            and (preemption.requested or (cadence.multi_rank and step % cadence.preempt_every == 0))
+            and preemption.due(step, device=self.device, world_size=self.world_size, interval=cadence.preempt_every)
+        ):
+            self._save_and_exit()
 
     def _carry_preemption_flags(self) -> CarriedFlags | None:
         """With several ranks the ranks agree on a signal at every step (:class:`CarriedFlags`): under DDP with
@@ -866,7 +1009,7 @@ class Trainer(TrainerAttributes):
             self.state.global_step += 1  # one training iteration (whatever number of optimizer calls) is one step
             self._nonfinite.record(self.global_step, self._step_loss)
             return True
-        return self._optimizer_step(normaliser)
+        return self._optimizer_step(*normaliser.finish())
 
     @property
     def val_check_due(self) -> bool:
@@ -907,8 +1050,8 @@ class Trainer(TrainerAttributes):
             return self._forward_backward(batch, micro, normaliser)
 
     def _forward_backward(self, batch: Any, micro: MicroBatch, normaliser: StepNormaliser) -> dict[str, Any]:
-        precision, hooks, run_step = self._precision, self._hooks, self._run_step
-        assert hooks is not None and run_step is not None
+        precision, run_step = self._precision, self._run_step
+        assert run_step is not None
         try:
             if precision.autocasts:  # the forward only: backward runs outside autocast
                 with precision.autocast():
@@ -918,20 +1061,29 @@ class Trainer(TrainerAttributes):
         except RuntimeError as exc:
             self.strategy.raise_explained(exc)  # a wrapper error it can explain, else re-raise as is
             raise
+        return self._backward_output(output, micro, normaliser)
+
+    def _backward_output(self, output: Any, micro: MicroBatch, normaliser: StepNormaliser) -> dict[str, Any]:
+        """Check what ``training_step`` returned, divide it for accumulation, run the backward hooks and backward;
+        the detached outputs for the batch-end hooks."""
+        hooks = self._hooks
+        assert hooks is not None
         scaled, outputs = normaliser.take(output, micro)  # checks what the step returned, divides for accumulation
         for hook in hooks.on_before_backward:
             hook(scaled)
         self._beat(wd.PHASE_BACKWARD)
-        backward = precision.backward  # a local: the interpreter calls it without a method lookup
+        backward = self._precision.backward  # a local: the interpreter calls it without a method lookup
         backward(scaled)
         for hook in hooks.on_after_backward:
             hook()
         return outputs
 
-    def _optimizer_step(self, normaliser: StepNormaliser) -> bool:
-        """Complete the step: normalise, unscale, hook, clip, step, schedule, zero. False if skipped."""
+    def _optimizer_step(
+        self, grad_factor: float | torch.Tensor | None, step_loss: torch.Tensor | None, skip: bool
+    ) -> bool:
+        """Complete the step (what ``StepNormaliser.finish`` returned for its window): normalise, unscale, hook, clip,
+        step, schedule, zero. False if skipped."""
         self._beat(wd.PHASE_OPTIMIZER_STEP)
-        grad_factor, step_loss, skip = normaliser.finish()  # and the normaliser starts the next window
         if skip or (self._skip_nonfinite and not finite_on_all_ranks(step_loss, self.world_size)):
             return self._skip_step(step_loss, skip)
         precision, hooks, optimizers = self._precision, self._hooks, self.optimizers
@@ -1002,6 +1154,7 @@ class Trainer(TrainerAttributes):
         )  # the same on every rank
         if values := {**values, **perf}:  # the loggers get perf/ with the task's own row, never a row of its own
             self._publish(values, {**to_logger, **perf} if to_logger else {}, to_bar)
+        self._beat(wd.PHASE_CALLBACKS)  # next: the batch-end hooks
 
     def _publish(self, values: dict[str, float], to_logger: dict[str, float], to_bar: dict[str, float]) -> None:
         self.callback_metrics.update({k: torch.scalar_tensor(v, dtype=torch.float64) for k, v in values.items()})
@@ -1100,6 +1253,20 @@ class Trainer(TrainerAttributes):
         gather = None if keep is False else self.options.predict_return
         assert self.task is not None
         return self._eval_loop.predict(self, self.task, self.callbacks, loaders, limits, gather=gather)
+
+
+@dataclasses.dataclass(slots=True)
+class _Cadence:
+    """What the end of every training batch checks, read once per epoch (``Trainer._end_batch``)."""
+
+    log_every: int  # a logging step every this many optimizer steps
+    max_steps: int  # -1: no limit
+    val_every: int | None  # a fractional val_check_interval, in batches; None: validation on the step clock
+    val_loaders: list[AdaptedLoader]
+    preempt_every: int  # the ranks agree on a preemption signal every this many steps (unless the flags ride along)
+    multi_rank: bool
+    agrees: bool  # the ranks may agree on a preemption signal at a step's end (several ranks)
+    ends: tuple[Callable[..., Any], ...]  # the on_train_batch_end hooks the task and callbacks override
 
 
 def _bounded(limit: int | None, loader: Any) -> int | None:

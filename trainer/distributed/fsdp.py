@@ -14,7 +14,7 @@ from trainer.distributed import comm
 from trainer.distributed.launcher import DistEnv
 from trainer.distributed.materialize import broadcast_tensors, check_same_model, has_meta, materialize, shared_rng
 from trainer.distributed.strategy import (
-    _NO_CONTEXT,
+    NO_CONTEXT,
     StepAdapter,
     Strategy,
     _check_bool,
@@ -357,11 +357,11 @@ class FSDPStrategy(Strategy):
         # until then, like DDP's no_sync). 'every_micro_batch': every backward reduce-scatters, so
         # gradients stay sharded (less memory, more traffic); the maths is the same.
         if self.reduce_grads == "every_micro_batch" or self.task is None:
-            return _NO_CONTEXT
+            return NO_CONTEXT
         if sync != self._sync:
             cast("FSDPModule", self.task).set_requires_gradient_sync(sync)  # fully_shard made the task one
             self._sync = sync
-        return _NO_CONTEXT
+        return NO_CONTEXT
 
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> None:
         # Every gradient is a DTensor (all parameters are in a unit): its norm is over the whole tensor. With

@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Iterable, Iterator
 
 
-_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it costs nothing on the hot path
+NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it costs nothing on the hot path
 
 
 def _without_batch_idx(training_step: Callable[..., Any], batch: Any, batch_idx: int) -> Any:
@@ -298,7 +298,7 @@ class Strategy:
         """A context for one micro-batch's forward AND backward. ``sync=False`` (all but the last
         micro-batch of an accumulation window) keeps gradients local so that the wrapper reduces them
         once per optimizer step."""
-        return _NO_CONTEXT
+        return NO_CONTEXT
 
     def scale_gradients(self, params: list[torch.Tensor], factor: torch.Tensor | float) -> None:
         """Multiply the gradients of ``params`` by ``factor`` in place (the token-normalised step's scale: a
@@ -327,7 +327,7 @@ class Strategy:
 
     def eval_context(self, task: nn.Module) -> AbstractContextManager[Any]:
         """Entered by every rank around a whole validation / test / predict loop (inside ``torch.no_grad()``)."""
-        return _NO_CONTEXT
+        return NO_CONTEXT
 
     def eval_batches(self, batches: Iterable[Any], limit: int | None) -> Iterator[tuple[int, Any]]:
         """``(batch_idx, batch)`` for this rank's batches of one evaluation loader, at most ``limit`` (None: all),
@@ -630,7 +630,7 @@ class DDPStrategy(Strategy):
         # no_sync must cover forward AND backward: DDP decides at forward time whether the backward
         # all-reduces. Gradients then accumulate locally until the window's last micro-batch.
         if sync or self.ddp is None:
-            return _NO_CONTEXT
+            return NO_CONTEXT
         return self.ddp.no_sync()
 
     def raise_explained(self, exc: BaseException) -> None:

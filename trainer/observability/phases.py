@@ -47,6 +47,7 @@ _OF = {
 #: Per rank on a logging step: the phase seconds since the last one, then the optimizer steps they cover; on CUDA
 #: the row goes on with the device's seconds per phase (:class:`DeviceTimeline`).
 ROW = len(PHASES) + 1
+_ZEROS = (0.0,) * len(PHASES)
 _STEPS = len(PHASES)
 
 
@@ -133,19 +134,22 @@ class DeviceTimeline:
 
 class PhaseClock:
     """This rank's seconds per phase since the last :meth:`take`. :meth:`enter` is the only call on the hot path:
-    one clock read and one addition. With a :class:`SyncMark` (``sync``), a backward that launched an all-reduce
-    is split there: the time before is ``backward`` (computing gradients), the time after is ``sync`` (waiting for
-    the last all-reduce to finish, which is where a rank waits for a slower one). With a :class:`DeviceTimeline`
-    (``device``, on CUDA) each mark also records an event on the compute stream, and the sync mark's event splits
-    the device's backward the same way."""
+    one clock read and one addition. The training loop's plain epoch marks phases without the call: it adds the
+    time since :attr:`since` to ``totals[current]`` and sets both, as :meth:`enter` does. With a :class:`SyncMark`
+    (``sync``), a backward that launched an all-reduce is split there: the time before is ``backward`` (computing
+    gradients), the time after is ``sync`` (waiting for the last all-reduce to finish, which is where a rank waits
+    for a slower one). With a :class:`DeviceTimeline` (``device``, on CUDA) each mark also records an event on the
+    compute stream, and the sync mark's event splits the device's backward the same way."""
 
-    __slots__ = ("_current", "_since", "_steps_at", "device", "sync", "totals")
+    __slots__ = ("_steps_at", "current", "device", "since", "sync", "totals")
+    # Indices into :attr:`totals` of the phases the training loop marks inline (Trainer._plain_epoch).
+    DATA, FORWARD, BACKWARD, OPTIMIZER, OTHER = _DATA, _FORWARD, _BACKWARD, _OPTIMIZER, _OTHER
 
     def __init__(
         self, global_step: int = 0, sync: SyncMark | None = None, device: DeviceTimeline | None = None
     ) -> None:
         self.totals = [0.0] * len(PHASES)
-        self._current, self._since, self._steps_at, self.sync = _OTHER, time.perf_counter(), global_step, sync
+        self.current, self.since, self._steps_at, self.sync = _OTHER, time.perf_counter(), global_step, sync
         self.device = device
         if device is not None:
             device.mark(_OTHER)
@@ -153,30 +157,31 @@ class PhaseClock:
     def enter(self, phase: str) -> None:
         now = time.perf_counter()
         device = self.device
-        if self._current == _BACKWARD and self.sync is not None and (at := self.sync.at) > self._since:
-            self.totals[_BACKWARD] += at - self._since
+        if self.current == _BACKWARD and self.sync is not None and (at := self.sync.at) > self.since:
+            self.totals[_BACKWARD] += at - self.since
             self.totals[_SYNC] += now - at
             if device is not None and (event := self.sync.event) is not None:
                 device.adopt(_SYNC, event)  # recorded by the hook in this backward: its last launch
                 self.sync.event = device.fresh()
         else:
-            self.totals[self._current] += now - self._since
-        self._since, self._current = now, _OF.get(phase, _OTHER)
+            self.totals[self.current] += now - self.since
+        self.since, self.current = now, _OF.get(phase, _OTHER)
         if device is not None:
-            device.mark(self._current)
+            device.mark(self.current)
 
     def take(self, global_step: int, *, wait: bool = False) -> list[float]:
         """The totals since the last take (closing the current phase there) and the optimizer steps they span,
         as one row of :data:`ROW` numbers, then with a device timeline the device's seconds per phase as far as
         its stream has got (all of them with ``wait``); the totals restart at zero."""
         now = time.perf_counter()
-        self.totals[self._current] += now - self._since
-        self._since = now
-        row = [*self.totals, float(global_step - self._steps_at)]
-        self.totals = [0.0] * len(PHASES)
+        self.totals[self.current] += now - self.since
+        self.since = now
+        totals = self.totals
+        row = [*totals, float(global_step - self._steps_at)]
+        totals[:] = _ZEROS  # in place: the training loop holds this list
         self._steps_at = global_step
         if self.device is not None:
-            self.device.mark(self._current)  # closes the interval on the device too
+            self.device.mark(self.current)  # closes the interval on the device too
             row += self.device.read(wait=wait)
         return row
 

@@ -48,7 +48,7 @@ class MicroBatch:
     is_epoch_end: bool
 
 
-_HALF = frozenset((torch.float16, torch.bfloat16))
+HALF_DTYPES = frozenset((torch.float16, torch.bfloat16))
 
 
 def micro_batches(
@@ -190,7 +190,7 @@ class StepNormaliser:
         if isinstance(output, torch.Tensor) and not output.ndim and output.requires_grad and self.mode is None:
             detached = output.detach()
             self.mode, self.ran = "mean", 1
-            self.loss_sum = detached.float() if detached.dtype in _HALF else detached
+            self.loss_sum = detached.float() if detached.dtype in HALF_DTYPES else detached
             return (output if micro.window_len == 1 else self._divide(output, micro)), {"loss": detached}
         loss, outputs, num_items = split_step_output(output)
         return self.scale(loss, num_items, micro, detached=outputs["loss"]), outputs
@@ -213,7 +213,7 @@ class StepNormaliser:
             detached = loss.detach()
         elif detached.ndim:
             detached = detached.reshape(())
-        if detached.dtype in _HALF:
+        if detached.dtype in HALF_DTYPES:
             detached = detached.float()
         self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
         if num_items is not None:
