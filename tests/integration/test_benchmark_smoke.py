@@ -1,5 +1,5 @@
-"""benchmarks/overhead.py (single process, --quick) and benchmarks/startup.py (one repeat) run end to end. No timing
-assertions: they are reports."""
+"""benchmarks/overhead.py and benchmarks/step_overhead.py (single process, --quick) and benchmarks/startup.py (one
+repeat) run end to end. No timing assertions: they are reports."""
 
 from __future__ import annotations
 
@@ -32,6 +32,28 @@ def test_overhead_benchmark_quick_single_process(tmp_path) -> None:
     for case in record["cases"]:
         assert case["ratio"] > 0 and case["loop_steps_per_s"] > 0 and case["trainer_steps_per_s"] > 0
     assert json.loads(result.stdout.strip().splitlines()[-1]) == record  # the same line is printed last
+
+
+def test_step_overhead_benchmark_quick_single_process(tmp_path) -> None:
+    out = tmp_path / "step.json"
+    result = python(
+        REPO_ROOT / "benchmarks" / "step_overhead.py",
+        "--quick",
+        "--single-only",
+        "--json",
+        str(out),
+        timeout=120,
+        cwd=REPO_ROOT,
+    ).check()
+    number = r"\s*[\d.]+\s*\|"
+    signed = r"\s*[+-][\d.]+\s*\|"
+    for label in ("hand loop", "hand loop \\+ task"):
+        row = rf"\|\s*{label}\s*\|{number * 2}{signed * 2}\s*[\d.]+\s*\| <= 10 us (PASS|MISS)$"
+        assert re.search(row, result.stdout, re.M), result.tail()
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "keel-step-overhead" and record["steps"] == 200
+    (case,) = record["cases"]
+    assert case["procs"] == 1 and case["median"]["keel_us"] > 0 and case["median"]["hand_us"] > 0
 
 
 def test_gpu_benchmark_refuses_without_cuda_and_runs_its_cpu_smoke(tmp_path) -> None:
