@@ -152,6 +152,26 @@ def test_total_steps_counts_short_last_window() -> None:
     assert ProgressBar._total_steps(trainer) == 12  # ceil(7 / 2) x 3
 
 
+def test_total_after_a_resume_at_another_world_size_is_where_the_run_ends(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saved on 2 ranks at step 42 (28 steps an epoch; half of epoch 1 done), resumed on 1 rank: the epoch now has 56
+    batches and resumes at batch 28, so the run ends at step 70. Counting every epoch at today's length said 112."""
+    monkeypatch.setattr(progress_mod, "_now", FakeClock())
+    caplog.set_level(logging.INFO, logger="trainer.observability.progress")
+    trainer = make_trainer(
+        global_step=42, current_epoch=1, num_training_batches=56, accumulate_grad_batches=1, max_epochs=2
+    )
+    bar = ProgressBar(log_every_n_steps_when_not_tty=1, stream=io.StringIO())
+    bar.on_train_start(trainer, None)  # type: ignore[arg-type]
+    bar.on_train_epoch_start(trainer, None)  # type: ignore[arg-type]
+    for batch_idx in (28, 29):
+        trainer.global_step += 1
+        bar.on_train_batch_end(trainer, None, {}, (torch.zeros(8, 3),), batch_idx)  # type: ignore[arg-type]
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("epoch 1 step 43/70") and lines[1].startswith("epoch 1 step 44/70")
+
+
 def test_non_zero_rank_does_nothing(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, no_tensor_reads: None
 ) -> None:

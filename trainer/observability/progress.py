@@ -190,7 +190,7 @@ class ProgressBar(Callback):
                 bar.set_postfix_str(self._postfix(trainer), refresh=False)
             bar.update(1)  # tqdm redraws at most every mininterval
         elif self._log_lines:
-            self._maybe_log_line(trainer)
+            self._maybe_log_line(trainer, batch_idx)
 
     def _postfix(self, trainer: Trainer) -> str:
         parts = [f"step={trainer.global_step}"]
@@ -201,14 +201,15 @@ class ProgressBar(Callback):
             parts.append(f"samples/s={_compact(self._epoch_samples / elapsed)}")
         return " ".join(parts)
 
-    def _maybe_log_line(self, trainer: Trainer) -> None:
-        """Logs one line when an optimizer step that is a multiple of the interval just finished."""
+    def _maybe_log_line(self, trainer: Trainer, batch_idx: int) -> None:
+        """Logs one line when an optimizer step that is a multiple of the interval just finished (after batch
+        ``batch_idx`` of the epoch)."""
         step = trainer.global_step
         if step == self._last_logged_step or step % self.log_every_n_steps_when_not_tty != 0:
             return  # not a step end (micro-batch inside a window), or not a logging step
         self._last_logged_step = step
         now = _now()
-        total = self._total_steps(trainer)
+        total = self._total_steps(trainer, batch_idx)
         parts = [f"epoch {trainer.current_epoch} step {step}" + (f"/{total}" if total is not None else "")]
         if shown := _shown_metrics(trainer):
             parts.append(_format_metrics(shown))
@@ -222,15 +223,20 @@ class ProgressBar(Callback):
         self._window_start, self._window_samples = now, 0
 
     @staticmethod
-    def _total_steps(trainer: Trainer) -> int | None:
-        """Optimizer steps of the whole run when known: ``max_steps``, or the epoch length (a short last
-        accumulation window is a step) times ``max_epochs``, whichever comes first."""
+    def _total_steps(trainer: Trainer, batch_idx: int | None = None) -> int | None:
+        """Optimizer steps of the whole run when known: ``max_steps``, or the steps taken so far plus those left
+        (the rest of this epoch after batch ``batch_idx``, None: all of it; then the remaining epochs; a short last
+        accumulation window is a step), whichever comes first. Counted from where the run is, not from step 0, so
+        that a run resumed at another world size (a different number of batches an epoch) shows its real end."""
         candidates: list[int] = []
         if trainer.max_steps != -1:
             candidates.append(trainer.max_steps)
         batches, epochs = trainer.num_training_batches, trainer.max_epochs
         if batches is not None and epochs is not None and epochs != -1:
-            candidates.append(math.ceil(batches / trainer.accumulate_grad_batches) * epochs)
+            k = trainer.accumulate_grad_batches
+            per_epoch = math.ceil(batches / k)
+            left = per_epoch if batch_idx is None else math.ceil(max(batches - batch_idx - 1, 0) / k)
+            candidates.append(trainer.global_step + left + per_epoch * max(epochs - trainer.current_epoch - 1, 0))
         return min(candidates) if candidates else None
 
     def on_train_epoch_end(self, trainer: Trainer, task: TaskModule) -> None:
