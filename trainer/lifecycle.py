@@ -55,10 +55,15 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
     return seed
 
 
+_SHOWN_SEED: list[int] = []  # the seed seed_everything announced on this process's console, if it did
+
+
 @rank_zero_only
 def _log_seed(seed: int) -> None:
     # Rank 0 only, like Lightning's: seed_everything usually runs before the Trainer configures per-rank logging.
     log.info("Seed set to %d", seed)
+    # Shown only where a handler prints INFO (before any logging setup Python's last-resort handler drops it).
+    _SHOWN_SEED[:] = [seed] if log.isEnabledFor(logging.INFO) and logging.getLogger().handlers else []
 
 
 def _seed_generators(seed: int) -> None:
@@ -151,8 +156,13 @@ def stage_seed(trainer: Trainer, stage: str) -> int | None:
     if trainer.is_global_zero:
         if seed is None:
             log.info("Seed: none for %s (Trainer(seed=None)): the global generators are not seeded.", stage)
+            return seed
+        # seed_everything's own "Seed set to N" already told the console: this line says it again only at DEBUG.
+        level = logging.DEBUG if source.startswith("seed_everything") and _SHOWN_SEED == [seed] else logging.INFO
+        if trainer.world_size > 1:
+            log.log(level, "Seed %d for %s, from %s: each rank seeds %d + its global rank.", seed, stage, source, seed)
         else:
-            log.info("Seed %d for %s, from %s: each rank seeds %d + its global rank.", seed, stage, source, seed)
+            log.log(level, "Seed %d for %s, from %s.", seed, stage, source)
     return seed
 
 

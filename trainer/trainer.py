@@ -165,7 +165,7 @@ class Trainer(TrainerAttributes):
         self.global_rank, self.local_rank, self.node_rank = self.env.rank, self.env.local_rank, self.env.node_rank
         self.world_size, self.is_global_zero = self.env.world_size, self.env.rank == 0
         check_lightning_keywords(opts, self.env)  # devices / num_nodes / strategy against the launcher
-        configure_logging(self.env.rank)
+        configure_logging(self.env.rank, self.env.world_size)
         lifecycle.seed_at_construction(opts.seed, self.env.rank)  # a task built after the Trainer is repeatable
         self.device = comm.select_device(cast("comm.Accelerator", opts.accelerator), self.env)  # checked in options
         self._precision = Precision(opts.precision, self.device)

@@ -40,12 +40,12 @@ def shown(fragment: str, output: str) -> None:
 
 # What the first run prints, as the page shows it (numbers that vary by machine left out).
 FIRST_RUN = (
-    "[rank 0] Trainer options: max_epochs=3, default_root_dir='outputs'",
-    "[rank 0] Seed 0 for fit, from seed_everything (PL_GLOBAL_SEED): each rank seeds 0 + its global rank.",
-    "[rank 0] ckpt_path='last': no checkpoint saved yet; starting from scratch.",
-    "[rank 0] Classifier: 1,348 parameters (1,348 trainable), 0.01 MB.",
-    "[rank 0] epoch 1 step 50/84 | train/loss=1.375 data_wait=",
-    "[rank 0] Time budget of fit: 84 steps in ",
+    "INFO Trainer options: max_epochs=3, default_root_dir='outputs'",
+    "INFO Seed 0 for fit, from seed_everything (PL_GLOBAL_SEED).\n",
+    "INFO ckpt_path='last': no checkpoint saved yet; starting from scratch.",
+    "INFO Classifier: 1,348 parameters (1,348 trainable), 0.01 MB.",
+    "INFO epoch 1 step 50/84 | train/loss=1.375 data_wait=",
+    "INFO Time budget of fit: 84 steps in ",
     "============================== keel run summary ==============================",
     "best checkpoint  - (no monitored checkpoint)",
     "trained          84 steps, 3 epochs; ",
@@ -65,6 +65,8 @@ RUN_DIR_FILES = (
 def test_the_page_on_one_process_then_resumed_then_longer_then_fresh(tmp_path: Path) -> None:
     first = run(tmp_path)
     assert first.stdout == ""  # every line is a log line, on standard error
+    assert "[rank " not in first.stderr and "INFO trainer." not in first.stderr  # one process: no rank, no module
+    assert first.stderr.count("Seed ") == 1
     for fragment in FIRST_RUN:
         shown(fragment, first.stderr)
     run_dir = tmp_path / "outputs" / "keel_logs" / "version_0"

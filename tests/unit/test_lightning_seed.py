@@ -97,21 +97,26 @@ def test_seed_everything_after_trainer_counts_at_the_next_stage(by_option: dict)
 
 def test_each_stage_logs_the_seed_and_its_source(caplog: pytest.LogCaptureFixture) -> None:
     loader = DataLoader(regression_data(8), batch_size=4)
-    with caplog.at_level(logging.INFO, logger="trainer.lifecycle"):
+    with caplog.at_level(logging.DEBUG, logger="trainer.lifecycle"):
         Trainer(**quiet(max_steps=1)).fit(Noisy(), loader)
         seed_everything(42)
         Trainer(**quiet(max_steps=1)).fit(Noisy(), loader)
         Trainer(**quiet(max_steps=1, seed=7)).fit(Noisy(), loader)
         Trainer(**quiet(max_steps=1, seed=None)).fit(Noisy(), loader)
-    lines = [r.getMessage() for r in caplog.records if r.name == "trainer.lifecycle" and "eed" in r.getMessage()]
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "trainer.lifecycle" and "eed" in r.getMessage() and r.levelno == logging.INFO
+    ]
+    # One process: no "each rank seeds ..."; a seed seed_everything announced is not announced again at INFO.
     assert lines == [
-        "Seed 0 for fit, from keel's default: no Trainer(seed=...), no seed_everything: each rank seeds 0 + its "
-        "global rank.",
+        "Seed 0 for fit, from keel's default: no Trainer(seed=...), no seed_everything.",
         "Seed set to 42",  # seed_everything's own line (Lightning's wording)
-        "Seed 42 for fit, from seed_everything (PL_GLOBAL_SEED): each rank seeds 42 + its global rank.",
-        "Seed 7 for fit, from Trainer(seed=...): each rank seeds 7 + its global rank.",
+        "Seed 7 for fit, from Trainer(seed=...).",
         "Seed: none for fit (Trainer(seed=None)): the global generators are not seeded.",
     ]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "eed" in r.getMessage()]
+    assert debug == ["Seed 42 for fit, from seed_everything (PL_GLOBAL_SEED)."]
 
 
 def test_a_bad_pl_global_seed_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

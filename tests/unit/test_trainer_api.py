@@ -497,6 +497,40 @@ def test_third_party_info_lines_stay_off_the_console_unless_the_program_asks() -
             logging.getLogger(name).setLevel(level)
 
 
+def test_one_process_lines_name_no_rank_and_no_module_several_processes_both() -> None:
+    """keel's console format, and the recipes' Hydra handler that uses it, follow the job's layout: one process
+    prints ``HH:MM:SS INFO message``; several print ``HH:MM:SS INFO logger: [rank N] message``. A handler with a
+    format of its own keeps it (with the rank tag where there are several processes)."""
+    import io
+    import logging
+
+    from trainer.observability.rank_zero import configure_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level, logging.getLogger("trainer").level
+    keel_like, own = io.StringIO(), io.StringIO()
+    hydra = logging.StreamHandler(keel_like)
+    hydra.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    custom = logging.StreamHandler(own)
+    custom.setFormatter(logging.Formatter("%(name)s|%(message)s"))
+    root.handlers[:] = [hydra, custom]
+    try:
+        for rank, world in ((0, 1), (0, 2), (0, 1)):  # a later Trainer in another layout updates the handlers
+            configure_logging(rank, world)
+            logging.getLogger("trainer.demo").info("hello %d", world)
+    finally:
+        root.handlers[:], level, trainer_level = saved
+        root.setLevel(level)
+        logging.getLogger("trainer").setLevel(trainer_level)
+    lines = [line.split(" ", 1)[1] for line in keel_like.getvalue().splitlines()]  # the time left out
+    assert lines == ["INFO hello 1", "INFO trainer.demo: [rank 0] hello 2", "INFO hello 1"]
+    assert own.getvalue().splitlines() == [
+        "trainer.demo|hello 1",
+        "trainer.demo|[rank 0] hello 2",
+        "trainer.demo|hello 1",
+    ]
+
+
 class CtrlC(Callback):
     def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
         import signal

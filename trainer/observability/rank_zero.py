@@ -42,12 +42,21 @@ def rank_zero_only(fn: Callable[P, T]) -> Callable[P, T | None]:
     return wrapped
 
 
+def _env_world_size() -> int:
+    """The job's process count from the launcher's environment (1 when not launched)."""
+    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
+        value = os.environ.get(name)
+        if value is not None and value.isdigit():
+            return max(int(value), 1)
+    return 1
+
+
 def _ensure_logging() -> None:
     """Before any Trainer exists (a script's top, a DataModule), configure per-rank logging the way the
     Trainer will, so that rank 0's INFO lines print (Lightning's logger works from import). A process whose
     root logger already has handlers (Hydra, the user's own config) is left alone."""
     if not logging.getLogger().handlers:
-        configure_logging(_env_rank())
+        configure_logging(_env_rank(), _env_world_size())
 
 
 @rank_zero_only
@@ -71,20 +80,27 @@ def rank_zero_warn(message: str, category: type[Warning] = UserWarning, stacklev
 
 
 class _RankTagFormatter(logging.Formatter):
-    """Wraps a handler's formatter and prefixes ``[rank N]`` while formatting (records stay untouched)."""
+    """Wraps a handler's formatter and prefixes ``[rank N]`` while formatting (records stay untouched); with one
+    process (``tag`` False) the inner formatter alone."""
 
-    def __init__(self, inner: logging.Formatter | None, rank: int) -> None:
+    def __init__(self, inner: logging.Formatter | None, rank: int, tag: bool = True) -> None:
         super().__init__()
         self.inner = inner or logging.Formatter()
-        self.rank = rank
+        self.rank, self.tag = rank, tag
 
     def format(self, record: logging.LogRecord) -> str:
+        if not self.tag:
+            return self.inner.format(record)
         original = record.msg
         record.msg = f"[rank {self.rank}] {original}"
         try:
             return self.inner.format(record)
         finally:
             record.msg = original
+
+
+# The console format keel installs: the logger's name (where a line comes from) only where several processes write.
+_FORMATS = {True: "%(asctime)s %(levelname)s %(name)s: %(message)s", False: "%(asctime)s %(levelname)s %(message)s"}
 
 
 # Libraries keel runs whose INFO lines would reach the console through the root logger (keel's is at INFO on rank
@@ -116,23 +132,32 @@ def _show_once(show: Any) -> Any:
     return showwarning
 
 
-def configure_logging(rank: int) -> None:
-    """Rank 0 logs at INFO, other ranks at WARNING, each line prefixed ``[rank N]``; the libraries in
-    :data:`QUIET_LIBRARIES` log at WARNING unless the program set their level.
+def configure_logging(rank: int, world_size: int = 1) -> None:
+    """Rank 0 logs at INFO, other ranks at WARNING; with several processes each line is prefixed ``[rank N]``
+    and names its logger, with one process neither; the libraries in :data:`QUIET_LIBRARIES` log at WARNING
+    unless the program set their level.
 
     Installs a stream handler on the root logger when it has none (a plain script), and otherwise
-    (Hydra, a user's own config) adds the rank tag to the existing handlers. Idempotent.
+    (Hydra, a user's own config) adds the rank tag to the existing handlers: their own format is kept, unless it
+    is keel's (the recipes' ``conf/train.yaml``).
+    Idempotent; a later call (a Trainer in another job layout) updates what an earlier one set.
     """
+    several = world_size > 1
     root = logging.getLogger()
     if not root.handlers:
         handler: logging.Handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        handler.keel_console = True  # type: ignore[attr-defined]  # keel's own: its format follows the layout
         root.addHandler(handler)
     for handler in root.handlers:
-        if isinstance(handler.formatter, _RankTagFormatter):
-            handler.formatter.rank = rank
+        inner = handler.formatter.inner if isinstance(handler.formatter, _RankTagFormatter) else handler.formatter
+        if inner is not None and getattr(inner, "_fmt", None) in _FORMATS.values():  # the recipes' Hydra config
+            handler.keel_console = True  # type: ignore[attr-defined]  # uses keel's format: it follows the layout
+        if getattr(handler, "keel_console", False):
+            handler.setFormatter(_RankTagFormatter(logging.Formatter(_FORMATS[several], "%H:%M:%S"), rank, several))
+        elif isinstance(handler.formatter, _RankTagFormatter):
+            handler.formatter.rank, handler.formatter.tag = rank, several
         elif type(handler).__module__.split(".")[0] != "_pytest":  # leave pytest's capture handlers alone
-            handler.setFormatter(_RankTagFormatter(handler.formatter, rank))
+            handler.setFormatter(_RankTagFormatter(handler.formatter, rank, several))
     level = logging.INFO if rank == 0 else logging.WARNING
     root.setLevel(level)
     for name in ("trainer", "callbacks", "recipes"):
