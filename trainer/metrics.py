@@ -269,6 +269,9 @@ class MetricCollector:
         # loggers and the progress bar; callback_metrics (live) also holds "<name>" (Lightning's): the latest step
         # value during the epoch, the epoch value after it (reduced over ranks like the others). Forked -> name.
         self._forks: dict[str, str] = {}
+        # Every name self.log was given in this stage, with the names it forks into: what a ModelCheckpoint
+        # monitor can refer to once the sanity check and the first step have run.
+        self.seen: set[str] = set()
 
     @property
     def batch_size(self) -> int | None:
@@ -331,6 +334,8 @@ class MetricCollector:
         step_name = f"{name}_step" if on_epoch else name
         if on_step and on_epoch and step_name not in self._forks:
             self._forks[step_name] = self._forks[f"{name}_epoch"] = name
+            self.seen.update((step_name, f"{name}_epoch"))
+        self.seen.add(name)
         if is_metric_object(value):
             mode: Mode = "rank_zero" if rank_zero_only else "global"
             ref = epoch.get(name)
@@ -511,6 +516,7 @@ class MetricCollector:
         self._in_stage = True
         self._step.clear()
         self._forks.clear()
+        self.seen.clear()
         for state in self._epochs.values():
             state.clear()
 

@@ -5,6 +5,7 @@ writes and SIGTERM preemption (1 and 2 ranks) is launched: tests/integration/tes
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 from pathlib import Path
@@ -224,3 +225,27 @@ def test_save_last_leaves_the_final_state_whatever_the_periodic_triggers(tmp_pat
 def test_save_last_rejects_unknown_modes() -> None:
     with pytest.raises(ValueError, match="save_last='copy'"):
         ModelCheckpoint(save_last="copy")
+
+
+@pytest.mark.parametrize(
+    ("monitor", "warned"), [("val/accuracy", True), ("val/loss", False), ("train/loss", False), ("train/los", True)]
+)
+def test_a_monitor_nothing_logged_is_reported_at_the_first_step_not_an_epoch_later(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monitor: str, warned: bool
+) -> None:
+    """The sanity check's validation and the first step show every key a plain task logs: a monitor none of them
+    has is named three steps in, with what was logged, where the KeyError used to wait for the first save (an
+    epoch). Only a warning: a metric logged later (an epoch-end hook, every few batches) is legitimate."""
+    callback = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor=monitor)
+    trainer = Trainer(**quiet(max_steps=3, num_sanity_val_steps=2, callbacks=[callback], enable_checkpointing=True))
+    # The save at the end of fit still fails as it did (a KeyError naming the monitor); the warning came first.
+    failure = pytest.raises(KeyError, match="no such metric was logged") if warned else contextlib.nullcontext()
+    with caplog.at_level("WARNING", logger="trainer.checkpoint.model_checkpoint"), failure:
+        trainer.fit(Regression(), loader(regression_data(64), batch_size=4), loader(regression_data(16), batch_size=4))
+    lines = [r.getMessage() for r in caplog.records if f"ModelCheckpoint(monitor={monitor!r})" in r.getMessage()]
+    if not warned:
+        assert lines == []
+        return
+    (line,) = lines
+    assert "nothing has been logged under that name by the sanity check's validation or the first training step" in line
+    assert "'train/loss'" in line and "'val/loss'" in line

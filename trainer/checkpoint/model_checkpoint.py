@@ -227,6 +227,7 @@ class ModelCheckpoint(Callback):
         self._last_path = ""
         self._last_saved_step = -1
         self._pending_after_validation = False
+        self._monitor_checked = False  # whether the first optimizer step of this fit looked for the monitor
         self._last_time = time.monotonic()
         self._names_in_store: set[str] | None = None  # a dirpath on object storage: its committed saves (setup)
         self._leftovers: list[str] = []  # uncommitted saves found there at setup: removed after the next commit
@@ -281,6 +282,7 @@ class ModelCheckpoint(Callback):
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Trainer, task: TaskModule, stage: str) -> None:
+        self._monitor_checked = stage != "fit"
         if self.dirpath is None:
             self.dirpath = join(trainer.log_dir, "checkpoints")
         if trainer.world_size > 1:  # rank 0's folder is every rank's, as in Lightning (each rank may name its own)
@@ -306,6 +308,9 @@ class ModelCheckpoint(Callback):
     def on_train_batch_end(self, trainer: Trainer, task: TaskModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._checkpointer.in_flight:
             self._checkpointer.poll()  # commit a background save whose file is durable (no collective, no sync)
+        if not self._monitor_checked and trainer.optimizer_stepped:
+            self._monitor_checked = True
+            self._check_monitor_logged(trainer)
         step = trainer.global_step
         if step == self._last_saved_step or not trainer.optimizer_stepped:
             return
@@ -322,6 +327,29 @@ class ModelCheckpoint(Callback):
             due = comm.broadcast_object(time.monotonic() - self._last_time >= self.train_time_interval)
             if due:
                 self.save(trainer)
+
+    def _check_monitor_logged(self, trainer: Trainer) -> None:
+        """At the fit's first optimizer step, after the sanity check's validation: warn (rank 0) when nothing has
+        been logged under ``monitor`` yet, instead of only failing at the first save an epoch later. A warning, not
+        an error: a metric logged later (in an epoch-end hook, or every few batches) is legitimate. Skipped when
+        validation keys are still unknown (a validation loop whose sanity check did not run)."""
+        if self.monitor is None or not trainer.is_global_zero:
+            return
+        sanity = any(n != 0 for n in trainer.num_sanity_val_batches)
+        if trainer.num_val_batches and not sanity:
+            return
+        known = trainer._metrics.seen | set(trainer.callback_metrics)
+        if self.monitor in known:
+            return
+        where = "the sanity check's validation or the first training step" if sanity else "the first training step"
+        log.warning(
+            "ModelCheckpoint(monitor=%r): nothing has been logged under that name by %s; logged so far: %s. If it "
+            "is logged later (in an epoch-end hook, or every few batches) this is fine; otherwise the first save "
+            "fails with a KeyError: check the name against self.log's.",
+            self.monitor,
+            where,
+            sorted(known),
+        )
 
     def on_validation_epoch_end(self, trainer: Trainer, task: TaskModule) -> None:
         # A step-triggered save that coincides with mid-epoch validation waits for the fresh metrics.
