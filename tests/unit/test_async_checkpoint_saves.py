@@ -796,3 +796,55 @@ def test_the_pointer_and_every_file_of_a_save_get_the_usual_modes(tmp_path: Path
         assert mode(folder / POINTER_NAME) == 0o666 & ~umask
         assert {name: mode(save / name) for name in SAVE_FILES} == dict.fromkeys(SAVE_FILES, 0o666 & ~umask)
         assert mode(save) == 0o777 & ~umask, async_save
+
+
+class ManualSaves(Callback):
+    """``trainer.save_checkpoint(ck/manual-<step>.ckpt)`` at every step, after ModelCheckpoint's background save
+    of that step was submitted: a manual save and an asynchronous one into the same folder, alternating."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+        trainer.save_checkpoint(self.folder / f"manual-{trainer.global_step}.ckpt")
+
+
+def test_a_manual_save_beside_background_saves_is_never_swept_away(tmp_path: Path, monkeypatch) -> None:
+    """A background save's commit removes what killed saves left in the folder. It used to remove every temporary
+    folder there, the manual save's still being written included (ENOENT in the middle of it). Held here so the
+    background commit lands inside the manual save's write whenever the two can overlap: a manual save now waits
+    for the background one (one save of a run in flight), and the sweep never touches a live save's folder."""
+    committed_async = threading.Event()
+    commit_folder, write_data = store.commit_folder, FileSystemWriter.write_data
+
+    def commit_then_say(tmp, target):  # type: ignore[no-untyped-def]
+        commit_folder(tmp, target)
+        if threading.current_thread() is not threading.main_thread():
+            committed_async.set()
+
+    def manual_write_waits(writer, plan, planner):  # type: ignore[no-untyped-def]
+        if threading.current_thread() is threading.main_thread() and "manual-" in Path(writer.path).name:
+            committed_async.wait(timeout=3)  # the background save commits (and sweeps) while this one writes
+            committed_async.clear()
+        return write_data(writer, plan, planner)
+
+    monkeypatch.setattr(store, "commit_folder", commit_then_say)
+    monkeypatch.setattr(FileSystemWriter, "write_data", manual_write_waits)
+    ck = tmp_path / "ck"
+    async_fit(tmp_path, [ManualSaves(ck)], max_steps=4)
+    for step in range(1, 5):
+        save = ck / f"manual-{step}.ckpt"
+        assert sorted(os.listdir(save)) == SAVE_FILES and loop_of(save)["global_step"] == step
+    assert hidden(ck) == []  # nothing left half-written
+
+
+def test_a_commit_sweeps_what_killed_saves_left_but_not_a_live_save(tmp_path: Path, monkeypatch) -> None:
+    killed, live, done = (
+        tmp_path / n for n in (".a.ckpt.tmp-0badf00d", ".b.ckpt.tmp-1234abcd", ".c.ckpt.tmp-5678abcd")
+    )
+    for folder in (killed, live, done):
+        folder.mkdir()
+        (folder / "x").write_bytes(b"1")
+    monkeypatch.setattr(store, "_LIVE", {os.path.realpath(live)})  # a save of this process still writing
+    store.commit_folder(done, tmp_path / "c.ckpt")
+    assert sorted(os.listdir(tmp_path)) == [".b.ckpt.tmp-1234abcd", "c.ckpt"]

@@ -117,6 +117,9 @@ class Checkpointer:
         self.run_id = run_identity() or f"keel:{uuid.uuid4().hex[:12]}"
         self.claimed: list[str] = []  # the checkpoint folders this run holds (begin)
         self._released: list[str] = []  # those it let go of when fit ended (a later save takes them again)
+        # The background writer of this run's last asynchronous save: any other save waits for it first, so that at
+        # most one save of the run is in flight (and a commit's sweep of leftovers never meets a live save).
+        self._background: AsyncCheckpointer | None = None
         self._initial_weights_of: torch.nn.Module | None = None  # the task Trainer(initial_weights=...) went into
 
     def track(
@@ -194,6 +197,10 @@ class Checkpointer:
         path = location(path, "save_checkpoint(path)")
         task = self.task
         assert task is not None, "save_checkpoint needs a task (call it during or after fit)"
+        if self._background is not None and self._background is not background:
+            self._background.wait()  # one save of the run in flight: the background one is written and committed
+        if background is not None:
+            self._background = background
         self.before_save(os.fspath(path))
         state = self.state
         if not weights_only:

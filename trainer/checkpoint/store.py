@@ -96,6 +96,8 @@ MODEL_SHAPED_KEYS = {K_CURRENT_MODEL: "current_model", K_AVERAGED_MODEL: "averag
 _LEFTOVER = re.compile(
     r"^\..+\.(tmp-[0-9a-f]{8}|old-[0-9a-f]{8}|[a-z0-9_]{8}\.tmp)$"
 )  # what a killed save leaves behind
+# The temporary folders of this process's saves being written: a commit's sweep of leftovers never removes them.
+_LIVE: set[str] = set()
 
 
 _DCP_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
@@ -172,18 +174,30 @@ def save(
     tensors[f"identity_{comm.get_rank()}"] = json.dumps(identity, sort_keys=True)  # in this rank's data file
     extras = _lightning_extras(checkpoint) if lightning_file and is_writer else None
     job = _Save(target, tmp, tensors, checkpoint if is_writer else None, extras, check)
+    live = str(tmp) if isinstance(tmp, RemotePath) else os.path.realpath(tmp)
+    _LIVE.add(live)
     if checkpointer is None:
-        _write(job, _stage(job, None), None)  # ends with every rank agreeing on the outcome: no barrier needed
-        if commit is not None and is_writer:
-            commit()
+        try:
+            _write(job, _stage(job, None), None)  # ends with every rank agreeing on the outcome: no barrier needed
+            if commit is not None and is_writer:
+                commit()
+        finally:
+            _LIVE.discard(live)
         return
 
     def write(staged: Any) -> None:
-        _write(job, staged, checkpointer)
-        if commit is not None and is_writer:
-            commit()  # the pointer swap and pruning (removing a GiB folder takes ~0.3 s): off the training thread
+        try:
+            _write(job, staged, checkpointer)
+            if commit is not None and is_writer:
+                commit()  # the pointer swap and pruning (removing a GiB folder takes ~0.3 s): off the training thread
+        finally:
+            _LIVE.discard(live)
 
-    checkpointer.submit(lambda: _stage(job, checkpointer), write, what=str(target))
+    try:
+        checkpointer.submit(lambda: _stage(job, checkpointer), write, what=str(target))
+    except BaseException:
+        _LIVE.discard(live)  # nothing was started
+        raise
 
 
 class _Save:
@@ -391,7 +405,8 @@ def _checksum(crc: int, path: AnyPath) -> list[int]:
 
 def commit_folder(tmp: Path, target: Path) -> None:
     """Rename the finished folder into place (a re-save of the same name swaps the old one out first),
-    then remove what killed saves left in the folder (temporary folders and files)."""
+    then remove what killed saves left in the folder (temporary folders and files), never the temporary folder of
+    a save this process is still writing."""
     old = None
     if target.exists():
         old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
@@ -399,7 +414,7 @@ def commit_folder(tmp: Path, target: Path) -> None:
     os.replace(tmp, target)
     fsync_dir(target.parent)
     for entry in target.parent.iterdir():
-        if _LEFTOVER.match(entry.name):
+        if _LEFTOVER.match(entry.name) and os.path.realpath(entry) not in _LIVE:  # never a save still being written
             remove_save(entry)
 
 
