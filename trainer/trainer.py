@@ -951,7 +951,8 @@ class Trainer(TrainerAttributes):
         carried = None
         if self.world_size > 1 and self.options.preemption_check_interval is None:
             on_gradients = mark is not None and not self._manual_mode
-            carried = CarriedFlags(self._preemption, self.device, on_gradients=on_gradients)
+            carrier = getattr(mark, "carrier", None) if on_gradients else None
+            carried = CarriedFlags(self._preemption, self.device, on_gradients=on_gradients, carrier=carrier)
         if mark is not None:
             mark.flags = carried if carried is not None and carried.on_gradients else None
         return carried

@@ -112,8 +112,8 @@ class CarriedFlags:
     """The ranks agree on a preemption signal or Ctrl-C at every optimizer step, without a host sync.
 
     Each step every rank sends ``[a signal, a Ctrl-C]`` (its own, 0 or 1) to be summed across ranks. Under DDP with
-    automatic optimization they ride on the step's first gradient bucket (``on_gradients``: DDP's communication hook,
-    :func:`trainer.distributed.strategy._marked_allreduce`, appends them; no collective of their own); elsewhere
+    automatic optimization they ride on the step's gradients (``on_gradients``: they are the gradient of a parameter
+    of DDP's adapter, :class:`trainer.distributed.strategy._Carry`; no collective of their own); elsewhere
     (FSDP, manual optimization) they go in one small asynchronous all-reduce per step. Where the sums are known when
     the step ends (DDP's all-reduce on the CPU) the ranks decide at that step; otherwise each step boundary reads the
     previous step's sums (its all-reduce, and on CUDA its copy to pinned host memory, long done by then), so every
@@ -121,8 +121,11 @@ class CarriedFlags:
     waited for at once cost 1.5 ms a step on a 2-core CPU machine.
     """
 
-    def __init__(self, watcher: PreemptionWatcher, device: torch.device, *, on_gradients: bool) -> None:
+    def __init__(
+        self, watcher: PreemptionWatcher, device: torch.device, *, on_gradients: bool, carrier: Any = None
+    ) -> None:
         self.watcher = watcher
+        self.carrier = carrier  # on_gradients: the parameter whose reduced gradient holds the step's sums
         self.device = device
         self.on_gradients = on_gradients
         self.cuda = device.type == "cuda"
@@ -154,6 +157,10 @@ class CarriedFlags:
     def decide(self) -> bool:
         """At an optimizer-step boundary, on every rank: True when any rank had a signal (then the watcher's
         ``interrupted`` says whether any had Ctrl-C). The same answer on every rank at the same step."""
+        carrier = self.carrier
+        if carrier is not None and (sums := carrier.grad) is not None:  # this step's, reduced with the gradients
+            self.unpack(self.slot, sums)
+            carrier.grad = None
         read = 1 - self.slot if self.lagged else self.slot
         if not self.on_gradients:
             self._send()

@@ -501,46 +501,75 @@ _UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for 
 
 
 class _SyncMark:
-    """When the backward last launched a gradient all-reduce (``time.perf_counter``): the phase clock splits the
-    backward there into computing and waiting for the sync (trainer/observability/phases.py). On CUDA ``event``
-    is a timing event recorded on the compute stream at each launch, which splits the device's backward the same
-    way (the phase clock swaps in a fresh one after each backward)."""
+    """When the backward finished computing gradients (``time.perf_counter``), i.e. after it launched its last
+    gradient all-reduce: the phase clock splits the backward there into computing and waiting for the sync
+    (trainer/observability/phases.py). On CUDA ``event`` is a timing event recorded on the compute stream at that
+    point, which splits the device's backward the same way (the phase clock swaps in a fresh one after each
+    backward). ``stamp`` runs as an autograd engine callback queued at the start of each backward (:class:`_Carry`):
+    the engine runs it when the graph is done, before DDP's own callback, which waits for the all-reduces."""
 
-    __slots__ = ("at", "event", "flags")
+    __slots__ = ("at", "carrier", "event", "flags")
 
     def __init__(self, device: torch.device) -> None:
         self.at = 0.0
         self.event = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
-        self.flags: Any = None  # the loop's CarriedFlags: the preemption flags ride on the first bucket
+        self.flags: Any = None  # the loop's CarriedFlags: the preemption flags ride on the gradients (_Carry)
+        self.carrier: nn.Parameter | None = None  # the parameter whose gradient carries them
+
+    def stamp(self) -> None:
+        self.at = time.perf_counter()
+        if self.event is not None:
+            self.event.record()
 
 
-def _marked_allreduce(mark, bucket):  # type: ignore[no-untyped-def]  # DDP refuses a bucket annotated otherwise
-    """DDP's own all-reduce (the bucket divided by the world size, then summed: the same numbers as without a
-    hook) and the time it was launched; one clock read a bucket. Unannotated: with postponed annotations DDP reads
-    ``dist.GradBucket`` as a string and refuses the hook."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+class _Carry(torch.autograd.Function):
+    """The identity on the loss, whose backward gives DDP's one-element-pair ``carrier`` parameter this rank's
+    preemption flags as its gradient, so that DDP's own bucketed all-reduce (no Python communication hook, whose
+    result would come back through a Python callback on the communication thread) averages them with the gradients;
+    and queues the sync mark's stamp for the end of the graph. On a micro-batch that does not sync (``no_sync``)
+    the carrier's gradient is zero."""
 
-    mark.at = time.perf_counter()
-    if mark.event is not None:
-        mark.event.record()  # on the stream the gradients were computed on: the device's "gradients ready"
-    flags = mark.flags
-    if flags is None or bucket.index() != 0:
-        return allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group
-    # The step's first bucket (DDP caps it at 1 MiB, so the copy below is small) also carries the preemption flags
-    # (trainer.distributed.preemption.CarriedFlags): the gradients divided by the world size as allreduce_hook
-    # divides them, the flags summed with them.
-    buffer = bucket.buffer()
-    size = buffer.numel()
-    slot, sent = flags.pack(buffer)
-    packed = torch.cat([buffer.div(comm.get_world_size()), sent])
-    future = comm.all_reduce_future(packed)
+    @staticmethod
+    def forward(ctx, loss, carrier, mark, syncing):  # type: ignore[no-untyped-def]
+        ctx.mark, ctx.syncing, ctx.carrier = mark, syncing, carrier
+        return loss.view_as(loss)
 
-    def split(done):  # type: ignore[no-untyped-def]
-        reduced = done.value()[0]
-        flags.unpack(slot, reduced[size:])
-        return reduced[:size]
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        mark = ctx.mark
+        torch.autograd.Variable._execution_engine.queue_callback(mark.stamp)  # after the last gradient
+        flags = mark.flags
+        if flags is None or not ctx.syncing:  # zeros: the carrier takes part in every backward (static graphs)
+            return grad, torch.zeros_like(ctx.carrier), None, None
+        # DDP averages: the flags times the world size come back as their sum over ranks.
+        _, sent = flags.pack(ctx.carrier)
+        return grad, sent * comm.get_world_size(), None, None
 
-    return future.then(split)
+
+class _CarryingAdapter(StepAdapter):
+    """The :class:`StepAdapter` DDP wraps: the training step's loss goes through :class:`_Carry`, so the
+    preemption flags and the sync mark ride on DDP's own all-reduce."""
+
+    def __init__(self, task: nn.Module, mark: _SyncMark) -> None:
+        super().__init__(task)
+        first = next(task.parameters())  # its dtype: the carrier joins a bucket of the task's own
+        self.carrier = nn.Parameter(
+            torch.zeros(2, device=first.device, dtype=first.dtype if first.is_floating_point() else torch.float32)
+        )
+        self.mark = mark
+        mark.carrier = self.carrier
+        self.ddp: nn.parallel.DistributedDataParallel | None = None
+
+    def forward(self, batch: Any, batch_idx: int) -> Any:
+        output = self.run_step(batch, batch_idx)
+        syncing = self.ddp is None or self.ddp.require_backward_grad_sync
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            return _Carry.apply(output, self.carrier, self.mark, syncing)
+        if isinstance(output, dict) and isinstance(loss := output.get("loss"), torch.Tensor) and loss.requires_grad:
+            return {**output, "loss": _Carry.apply(loss, self.carrier, self.mark, syncing)}
+        return output  # no loss to carry the flags: DDP reports the carrier unused, as it would any parameter
+
+    __call__ = forward
 
 
 class DDPStrategy(Strategy):
@@ -595,8 +624,8 @@ class DDPStrategy(Strategy):
             if converted is not task:  # the task itself is never a BatchNorm layer
                 raise TypeError("sync_batchnorm: the task itself must not be a BatchNorm layer.")
         self.checkpoint_activations(task)
-        adapter = StepAdapter(task)
         if manual:
+            adapter = StepAdapter(task)
             # Manual optimization syncs gradients in manual_backward (average_gradients); start every
             # rank from rank 0's state. One broadcast per tensor, at setup only.
             for tensor in task.state_dict().values():
@@ -616,10 +645,11 @@ class DDPStrategy(Strategy):
         kwargs[_DDP_BUFFER_SYNC_ARG] = self.broadcast_buffers
         if self.bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = self.bucket_cap_mb
-        # Construction broadcasts rank 0's parameters and buffers: every rank starts equal.
-        self.ddp = nn.parallel.DistributedDataParallel(adapter, **kwargs)
-        self.sync_mark = _SyncMark(self.root_device)
-        self.ddp.register_comm_hook(self.sync_mark, _marked_allreduce)
+        # Construction broadcasts rank 0's parameters and buffers: every rank starts equal. DDP reduces with its
+        # own all-reduce; the sync mark and the preemption flags ride on it through the carrying adapter.
+        self.sync_mark = mark = _SyncMark(self.root_device)
+        carrying = _CarryingAdapter(task, mark)
+        self.ddp = carrying.ddp = nn.parallel.DistributedDataParallel(carrying, **kwargs)
         return self.ddp
 
     def teardown(self) -> None:

@@ -52,9 +52,10 @@ _STEPS = len(PHASES)
 
 
 class SyncMark(Protocol):
-    """When this rank last launched a gradient all-reduce (``time.perf_counter``), written by a strategy that can
-    tell (``Strategy.sync_mark``: DDP's communication hook) from whichever thread runs the backward; on CUDA also
-    ``event``, a timing event the hook records on the compute stream at each launch (None elsewhere)."""
+    """When this rank's backward finished computing gradients, after its last gradient all-reduce was launched
+    (``time.perf_counter``), written by a strategy that can tell (``Strategy.sync_mark``: DDP's, from an autograd
+    engine callback) from whichever thread runs the backward; on CUDA also ``event``, a timing event recorded on the
+    compute stream there (None elsewhere)."""
 
     at: float
     event: Event | None

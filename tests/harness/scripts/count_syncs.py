@@ -69,19 +69,28 @@ for _name in COLLECTIVES:
     setattr(tdist, _name, count_collective(_name))
 
 
-_marked_allreduce = ddp_strategy._marked_allreduce
+_setup = ddp_strategy.DDPStrategy.setup
 
 
-def counting_allreduce(state, bucket):
-    counts["ddp_allreduce"] += 1
-    future = _marked_allreduce(state, bucket)
-    counts["collective:all_reduce"] -= 1  # the hook's own all_reduce is DDP's (the preemption flags ride on it)
-    return future
+def counting_setup(self, task, *, manual):
+    """keel's DDP registers no communication hook (the preemption flags ride on a parameter's gradient): the bucket
+    all-reduces are counted by a hook that does what DDP does without one (divide, all-reduce)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    model = _setup(self, task, manual=manual)
+
+    def counting_allreduce(state, bucket):
+        counts["ddp_allreduce"] += 1
+        future = allreduce_hook(state, bucket)
+        counts["collective:all_reduce"] -= 1  # the hook's own all_reduce is DDP's
+        return future
+
+    if self.ddp is not None:
+        self.ddp.register_comm_hook(None, counting_allreduce)
+    return model
 
 
-# keel's DDP strategy registers its own comm hook (it marks when the last bucket launched, and the first bucket
-# carries the preemption flags); DDP takes one hook only, so counting wraps that hook where setup looks it up.
-ddp_strategy._marked_allreduce = counting_allreduce
+ddp_strategy.DDPStrategy.setup = counting_setup
 
 
 class Windows(Callback):
