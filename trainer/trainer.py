@@ -26,6 +26,7 @@ from trainer import lifecycle
 from trainer.attributes import TrainerAttributes
 from trainer.callback import Callback, check_callbacks
 from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.hf import StateDictSource, export_source
 from trainer.checkpoint.model_checkpoint import ModelCheckpoint
 from trainer.compat import compile_step, is_keel_default
 from trainer.data import global_batch as elastic
@@ -413,6 +414,45 @@ class Trainer(TrainerAttributes):
                 "have: drop the argument (object storage credentials come from the URL's fsspec configuration)."
             )
         self.checkpointer.save(filepath, weights_only=weights_only)
+
+    def export_weights(
+        self,
+        path: str | os.PathLike,
+        *,
+        rename: Callable[[str], str | None] | None = None,
+        max_shard_size: int = 5 * 10**9,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Write the task's weights as they are now (after ``fit``, or in a hook) in the forms of
+        :func:`trainer.export_weights`: a Hugging Face folder (a folder, or a path without a suffix), one
+        ``.safetensors`` file, or one plain state-dict file (``.pt``). Every rank must call it (under FSDP the shards
+        are gathered); rank 0 writes, holding the whole model in its CPU memory, and every rank raises if the write
+        failed. To export a saved checkpoint shard by shard without a process group, use
+        ``trainer.export_weights(ckpt, out)`` or ``python -m trainer export CKPT OUT``.
+
+        Raises:
+            RuntimeError: no task yet (call it after ``fit``), or rank 0's write failed (on the other ranks).
+            CheckpointSaveError, ValueError: on rank 0, as :func:`trainer.export_weights` raises them.
+        """
+        task = self.task
+        if task is None:
+            raise RuntimeError(
+                "Trainer.export_weights needs the task: call it after fit() (or validate/test/predict), or export a "
+                "checkpoint with trainer.export_weights(ckpt_path, out_path)."
+            )
+        state = self.strategy.full_model_state_dict(task)  # a collective under FSDP; the whole model on rank 0
+        error: BaseException | None = None
+        if self.is_global_zero:
+            try:
+                source = StateDictSource(state, f"{type(task).__name__}'s weights (Trainer.export_weights)")
+                export_source(source, path, rename=rename, max_shard_size=max_shard_size, dtype=dtype)
+            except Exception as exc:  # every rank learns it below: none is left waiting in the next collective
+                error = exc
+        failed = comm.broadcast_object(f"{type(error).__name__}: {error}" if error is not None else "")
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"Trainer.export_weights: rank 0 could not write {os.fspath(path)!r}: {failed}")
 
     def _loader_source(self) -> DataModule | TaskModule:
         """Where a stage's ``*_dataloader()`` hooks are: the datamodule when there is one, else the task."""

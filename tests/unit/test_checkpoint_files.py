@@ -249,3 +249,23 @@ def test_a_monitor_nothing_logged_is_reported_at_the_first_step_not_an_epoch_lat
     (line,) = lines
     assert "nothing has been logged under that name by the sanity check's validation or the first training step" in line
     assert "'train/loss'" in line and "'val/loss'" in line
+
+
+def test_trainer_export_weights_writes_the_fitted_weights_in_each_form(tmp_path: Path) -> None:
+    from trainer.checkpoint.hf import open_weights
+
+    with pytest.raises(RuntimeError, match=r"needs the task: call it after fit\(\)"):
+        Trainer(**quiet()).export_weights(tmp_path / "early")
+    task = Regression()
+    trainer = Trainer(**quiet(max_steps=3))
+    trainer.fit(task, loader(regression_data(32), batch_size=8))
+    expected = {k: v.detach().clone() for k, v in task.state_dict().items()}
+    for out in (tmp_path / "hf", tmp_path / "one.safetensors", tmp_path / "plain.pt"):
+        trainer.export_weights(out)
+        with open_weights(out) as source:
+            got = source.read_many(source.keys())
+        assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in expected), out
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    trainer.export_weights(tmp_path / "half.safetensors", dtype=torch.bfloat16, rename=lambda k: "model." + k)
+    with open_weights(tmp_path / "half.safetensors") as source:
+        assert all(k.startswith("model.") and source.meta(k)[1] == torch.bfloat16 for k in source.keys())

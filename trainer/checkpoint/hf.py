@@ -363,24 +363,11 @@ def _load_torch(path: AnyPath) -> Any:
         raise unreadable(path, exc) from exc
 
 
-class _TorchFile(WeightSource):
-    """A ``torch.save``'d state dict, or a dict whose ``"state_dict"`` is one (Lightning's, a keel weights file)."""
+class StateDictSource(WeightSource):
+    """A state dict in memory (``label`` names it in messages): the weights of a model being exported as it is."""
 
-    def __init__(self, path: AnyPath) -> None:
-        super().__init__(str(path))
-        state = _load_torch(path)
-        if isinstance(state, dict) and int(state.get(K_FORMAT, 0) or 0) > FORMAT_VERSION:
-            raise CheckpointError(
-                f"Checkpoint {str(path)!r} has format version {state[K_FORMAT]}, newer than this keel "
-                f"({FORMAT_VERSION}); upgrade keel to load it."
-            )
-        if isinstance(state, dict) and isinstance(state.get(K_STATE_DICT), dict):
-            state = state[K_STATE_DICT]
-        if not isinstance(state, dict):
-            raise CheckpointError(
-                f"{str(path)!r} holds a {type(state).__name__}, not a state dict (a dict of tensors, or a dict "
-                "whose 'state_dict' is one)."
-            )
+    def __init__(self, state: dict[str, Any], label: str) -> None:
+        super().__init__(label)
         self._state = state
         self._tensors = {k: v for k, v in state.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
         self.skipped = [str(k) for k in state if k not in self._tensors]
@@ -398,13 +385,33 @@ class _TorchFile(WeightSource):
         return tensor.shape, tensor.dtype
 
     def read(self, key: str, index: Index = ()) -> torch.Tensor:
-        return self._full(key)[index].clone(memory_format=torch.contiguous_format)
+        return self._full(key)[index].detach().to("cpu").clone(memory_format=torch.contiguous_format)
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self._state)
 
     def close(self) -> None:
         self._state, self._tensors = {}, {}
+
+
+class _TorchFile(StateDictSource):
+    """A ``torch.save``'d state dict, or a dict whose ``"state_dict"`` is one (Lightning's, a keel weights file)."""
+
+    def __init__(self, path: AnyPath) -> None:
+        state = _load_torch(path)
+        if isinstance(state, dict) and int(state.get(K_FORMAT, 0) or 0) > FORMAT_VERSION:
+            raise CheckpointError(
+                f"Checkpoint {str(path)!r} has format version {state[K_FORMAT]}, newer than this keel "
+                f"({FORMAT_VERSION}); upgrade keel to load it."
+            )
+        if isinstance(state, dict) and isinstance(state.get(K_STATE_DICT), dict):
+            state = state[K_STATE_DICT]
+        if not isinstance(state, dict):
+            raise CheckpointError(
+                f"{str(path)!r} holds a {type(state).__name__}, not a state dict (a dict of tensors, or a dict "
+                "whose 'state_dict' is one)."
+            )
+        super().__init__(state, str(path))
 
 
 class KeelSource(WeightSource):
@@ -1045,20 +1052,39 @@ def export_weights(
     """
     source_path = location(ckpt_path, "export_weights(ckpt_path)")
     target = as_path(location(out_path, "export_weights(out_path)"))
+    _check_export_args(max_shard_size, dtype)
+    with open_weights(source_path) as source:
+        export_source(source, target, rename=rename, max_shard_size=max_shard_size, dtype=dtype)
+
+
+def _check_export_args(max_shard_size: Any, dtype: Any) -> None:
     if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
         raise ValueError(f"export_weights(max_shard_size={max_shard_size!r}): give a positive number of bytes.")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ValueError(f"export_weights(dtype={dtype!r}): give a floating-point torch dtype, e.g. torch.bfloat16.")
-    with open_weights(source_path) as source:
-        if target.is_dir() or not target.suffix:
-            _export_folder(source, target, _plan(source, rename, dtype), max_shard_size)
-        elif target.suffix == ".safetensors":
-            entries = _plan(source, rename, dtype)
-            batches = _batches(entries, max_shard_size)
-            try:
-                write_safetensors(target, _layout(entries), _stream(source, batches), metadata=FORMAT_METADATA)
-            except CheckpointSaveError as exc:
-                raise _file_refused(target, exc, sum(e.nbytes for e in entries)) from exc
-        else:
-            _export_plain(source, target, rename, dtype)
-    log.info("export_weights: wrote %s from %s", target, source_path)
+
+
+def export_source(
+    source: WeightSource,
+    out_path: str | os.PathLike[str] | AnyPath,
+    *,
+    rename: Callable[[str], str | None] | None = None,
+    max_shard_size: int = 5 * 10**9,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """:func:`export_weights` from an open :class:`WeightSource` (a checkpoint, a file, or a state dict in memory:
+    :class:`StateDictSource`); the same forms, checks and guarantees."""
+    _check_export_args(max_shard_size, dtype)
+    target = out_path if isinstance(out_path, (Path, RemotePath)) else as_path(location(out_path, "export(out_path)"))
+    if target.is_dir() or not target.suffix:
+        _export_folder(source, target, _plan(source, rename, dtype), max_shard_size)
+    elif target.suffix == ".safetensors":
+        entries = _plan(source, rename, dtype)
+        batches = _batches(entries, max_shard_size)
+        try:
+            write_safetensors(target, _layout(entries), _stream(source, batches), metadata=FORMAT_METADATA)
+        except CheckpointSaveError as exc:
+            raise _file_refused(target, exc, sum(e.nbytes for e in entries)) from exc
+    else:
+        _export_plain(source, target, rename, dtype)
+    log.info("export_weights: wrote %s from %s", target, source.path)
