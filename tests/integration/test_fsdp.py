@@ -61,6 +61,13 @@ def test_two_rank_fsdp_equals_two_rank_ddp(tmp_path: Path, case: list[str]) -> N
             assert abs(fsdp[key][0][name] - value) < 1e-10, (key, name)
     assert (fsdp["predictions"] - ddp["predictions"]).abs().max() < 1e-10
     assert (fsdp["direct"] - ddp["direct"]).abs().max() < 1e-10
+    # Trainer.export_weights after the fit: the gathered FSDP weights (and DDP's), exactly.
+    from trainer.checkpoint.hf import open_weights
+
+    for name, run in (("fsdp", fsdp), ("ddp", ddp)):
+        with open_weights(tmp_path / name / "export.safetensors") as source:
+            assert sorted(source.keys()) == sorted(run["weights"])
+            assert all(torch.equal(source.read(k), run["weights"][k]) for k in source.keys()), name
 
 
 def test_bf16_mixed_under_fsdp_does_the_arithmetic_of_autocast_under_ddp(tmp_path: Path) -> None:

@@ -250,6 +250,7 @@ def main() -> None:
         outside = task(val.tensors[1][:4]).detach().cpu()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    trainer.export_weights(out / "export.safetensors")  # every rank calls it; rank 0 writes the gathered weights
     torch.save(
         {
             "weights": full_weights(task),
