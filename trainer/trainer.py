@@ -425,7 +425,7 @@ class Trainer(TrainerAttributes):
     ) -> None:
         """Write the task's weights as they are now (after ``fit``, or in a hook) in the forms of
         :func:`trainer.export_weights`: a Hugging Face folder (a folder, or a path without a suffix), one
-        ``.safetensors`` file, or one plain state-dict file (``.pt``). Every rank must call it (under FSDP the shards
+        ``.safetensors`` file, or one plain state-dict file (``.pt``). Every rank must call it (sharded weights
         are gathered); rank 0 writes, holding the whole model in its CPU memory, and every rank raises if the write
         failed. To export a saved checkpoint shard by shard without a process group, use
         ``trainer.export_weights(ckpt, out)`` or ``python -m trainer export CKPT OUT``.
@@ -440,7 +440,7 @@ class Trainer(TrainerAttributes):
                 "Trainer.export_weights needs the task: call it after fit() (or validate/test/predict), or export a "
                 "checkpoint with trainer.export_weights(ckpt_path, out_path)."
             )
-        state = self.strategy.full_model_state_dict(task)  # a collective under FSDP; the whole model on rank 0
+        state = self.strategy.full_model_state_dict(task)  # a collective when sharded; the whole model on rank 0
         error: BaseException | None = None
         if self.is_global_zero:
             try:
