@@ -406,3 +406,27 @@ def test_the_plain_epoch_is_left_for_the_general_loop_when_a_step_needs_more(opt
     monkeypatch.setattr(Trainer, "_runs_plain", lambda self, plan: decided.append(runs_plain(self, plan)) or False)
     Trainer(**quiet(max_steps=2, **{option: value})).fit(Plain(), DataLoader(regression_data(32), batch_size=8))
     assert decided == [False]
+
+
+def test_the_carrying_adapter_holds_its_ddp_weakly_so_refcounting_frees_it() -> None:
+    """DDP's adapter reads whether the micro-batch syncs from the DDP around it. Held as a module attribute, DDP
+    became a submodule of its own module: a cycle only the garbage collector breaks, which then freed DDP's reducer
+    at interpreter exit while a gloo thread waited for the GIL (2-rank runs hung at exit). Here a stand-in wrapper
+    holds the adapter as DDP does; with the collector off, dropping it must free it."""
+    import gc
+    import weakref
+
+    from trainer.distributed.strategy import _CarryingAdapter, _SyncMark
+
+    adapter = _CarryingAdapter(Regression(), _SyncMark(torch.device("cpu")))
+    wrapper = torch.nn.Module()
+    wrapper.module = adapter
+    adapter.attach(wrapper)  # type: ignore[arg-type]
+    assert list(adapter.children()) == [adapter.task]
+    gc.disable()
+    try:
+        alive = weakref.ref(wrapper)
+        del wrapper
+        assert alive() is None
+    finally:
+        gc.enable()

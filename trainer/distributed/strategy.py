@@ -33,6 +33,7 @@ import inspect
 import math
 import re
 import time
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
@@ -558,11 +559,18 @@ class _CarryingAdapter(StepAdapter):
         )
         self.mark = mark
         mark.carrier = self.carrier
-        self.ddp: nn.parallel.DistributedDataParallel | None = None
+        self.__dict__["_wrapper"] = lambda: None  # the DDP around it (attach): a weak reference, not a submodule
+
+    def attach(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        """Remember the DDP that wraps this adapter, weakly: a module attribute would register it as a submodule,
+        a cycle that leaves DDP's reducer (and its process group's threads) to the garbage collector, which can run
+        it at interpreter exit while a communication thread waits for the GIL (a hang)."""
+        self.__dict__["_wrapper"] = weakref.ref(ddp)
 
     def forward(self, batch: Any, batch_idx: int) -> Any:
         output = self.run_step(batch, batch_idx)
-        syncing = self.ddp is None or self.ddp.require_backward_grad_sync
+        ddp = self.__dict__["_wrapper"]()
+        syncing = ddp is None or ddp.require_backward_grad_sync
         if isinstance(output, torch.Tensor) and output.requires_grad:
             return _Carry.apply(output, self.carrier, self.mark, syncing)
         if isinstance(output, dict) and isinstance(loss := output.get("loss"), torch.Tensor) and loss.requires_grad:
@@ -649,7 +657,8 @@ class DDPStrategy(Strategy):
         # own all-reduce; the sync mark and the preemption flags ride on it through the carrying adapter.
         self.sync_mark = mark = _SyncMark(self.root_device)
         carrying = _CarryingAdapter(task, mark)
-        self.ddp = carrying.ddp = nn.parallel.DistributedDataParallel(carrying, **kwargs)
+        self.ddp = nn.parallel.DistributedDataParallel(carrying, **kwargs)
+        carrying.attach(self.ddp)
         return self.ddp
 
     def teardown(self) -> None:
